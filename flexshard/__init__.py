@@ -1,0 +1,19 @@
+"""flexshard: bucketed, placement-pluggable parameter sharding for PyTorch."""
+
+from .api import FlexShardModule, flex_shard
+from .comm import Comm
+from .config import BucketSpec, MixedPrecisionPolicy
+from .placements import Placement, Shard
+from .state_dict import full_state_dict, load_full_state_dict
+
+__all__ = [
+    "BucketSpec",
+    "Comm",
+    "FlexShardModule",
+    "MixedPrecisionPolicy",
+    "Placement",
+    "Shard",
+    "flex_shard",
+    "full_state_dict",
+    "load_full_state_dict",
+]

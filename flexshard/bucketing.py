@@ -1,0 +1,84 @@
+"""Which parameters go in which bucket, and which module runs each bucket."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Sequence
+
+import torch.nn as nn
+
+from .config import BucketSpec
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def default_buckets(module: nn.Module) -> list:
+    """One bucket per child of every outermost nn.ModuleList, plus a root bucket."""
+    specs, taken = [], []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, nn.ModuleList) or any(name.startswith(t) for t in taken):
+            continue
+        for i, _ in enumerate(sub):
+            prefix = f"{name}.{i}" if name else str(i)
+            specs.append(BucketSpec(f"{prefix}.*", name=prefix))
+        taken.append(f"{name}." if name else "")
+    claimed = {fqn for s in specs for fqn, _ in module.named_parameters()
+               if fnmatch.fnmatchcase(fqn, s.patterns[0])}
+    specs = [s for s in specs if any(fnmatch.fnmatchcase(f, s.patterns[0]) for f in claimed)]
+    rest = [fqn for fqn, _ in module.named_parameters() if fqn not in claimed]
+    if rest:
+        specs.append(BucketSpec(rest, name="root"))
+    return specs
+
+
+def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
+    """The FQNs of each spec's bucket; every FQN in exactly one bucket."""
+    members: list = [[] for _ in specs]
+    for fqn in fqns:
+        hits = [i for i, s in enumerate(specs)
+                if any(fnmatch.fnmatchcase(fqn, p) for p in s.patterns)]
+        if not hits:
+            raise ValueError(
+                f"parameter {fqn!r} matches no BucketSpec; add a pattern that matches it "
+                f"(e.g. BucketSpec('{fqn}')) or a catch-all bucket")
+        if len(hits) > 1:
+            names = ", ".join(repr(specs[i].label) for i in hits)
+            raise ValueError(
+                f"parameter {fqn!r} matches several buckets ({names}); make the patterns "
+                "disjoint so each parameter falls in exactly one bucket")
+        members[hits[0]].append(fqn)
+    for spec, names in zip(specs, members):
+        if not names:
+            raise ValueError(
+                f"bucket {spec.label!r} (patterns {list(spec.patterns)}) matches no parameter; "
+                "fix its patterns or drop the BucketSpec (patterns match FQNs as "
+                "module.named_parameters() reports them)")
+    return members
+
+
+def param_aliases(module: nn.Module) -> dict:
+    """id(param) -> [(owner module, attr, owner FQN)] for every place a parameter is registered."""
+    aliases: dict = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                entry = (mod, attr, mod_name)
+                if entry[:2] not in [(m, a) for m, a, _ in aliases.get(id(p), [])]:
+                    aliases.setdefault(id(p), []).append(entry)
+    return aliases
+
+
+def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:
+    """The smallest module whose forward runs all `owner_fqns`: their deepest
+    common ancestor, moved up past containers that have no forward."""
+    parts = [f.split(".") if f else [] for f in owner_fqns]
+    common: list = []
+    for level in zip(*parts):
+        if any(x != level[0] for x in level):
+            break
+        common.append(level[0])
+    while True:
+        mod = root.get_submodule(".".join(common))
+        if not common or not isinstance(mod, _CONTAINERS):
+            return mod
+        common.pop()

@@ -1,0 +1,32 @@
+"""Collectives on tensors and process groups. Knows nothing of modules or parameters.
+
+A bucket calls its Comm for every collective, so tests and benchmarks can
+inject one that counts, delays or fails them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    """The collectives flexshard issues, each over a whole flat buffer."""
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group,
+                   async_op: bool = False) -> Optional[dist.Work]:
+        """Rank-major gather of equal-sized `input`s into `output`."""
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
+                       async_op: bool = False) -> Optional[dist.Work]:
+        """Sum rank-major `input`s and give rank r segment r in `output`."""
+        return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
+                                          group=group, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, group,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """In-place all-reduce of a small tensor (norms, fingerprints)."""
+        dist.all_reduce(tensor, op=op, group=group)

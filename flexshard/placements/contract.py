@@ -1,0 +1,53 @@
+"""The placement contract: everything a bucket needs to know about one parameter.
+
+A placement says which piece of a parameter each rank of a 1-D mesh holds,
+how to cut a full tensor into those pieces and how to join them again.
+Buckets do the rest (byte layout, the one collective, gradient reduction), so
+a new placement is a frozen dataclass implementing the six methods below.
+
+Pieces are always taken in rank order. A rank may hold an empty piece.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+import torch
+
+
+class Placement(abc.ABC):
+    """How one parameter is split across the ranks of a 1-D mesh (a frozen value)."""
+
+    @abc.abstractmethod
+    def check(self, shape: torch.Size, world_size: int) -> None:
+        """Raise ValueError (saying what is wrong and how to fix it) if this
+        placement cannot split a tensor of `shape` over `world_size` ranks."""
+
+    @abc.abstractmethod
+    def bind(self, shape: torch.Size, itemsize: int, world_size: int,
+             rank_bytes: Sequence[int]) -> "Placement":
+        """Return this placement with every free choice made.
+
+        `rank_bytes[r]` is how many bytes of the bucket rank r already holds,
+        so a placement may balance (Owned picks its owner here). The result
+        must be deterministic: every rank calls bind with the same arguments.
+        """
+
+    @abc.abstractmethod
+    def local_shape(self, shape: torch.Size, rank: int, world_size: int) -> torch.Size:
+        """Shape of the piece rank `rank` holds (numel 0 for an empty piece)."""
+
+    @abc.abstractmethod
+    def shard(self, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        """Rank `rank`'s piece of `full`, as a view of it where possible."""
+
+    @abc.abstractmethod
+    def unshard(self, pieces: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """Join the rank-ordered `pieces` into a new tensor of `shape`."""
+
+    @abc.abstractmethod
+    def rank_major(self, shape: torch.Size) -> bool:
+        """True when the pieces, flattened and concatenated in rank order, are
+        the full tensor flattened. The bucket may then lay the pieces out so
+        that the gathered bytes are the parameter itself (no copy-out)."""

@@ -1,0 +1,68 @@
+"""Reshard-after-forward: the hooked module's forward runs inside a
+non-reentrant activation checkpoint whose selective policy recomputes only
+the bucket gathers (and free view ops). Every other op's output is saved, so
+backward re-runs the gather and nothing else of the block.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _checkpoint_without_reentrant_generator,
+    create_selective_checkpoint_contexts,
+)
+
+
+class RecomputeRegion:
+    """The checkpointed forward of one module whose buckets reshard after forward."""
+
+    def __init__(self, buckets: Sequence) -> None:
+        self.buckets = [b for b in buckets if b.reshard_after_forward]
+        self.recomputing = False
+        self._gen = None
+
+    def policy(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        """Recompute what a resharding bucket's gather ran, and views; save the rest."""
+        if any(b.gathering for b in self.buckets) or func.is_view:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    def _contexts(self):
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self.policy)
+        return forward_ctx, self._recomputing(recompute_ctx)
+
+    @contextmanager
+    def _recomputing(self, recompute_ctx):
+        with recompute_ctx:
+            self.recomputing = True
+            try:
+                yield
+            finally:
+                self.recomputing = False
+
+    def enter(self, module, args, kwargs) -> None:
+        """Start the checkpoint (in the pre-forward hook); a no-op while recomputing."""
+        if self.recomputing:
+            return
+        self._gen = _checkpoint_without_reentrant_generator(
+            module, True, self._contexts, "default", False, True, *args, **kwargs)
+        next(self._gen)
+
+    def exit(self) -> None:
+        """Close the checkpoint (in the post-forward hook), also after an exception."""
+        gen: Optional[object] = self._gen
+        self._gen = None
+        if gen is None:
+            return
+        if sys.exc_info()[0] is not None:
+            gen.close()
+            return
+        try:
+            next(gen)
+        except StopIteration:
+            return
+        raise AssertionError("checkpoint generator did not finish")

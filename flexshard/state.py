@@ -1,0 +1,44 @@
+"""The one state object flex_shard attaches to the wrapped module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from .comm import Comm
+
+_ATTR = "_flexshard_state"
+
+
+@dataclass
+class FlexShardState:
+    """Everything flexshard keeps for one wrapped model."""
+
+    mesh: Any  # DeviceMesh, or None at world size 1 without a process group
+    group: Any
+    rank: int
+    world_size: int
+    comm: Comm
+    buckets: list = field(default_factory=list)  # Bucket, in BucketSpec order
+    hooks: list = field(default_factory=list)  # ModuleHooks, one per running module
+    aliases: list = field(default_factory=list)  # per bucket: per slot [(module, attr)]
+
+
+def attach_state(module: nn.Module, state: FlexShardState) -> None:
+    module.__dict__[_ATTR] = state
+
+
+def find_state(module: nn.Module) -> Optional[FlexShardState]:
+    return module.__dict__.get(_ATTR)
+
+
+def get_state(module: nn.Module) -> FlexShardState:
+    """The module's FlexShardState; TypeError if flex_shard was never applied."""
+    state = find_state(module)
+    if state is None:
+        raise TypeError(
+            f"{type(module).__name__} is not wrapped by flex_shard; call "
+            "fs.flex_shard(module) first")
+    return state

@@ -1,0 +1,53 @@
+"""Flat byte buffers of a bucket and the typed views into them."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .layout import BucketLayout, SlotPlan
+
+
+def typed_view(buffer: torch.Tensor, start: int, dtype: torch.dtype,
+               shape: torch.Size) -> torch.Tensor:
+    """A `dtype` tensor of `shape` over `buffer`'s bytes from `start`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[start:start + nbytes].view(dtype).view(shape)
+
+
+def segment_views(buffer: torch.Tensor, layout: BucketLayout, slots, rank: int) -> list:
+    """Views of one rank's pieces in a segment-sized `buffer`."""
+    return [typed_view(buffer, reg.offsets[rank], reg.dtype, slot.local_shapes[rank])
+            for slot, reg in zip(slots, layout.regions)]
+
+
+def gathered_pieces(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
+                    index: int) -> list:
+    """Views of every rank's piece of slot `index` in a gathered buffer."""
+    reg = layout.regions[index]
+    return [typed_view(gathered, layout.piece_start(index, r), reg.dtype, slot.local_shapes[r])
+            for r in range(layout.world_size)]
+
+
+def gathered_param(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
+                   index: int) -> tuple:
+    """(unsharded tensor, copied bytes): a view when the pieces are contiguous,
+    else the placement joins them (a copy-out)."""
+    span: Optional[tuple] = layout.gathered_range(index)
+    dtype = layout.regions[index].dtype
+    if span is not None:
+        return typed_view(gathered, span[0], dtype, slot.shape), 0
+    full = slot.placement.unshard(gathered_pieces(gathered, layout, slot, index), slot.shape)
+    return full, full.numel() * dtype.itemsize
+
+
+class BucketStorage:
+    """The flat uint8 buffer holding one rank's sharded parameters of a bucket."""
+
+    def __init__(self, layout: BucketLayout, slots, rank: int, device) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.buffer = torch.zeros(layout.segment_bytes, dtype=torch.uint8, device=device)
+        self.views = segment_views(self.buffer, layout, slots, rank)

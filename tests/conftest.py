@@ -1,0 +1,32 @@
+"""Pytest setup: import paths, the ``world`` marker, and world teardown."""
+
+import os
+import sys
+
+import pytest
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_ROOT = os.path.dirname(_TESTS_DIR)
+for _path in (_REPO_ROOT, _TESTS_DIR):  # `import flexshard` / `import harness`
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import harness  # noqa: E402
+
+
+def pytest_configure(config):
+    """Register the ``world`` marker."""
+    config.addinivalue_line(
+        "markers",
+        "world(n): test runs bodies in the persistent n-rank gloo world (tests/harness.py)",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flexshard_worlds():
+    """At session end stop all worlds gracefully; fail if any worker misbehaved."""
+    yield
+    problems = harness.shutdown_worlds()
+    if problems:
+        pytest.fail("distributed test worlds did not shut down cleanly:\n"
+                    + "\n".join(problems), pytrace=False)
