@@ -103,7 +103,9 @@ class WorkerDiedError(RuntimeError):
         lines = [f"{what}: worker process died: "
                  + ", ".join(f"rank {r} exit code {c}" for r, c in self.dead.items())]
         for r in self.dead:
-            lines.append(f"----- rank {r} log {log_paths[r]} (tail)\n{_tail(log_paths[r])}")
+            tail = _tail(log_paths[r]) or ("(empty: output from before the worker set up "
+                                           "its log went to the parent's stderr)\n")
+            lines.append(f"----- rank {r} log {log_paths[r]} (tail)\n{tail}")
         super().__init__("\n".join(lines))
 
 
@@ -169,7 +171,10 @@ def _run_body(rank, spec, log_path):
     offset = os.path.getsize(log_path)
     try:
         value = _resolve(module, qualname, path)(*args, **kwargs)
-        return pickle.dumps(("ok", value))
+        try:
+            return pickle.dumps(("ok", value))
+        except Exception as exc:
+            raise TypeError(f"{qualname} returned an unpicklable value: {exc}") from exc
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         return pickle.dumps(("err", _failure(rank, exc, _read_from(log_path, offset))))
 
@@ -348,12 +353,15 @@ class _World:
 
     def stop(self, timeout=STOP_TIMEOUT_S):
         """Graceful stop (final barrier, destroy group, exit 0); return problems."""
+        dead = self.broadcast(("stop",))
         problems = [f"world {self.n}: rank {r} already dead before stop (exit code {c})"
-                    for r, c in self.broadcast(("stop",)).items()]
+                    for r, c in dead.items()]
         deadline = time.monotonic() + timeout
         self.collect(deadline)
         for r, p in enumerate(self.procs):
             p.join(max(0.1, deadline - time.monotonic()))
+            if r in dead:
+                continue
             if p.is_alive():
                 problems.append(f"world {self.n}: rank {r} did not exit within {timeout}s")
             elif p.exitcode != 0:

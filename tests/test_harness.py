@@ -33,7 +33,7 @@ def _raise_on_rank1():
 
 def _raise_everywhere(msg):
     print(f"about to fail on rank {dist.get_rank()}")
-    raise KeyError(msg) if False else TypeError(f"{msg} (rank {dist.get_rank()})")
+    raise TypeError(f"{msg} (rank {dist.get_rank()})")
 
 
 def _sleep(seconds):
