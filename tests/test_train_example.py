@@ -1,0 +1,113 @@
+"""examples/train.py, the README's main command, run as users run it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train.py"
+STEPS = 8
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 150) -> str:
+    """Run train.py under torchrun; its output (fails the test on a non-zero exit)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(TRAIN), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-4000:]}"
+    return proc.stdout
+
+
+def losses_of(stdout: str) -> tuple:
+    """(first loss, final loss) from the summary; the final loss must be the last line."""
+    last = stdout.strip().splitlines()[-1]
+    final = re.fullmatch(r"final loss (\S+)", last)
+    assert final, f"last line is {last!r}, not 'final loss <value>'"
+    first = re.search(r"^loss (\S+) at step 1, (\S+) at step", stdout, re.M)
+    assert first, stdout[-2000:]
+    assert float(first.group(2)) == float(final.group(1))
+    return float(first.group(1)), float(final.group(1))
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("train_example", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_ranks_learn_and_resume_from_a_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["--steps", str(STEPS), "--checkpoint-dir", str(ckpt)]
+    out = torchrun(*common, "--checkpoint-every", "4", "--plot", str(tmp_path / "a.png"))
+    first, final = losses_of(out)
+    assert final < first - 1.0, f"loss did not fall: {first} -> {final}"
+    assert "bucket" in out and "layers.0" in out, "no bucket plan printed"
+    assert re.search(r"collectives per step: 9\.0 all-gathers, 5\.0 reduce-scatters", out), out
+    assert "peak memory per rank r0:" in out and ", r1:" in out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000008"]
+
+    shutil.rmtree(ckpt / "step_000008")  # as if the run had died after step 4's save
+    out = torchrun(*common, "--resume", "--plot", str(tmp_path / "b.png"))
+    assert "resumed from step 4" in out
+    resumed_first, resumed_final = losses_of(out)
+    assert resumed_first == first, "the resumed loss curve lost its first steps"
+    assert resumed_final == pytest.approx(final, rel=1e-6), "resume diverged from the original run"
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_one_process_without_torchrun(tmp_path, capsys, monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    train = load_train_module()
+    train.main(["--steps", "4", "--plot", str(tmp_path / "loss.png"), "--mp", "bf16"])
+    out = capsys.readouterr().out
+    first, final = losses_of(out)
+    assert final < first
+    assert "on 1 rank(s)" in out and "mp bf16" in out
+
+
+def test_help_describes_every_flag(capsys):
+    train = load_train_module()
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--steps", "--placement", "--bucket-bytes", "--mp", "--no-reshard",
+                 "--checkpoint-dir", "--checkpoint-every", "--resume", "--seed"):
+        assert re.search(rf"{flag}\b[^\n]*\n?\s+\S", text), f"{flag} has no description"
+    for choice in ("shard", "owned", "ragged", "mixed"):
+        assert choice in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint-every", "2"], "need --checkpoint-dir"),
+    (["--resume"], "need --checkpoint-dir"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--bucket-bytes", "0"], "--bucket-bytes must be positive"),
+])
+def test_bad_flags_are_refused(argv, message, capsys):
+    train = load_train_module()
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path, monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    train = load_train_module()
+    with pytest.raises(FileNotFoundError, match=r"--resume: no complete checkpoint .* in "):
+        train.main(["--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume"])
