@@ -31,6 +31,17 @@ class FlexShardModule:
         for bucket in get_state(self).buckets:
             bucket.requires_gradient_sync = requires_gradient_sync
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by `factor` instead of the world size (the mean);
+        1.0 sums them, for losses already normalised over all ranks (as torchtitan's)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(f"set_gradient_divide_factor expects a number, got {factor!r}")
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}; "
+                             "use 1.0 to sum gradients or the world size to average them")
+        for bucket in get_state(self).buckets:
+            bucket.gradient_divide_factor = float(factor)
+
 
 def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
                buckets: Optional[Sequence[BucketSpec]] = None,

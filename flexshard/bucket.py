@@ -78,6 +78,7 @@ class Bucket:
         self.state = BucketState.SHARDED
         self.gathering = False  # true while the gather runs: the recompute policy reads it
         self.requires_gradient_sync = True
+        self.gradient_divide_factor = float(world_size)  # reduced grads are divided by it (mean)
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.counters = BucketCounters()
 
@@ -193,7 +194,8 @@ class Bucket:
             self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group)
             self.counters.reduce_wire_bytes += layout.wire_bytes
             self.counters.reduce_ideal_bytes += layout.ideal_bytes
-            self._typed(out).div_(self.world_size)
+            if self.gradient_divide_factor != 1.0:
+                self._typed(out).div_(self.gradient_divide_factor)
         self.counters.reduces += 1
         return out
 

@@ -32,7 +32,11 @@ class RecomputeRegion:
         return CheckpointPolicy.MUST_SAVE
 
     def _contexts(self):
-        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self.policy)
+        # A saved output may be mutated in place later in the block (CPU rms_norm adds eps
+        # to its cached mean in place); in recompute the mutating op is cached as well, so
+        # it is never replayed and the mutated value is the right one.
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
+            self.policy, allow_cache_entry_mutation=True)
         return forward_ctx, self._recomputing(recompute_ctx)
 
     @contextmanager

@@ -1,0 +1,16 @@
+"""flexshard for torchtitan 0.3.0: `flex_shard` in place of `fully_shard` for Llama 3.
+
+Select it the way torchtitan selects its own experiments::
+
+    torchrun --nproc-per-node 8 -m torchtitan.train \\
+        --module flexshard.integrations.torchtitan --config flexshard_llama3_debugmodel \\
+        --flex_shard.placement owned
+
+`--module` imports `flexshard.integrations.torchtitan.config_registry`,
+`--config` names one of its functions.
+"""
+
+from .config import FlexShardConfig
+from .parallelize import llama_buckets, parallelize_llama
+
+__all__ = ["FlexShardConfig", "llama_buckets", "parallelize_llama"]

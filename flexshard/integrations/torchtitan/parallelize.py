@@ -1,0 +1,83 @@
+"""A torchtitan parallelize function for Llama 3 that applies flex_shard instead of fully_shard.
+
+Same signature as `torchtitan.models.llama3.parallelize_llama`, so it drops into a
+`ModelSpec`. One bucket per TransformerBlock plus a root bucket (embeddings, final
+norm, LM head); mixed precision and reshard-after-forward come from torchtitan's
+own `training` and `parallelism` sections; the placement from `FlexShardConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+
+import flexshard as fs
+
+from .config import FlexShardConfig
+
+
+def llama_buckets(model: nn.Module, reshard_after_forward: bool) -> list:
+    """One BucketSpec per block of `model.layers`, then a root bucket for the rest.
+
+    The root bucket (embeddings, final norm, LM head) stays unsharded from forward
+    to backward, as torchtitan keeps its last FSDP group: backward needs it at once.
+    """
+    specs = [fs.BucketSpec(f"layers.{name}.*", name=f"layers.{name}",
+                           reshard_after_forward=reshard_after_forward)
+             for name, _ in model.layers.named_children()]
+    rest = [fqn for fqn, _ in model.named_parameters() if not fqn.startswith("layers.")]
+    if rest:
+        specs.append(fs.BucketSpec(rest, name="root", reshard_after_forward=False))
+    return specs
+
+
+def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
+                 parallelism: ParallelismConfig, compile_config: CompileConfig) -> list:
+    """The torchtitan options flex_shard does not compose with, as CLI flags."""
+    checks = [
+        (parallel_dims.tp_enabled, "--parallelism.tensor_parallel_degree > 1"),
+        (parallel_dims.cp_enabled, "--parallelism.context_parallel_degree > 1"),
+        (parallel_dims.pp_enabled, "--parallelism.pipeline_parallel_degree > 1"),
+        (parallel_dims.ep_enabled, "--parallelism.expert_parallel_degree > 1"),
+        (parallel_dims.dp_replicate_enabled, "--parallelism.data_parallel_replicate_degree > 1"),
+        (parallelism.spmd_backend != "partial_dtensor",
+         f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)"),
+        (compile_config.enable and "model" in compile_config.components,
+         "--compile.enable with 'model' in --compile.components"),
+        (training.enable_cpu_offload, "--training.enable_cpu_offload"),
+        (parallelism.enable_fsdp_symm_mem, "--parallelism.enable_fsdp_symm_mem"),
+    ]
+    return [flag for bad, flag in checks if bad]
+
+
+def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
+                      training: TrainingConfig, parallelism: ParallelismConfig,
+                      compile_config: CompileConfig, ac_config, dump_folder: str,
+                      flex_shard: Optional[FlexShardConfig] = None) -> nn.Module:
+    """Apply activation checkpointing (if configured) and flex_shard to a Llama 3 model.
+
+    Gradients are summed over ranks, not averaged: torchtitan's loss is already
+    divided by the global token count (FSDP2 there runs with divide factor 1 too).
+    """
+    unsupported = _unsupported(parallel_dims, training, parallelism, compile_config)
+    if unsupported:
+        raise NotImplementedError(
+            "flexshard's torchtitan parallelize supports data parallelism over the fsdp "
+            f"mesh only; drop {', '.join(unsupported)}")
+    placement = (flex_shard or FlexShardConfig()).build_placement()
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward,
+                                                    parallel_dims.pp_enabled)
+    mp = fs.MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+                                 reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+                                 cast_forward_inputs=False)
+    mesh = parallel_dims.get_mesh("fsdp") if parallel_dims.world_size > 1 else None
+    model = fs.flex_shard(model, mesh, buckets=llama_buckets(model, reshard),
+                          placement=placement, mp_policy=mp, reshard_after_forward=reshard)
+    model.set_gradient_divide_factor(1.0)
+    return model

@@ -1,0 +1,205 @@
+"""torchtitan 0.3.0 integration: flexshard's parallelize function on Llama 3's debugmodel.
+
+Flex attention has no CPU backward, so each test model swaps in torchtitan's
+SDPA inner attention; everything else is torchtitan's debugmodel as built by
+its model registry.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtitan.config import CompileConfig, ConfigManager, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+
+import flexshard as fs
+from flexshard.integrations.torchtitan import FlexShardConfig, llama_buckets, parallelize_llama
+from flexshard.integrations.torchtitan.trainer import FlexShardTrainer, check_trainer_config
+from flexshard.state import get_state
+from harness import run_world
+
+STEPS = 3
+LR = 8e-4  # torchtitan's debugmodel learning rate
+BATCH, SEQ, VOCAB = 2, 32, 2048
+
+
+def debugmodel(seed: int = 0) -> torch.nn.Module:
+    """torchtitan's llama3 debugmodel on CPU, with SDPA attention, initialised."""
+    cfg = model_registry("debugmodel").model
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(seed)
+    model = cfg.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def tokens(step: int, rank: int) -> torch.Tensor:
+    """One fixed batch per rank (step ignored), so three steps visibly lower the loss."""
+    del step
+    g = torch.Generator().manual_seed(7919 + rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+
+def titan_loss(model, rows: torch.Tensor, global_tokens: int) -> torch.Tensor:
+    """torchtitan's loss: summed cross-entropy over the global valid-token count."""
+    logits = model(rows[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(),
+                           reduction="sum") / global_tokens
+
+
+def parallelize(model, world: int, placement: str = "shard", param: str = "float32",
+                reshard: str = "default"):
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
+                        world_size=world, spmd_backend="partial_dtensor")
+    return parallelize_llama(
+        model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                      fsdp_reshard_after_forward=reshard),
+        compile_config=CompileConfig(), ac_config=None, dump_folder="",
+        flex_shard=FlexShardConfig(placement=placement))
+
+
+def _train_sharded(placement: str) -> tuple:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = parallelize(debugmodel(), world, placement)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = titan_loss(model, tokens(step, rank), world * BATCH * SEQ)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # per-rank sums over the global count add up to the mean
+        losses.append(total.item())
+    full = fs.full_state_dict(model)
+    return losses, full if rank == 0 else None
+
+
+def _train_reference(world: int) -> tuple:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the harness workers
+    try:
+        model = debugmodel()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for step in range(STEPS):
+            rows = torch.cat([tokens(step, r) for r in range(world)])
+            loss = titan_loss(model, rows, world * BATCH * SEQ)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.world(2)
+def test_parallelize_llama_matches_single_process_training():
+    results = run_world(2, _train_sharded, "shard", timeout=240)
+    ref_losses, ref_params = _train_reference(2)
+    losses, full = results[0]
+    assert results[1][0] == losses, "ranks disagree on the loss"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0]
+    assert full.keys() == ref_params.keys()
+    for k, ref in ref_params.items():
+        err = (full[k] - ref).norm() / ref.norm()
+        assert err < 1e-5, f"{k}: relative error {err:.2e}"
+
+
+def test_one_bucket_per_block_plus_root():
+    model = debugmodel()
+    specs = llama_buckets(model, reshard_after_forward=True)
+    assert [s.name for s in specs] == [f"layers.{i}" for i in range(6)] + ["root"]
+    assert sorted(specs[-1].patterns) == ["lm_head.weight", "norm.weight", "tok_embeddings.weight"]
+    assert [s.reshard_after_forward for s in specs] == [True] * 6 + [False]
+
+
+@pytest.mark.parametrize("policy, blocks_reshard", [("default", True), ("always", True),
+                                                    ("never", False)])
+def test_mixed_precision_and_reshard_come_from_torchtitan_config(policy, blocks_reshard):
+    model = parallelize(debugmodel(), 1, param="bfloat16", reshard=policy)
+    buckets = get_state(model).buckets
+    for b in buckets:
+        assert b.mp == fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32,
+                                               cast_forward_inputs=False)
+        assert b.reshard_after_forward == (blocks_reshard and b.name != "root"), b.name
+        assert b.gradient_divide_factor == 1.0  # torchtitan's loss is already normalised
+    x = tokens(0, 0)
+    loss = titan_loss(model, x, BATCH * SEQ)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("tp", 2, "--parallelism.tensor_parallel_degree > 1"),
+    ("dp_replicate", 2, "--parallelism.data_parallel_replicate_degree > 1"),
+    ("pp", 2, "--parallelism.pipeline_parallel_degree > 1"),
+])
+def test_other_parallelisms_are_refused(field, value, flag):
+    degrees = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
+    degrees[field] = value
+    dims = ParallelDims(**degrees, world_size=2, spmd_backend="partial_dtensor")
+    with pytest.raises(NotImplementedError, match=rf"data parallelism .* drop {flag.replace('>', '.')}"):
+        parallelize_llama(debugmodel(), parallel_dims=dims, training=TrainingConfig(),
+                          parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                          compile_config=CompileConfig(), ac_config=None, dump_folder="")
+
+
+def test_spmd_backend_and_compile_are_refused():
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    with pytest.raises(NotImplementedError, match=r"--parallelism.spmd_backend spmd_types "
+                                                  r"\(use partial_dtensor\), --compile.enable"):
+        parallelize_llama(debugmodel(), parallel_dims=dims, training=TrainingConfig(),
+                          parallelism=ParallelismConfig(spmd_backend="spmd_types"),
+                          compile_config=CompileConfig(enable=True), ac_config=None,
+                          dump_folder="")
+
+
+def test_experiment_config_is_selected_like_torchtitans_own():
+    config = ConfigManager().parse_args([
+        "--module", "flexshard.integrations.torchtitan", "--config", "flexshard_llama3_debugmodel",
+        "--flex_shard.placement", "ragged", "--training.steps", "7"])
+    assert isinstance(config, FlexShardTrainer.Config)
+    assert config.flex_shard == FlexShardConfig(placement="ragged")
+    assert config.training.steps == 7
+    assert config.model_spec.parallelize_fn is parallelize_llama
+    assert config.model_spec.name == "flexshard/llama3" and config.model_spec.flavor == "debugmodel"
+    assert config.parallelism.spmd_backend == "partial_dtensor"
+    assert config.activation_checkpoint is None
+    check_trainer_config(config)  # the loss is one FlexShardTrainer accepts
+
+
+def test_chunked_loss_is_refused():
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()  # torchtitan's own: chunked loss
+    with pytest.raises(NotImplementedError, match="ChunkedLossWrapper calls lm_head outside"):
+        check_trainer_config(config)
+
+
+def test_unknown_placement_name_is_refused():
+    with pytest.raises(ValueError, match=r"--flex_shard.placement='rows': choose one of"):
+        FlexShardConfig(placement="rows").build_placement()
+
+
+def test_gradient_divide_factor_is_checked():
+    model = fs.flex_shard(copy.deepcopy(torch.nn.Linear(3, 2)))
+    with pytest.raises(ValueError, match=r"factor must be > 0, got 0; use 1.0 to sum"):
+        model.set_gradient_divide_factor(0)
+    with pytest.raises(TypeError, match="set_gradient_divide_factor expects a number, got '2'"):
+        model.set_gradient_divide_factor("2")
