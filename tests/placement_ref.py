@@ -1,0 +1,144 @@
+"""Parity helpers for the placement tests: a single-process reference and a
+rank body that trains the same model with flex_shard on the same data.
+
+The reference simulates the ranks: it takes each rank's gradient on that rank's
+batch separately and averages them in rank order, as the bucket's reduce does,
+so at two ranks the averaged gradients are bitwise those of flex_shard.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+
+import flexshard as fs
+from models import TinyGPT, batch, loss_fn
+
+LR = 1e-2
+
+
+def make_model(seed: int = 0, bf16_pos: bool = False, **kw) -> TinyGPT:
+    """TinyGPT; `bf16_pos` keeps the position table in bf16 (a mixed-dtype bucket)."""
+    torch.manual_seed(seed)
+    model = TinyGPT(**kw)
+    if bf16_pos:
+        model.pos.data = model.pos.data.bfloat16()
+    return model
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def reference_run(world: int, steps: int, make_opt: Callable = adamw,
+                  param_dtype: Optional[torch.dtype] = None, model_kw=None) -> tuple:
+    """(mean loss per step, final params) of single-process training on every
+    rank's batch; with `param_dtype` each rank's batch runs on a low-precision
+    copy of the fp32 weights, as flexshard's mixed precision does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
+    try:
+        model = make_model(**(model_kw or {}))
+        opt = make_opt(list(model.parameters()))
+        losses = []
+        for step in range(steps):
+            losses.append(_average_grads(model, step, world, param_dtype))
+            opt.step()
+            opt.zero_grad()
+        return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _average_grads(model, step: int, world: int, param_dtype) -> float:
+    params = list(model.parameters())
+    sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    total = 0.0
+    for r in range(world):
+        run = model if param_dtype is None else copy.deepcopy(model).to(param_dtype)
+        x, y = batch(step, r)
+        loss = loss_fn(run(x), y)
+        for s, g in zip(sums, torch.autograd.grad(loss, list(run.parameters()))):
+            s.add_(g.float())
+        total += loss.item()
+    for p, s in zip(params, sums):
+        p.grad = s.div_(world).to(p.dtype)
+    return total / world
+
+
+def train_sharded(steps: int, config: dict, make_opt: Callable = adamw, model_kw=None,
+                  count_comms: bool = False) -> tuple:
+    """Rank body: (mean loss per step, full params on rank 0, collective counts
+    per step {'all_gather': n, 'reduce_scatter': n} when `count_comms`)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = fs.flex_shard(make_model(**(model_kw or {})), **config)
+    opt = make_opt([p for p in model.parameters() if p.numel()])
+    losses, counts = [], []
+    for step in range(steps):
+        x, y = batch(step, rank)
+        with comm_counter(count_comms) as counted:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        counts.append(counted())
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    full = fs.full_state_dict(model)
+    return losses, full if rank == 0 else None, counts if count_comms else None
+
+
+class comm_counter:
+    """Counts c10d collectives run inside the block (CommDebugMode), when enabled."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.mode = None
+        if enabled:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            self.mode = CommDebugMode()
+
+    def __enter__(self):
+        if self.mode is not None:
+            self.mode.__enter__()
+        return self.counts
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+
+    def counts(self) -> dict:
+        if self.mode is None:
+            return {}
+        return {str(op).split(".")[-1]: n for op, n in self.mode.get_comm_counts().items()}
+
+
+def check_parity(world: int, config: dict, steps: int = 4, make_opt: Callable = adamw,
+                 param_dtype=None, model_kw=None, rtol: float = 1e-5) -> list:
+    """Train with flex_shard and the reference; compare losses every step and
+    full params at the end. Returns the per-rank results."""
+    from harness import run_world
+
+    results = run_world(world, train_sharded, steps, config, make_opt, model_kw, timeout=180)
+    ref_losses, ref_params = reference_run(world, steps, make_opt, param_dtype, model_kw)
+    losses, full, _ = results[0]
+    assert all(r[0] == losses for r in results), "ranks disagree on the loss"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                               rtol=rtol, atol=1e-6)
+    assert full.keys() == ref_params.keys()
+    for k, ref in ref_params.items():
+        assert full[k].dtype == ref.dtype, k
+        assert_rel_close(full[k], ref, rtol, k)
+    return results
+
+
+def assert_rel_close(actual, expected, rel, name) -> None:
+    """Norm-wise relative error: AdamW turns fp32 rounding in a near-zero grad
+    into a full step for that one element, so elementwise bounds test noise."""
+    err = ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert err <= rel, f"{name}: relative error {err:.3g} > {rel:g}"
