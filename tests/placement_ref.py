@@ -9,11 +9,13 @@ so at two ranks the averaged gradients are bitwise those of flex_shard.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable, Optional
 
 import torch
 
 import flexshard as fs
+from flexshard.state import get_state
 from models import TinyGPT, batch, loss_fn
 
 LR = 1e-2
@@ -70,8 +72,10 @@ def _average_grads(model, step: int, world: int, param_dtype) -> float:
 
 def train_sharded(steps: int, config: dict, make_opt: Callable = adamw, model_kw=None,
                   count_comms: bool = False) -> tuple:
-    """Rank body: (mean loss per step, full params on rank 0, collective counts
-    per step {'all_gather': n, 'reduce_scatter': n} when `count_comms`)."""
+    """Rank body: (mean loss per step, full params on rank 0, stats). Stats:
+    'comms', the c10d collectives of each step's forward+backward by op name
+    (when `count_comms`), and 'buckets', per bucket (name, reshard after
+    forward, counters after training, layouts)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,8 +93,10 @@ def train_sharded(steps: int, config: dict, make_opt: Callable = adamw, model_kw
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+    buckets = [(b.name, b.reshard_after_forward, dataclasses.asdict(b.counters),
+                b.gather_layout, [s.placement for s in b.slots]) for b in get_state(model).buckets]
     full = fs.full_state_dict(model)
-    return losses, full if rank == 0 else None, counts if count_comms else None
+    return losses, full if rank == 0 else None, {"comms": counts, "buckets": buckets}
 
 
 class comm_counter:
@@ -119,12 +125,14 @@ class comm_counter:
 
 
 def check_parity(world: int, config: dict, steps: int = 4, make_opt: Callable = adamw,
-                 param_dtype=None, model_kw=None, rtol: float = 1e-5) -> list:
+                 param_dtype=None, model_kw=None, rtol: float = 1e-5,
+                 count_comms: bool = False) -> list:
     """Train with flex_shard and the reference; compare losses every step and
     full params at the end. Returns the per-rank results."""
     from harness import run_world
 
-    results = run_world(world, train_sharded, steps, config, make_opt, model_kw, timeout=180)
+    results = run_world(world, train_sharded, steps, config, make_opt, model_kw, count_comms,
+                        timeout=180)
     ref_losses, ref_params = reference_run(world, steps, make_opt, param_dtype, model_kw)
     losses, full, _ = results[0]
     assert all(r[0] == losses for r in results), "ranks disagree on the loss"
@@ -142,3 +150,14 @@ def assert_rel_close(actual, expected, rel, name) -> None:
     into a full step for that one element, so elementwise bounds test noise."""
     err = ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
     assert err <= rel, f"{name}: relative error {err:.3g} > {rel:g}"
+
+
+def assert_one_collective_per_bucket(results) -> None:
+    """Every step: one reduce-scatter per bucket and one all-gather per bucket
+    (two for a bucket that reshards after forward: backward gathers again)."""
+    for _, _, stats in results:
+        buckets = stats["buckets"]
+        want = {"_allgather_base_": sum(2 if reshard else 1 for _, reshard, *_ in buckets),
+                "_reduce_scatter_base_": len(buckets)}
+        for step, got in enumerate(stats["comms"]):
+            assert got == want, f"step {step}: collectives {got}, expected {want}"
