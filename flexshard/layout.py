@@ -33,6 +33,7 @@ class Region(NamedTuple):
     dtype: torch.dtype
     offsets: tuple  # byte offset of rank r's piece inside rank r's segment
     nbytes: tuple  # byte size of rank r's piece
+    rank_major: bool = True  # the placement's pieces, back to back, are the full tensor
 
 
 class BucketLayout(NamedTuple):
@@ -52,6 +53,8 @@ class BucketLayout(NamedTuple):
         ranks = [r for r in range(self.world_size) if self.regions[slot].nbytes[r]]
         if not ranks:
             return (0, 0)
+        if not self.regions[slot].rank_major:  # e.g. Shard(1): adjacent bytes, wrong order
+            return None
         start = self.piece_start(slot, ranks[0])
         end = start
         for r in ranks:
@@ -173,5 +176,6 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
         if not short:
             break
         rejected.update(short)
-    regions = tuple(Region(d, tuple(o), tuple(b)) for d, o, b in zip(dtypes, offsets, nbytes))
+    regions = tuple(Region(d, tuple(o), tuple(b), s.placement.rank_major(s.shape))
+                    for s, d, o, b in zip(slots, dtypes, offsets, nbytes))
     return BucketLayout(regions, segment, world_size)
