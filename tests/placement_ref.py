@@ -16,22 +16,26 @@ import torch
 
 import flexshard as fs
 from flexshard.state import get_state
+import reference
 from models import TinyGPT, batch, loss_fn
 
 LR = 1e-2
 
 
-def make_model(seed: int = 0, bf16_pos: bool = False, **kw) -> TinyGPT:
-    """TinyGPT; `bf16_pos` keeps the position table in bf16 (a mixed-dtype bucket)."""
-    torch.manual_seed(seed)
-    model = TinyGPT(**kw)
+def make_model(seed: int = 0, bf16_pos: bool = False, dtype=None, **kw) -> TinyGPT:
+    """TinyGPT in `dtype` (default fp32); `bf16_pos` keeps the position table
+    in bf16 (a mixed-dtype bucket)."""
+    model = reference.make_model(seed, **kw)
+    if dtype is not None:
+        model.to(dtype)
     if bf16_pos:
         model.pos.data = model.pos.data.bfloat16()
     return model
 
 
-def adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR)
+def adamw(model) -> torch.optim.Optimizer:
+    """AdamW over the (non-empty) parameters of a plain or wrapped model."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.numel()], lr=LR)
 
 
 def reference_run(world: int, steps: int, make_opt: Callable = adamw,
@@ -43,7 +47,7 @@ def reference_run(world: int, steps: int, make_opt: Callable = adamw,
     torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
     try:
         model = make_model(**(model_kw or {}))
-        opt = make_opt(list(model.parameters()))
+        opt = make_opt(model)
         losses = []
         for step in range(steps):
             losses.append(_average_grads(model, step, world, param_dtype))
@@ -56,14 +60,15 @@ def reference_run(world: int, steps: int, make_opt: Callable = adamw,
 
 def _average_grads(model, step: int, world: int, param_dtype) -> float:
     params = list(model.parameters())
-    sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    sums = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+            for p in params]
     total = 0.0
     for r in range(world):
         run = model if param_dtype is None else copy.deepcopy(model).to(param_dtype)
         x, y = batch(step, r)
         loss = loss_fn(run(x), y)
         for s, g in zip(sums, torch.autograd.grad(loss, list(run.parameters()))):
-            s.add_(g.float())
+            s.add_(g.to(s.dtype))
         total += loss.item()
     for p, s in zip(params, sums):
         p.grad = s.div_(world).to(p.dtype)
@@ -73,22 +78,25 @@ def _average_grads(model, step: int, world: int, param_dtype) -> float:
 def train_sharded(steps: int, config: dict, make_opt: Callable = adamw, model_kw=None,
                   count_comms: bool = False) -> tuple:
     """Rank body: (mean loss per step, full params on rank 0, stats). Stats:
-    'comms', the c10d collectives of each step's forward+backward by op name
-    (when `count_comms`), and 'buckets', per bucket (name, reshard after
-    forward, counters after training, layouts)."""
+    'comms' and 'step_comms', the c10d collectives of each step's forward +
+    backward and of its optimizer step, by op name (when `count_comms`), and
+    'buckets': per bucket (name, reshard after forward, counters, gather
+    layout, bound placements)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = fs.flex_shard(make_model(**(model_kw or {})), **config)
-    opt = make_opt([p for p in model.parameters() if p.numel()])
-    losses, counts = [], []
+    opt = make_opt(model)
+    losses, counts, step_counts = [], [], []
     for step in range(steps):
         x, y = batch(step, rank)
         with comm_counter(count_comms) as counted:
             loss = loss_fn(model(x), y)
             loss.backward()
         counts.append(counted())
-        opt.step()
+        with comm_counter(count_comms) as counted:
+            opt.step()
+        step_counts.append(counted())
         opt.zero_grad()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
@@ -96,7 +104,8 @@ def train_sharded(steps: int, config: dict, make_opt: Callable = adamw, model_kw
     buckets = [(b.name, b.reshard_after_forward, dataclasses.asdict(b.counters),
                 b.gather_layout, [s.placement for s in b.slots]) for b in get_state(model).buckets]
     full = fs.full_state_dict(model)
-    return losses, full if rank == 0 else None, {"comms": counts, "buckets": buckets}
+    return losses, full if rank == 0 else None, {"comms": counts, "step_comms": step_counts,
+                                                  "buckets": buckets}
 
 
 class comm_counter:
@@ -126,9 +135,9 @@ class comm_counter:
 
 def check_parity(world: int, config: dict, steps: int = 4, make_opt: Callable = adamw,
                  param_dtype=None, model_kw=None, rtol: float = 1e-5,
-                 count_comms: bool = False) -> list:
+                 count_comms: bool = False, exact: bool = False) -> list:
     """Train with flex_shard and the reference; compare losses every step and
-    full params at the end. Returns the per-rank results."""
+    full params at the end (bitwise when `exact`). Returns the per-rank results."""
     from harness import run_world
 
     results = run_world(world, train_sharded, steps, config, make_opt, model_kw, count_comms,
@@ -141,6 +150,8 @@ def check_parity(world: int, config: dict, steps: int = 4, make_opt: Callable = 
     assert full.keys() == ref_params.keys()
     for k, ref in ref_params.items():
         assert full[k].dtype == ref.dtype, k
+        if exact:
+            assert torch.equal(full[k], ref), f"{k} is not bitwise equal to the reference"
         assert_rel_close(full[k], ref, rtol, k)
     return results
 
