@@ -98,3 +98,30 @@ def test_largest_split_param_is_chained_at_two_ranks():
         sizes = [sum(reg.nbytes) for reg in layout.regions]
         assert layout.gathered_range(sizes.index(max(sizes))) is not None
         assert copy_out_per_gather(layout) == sum(sizes) - max(sizes)
+
+
+def _report() -> None:
+    """Print the padding and copy-out tables of design.md."""
+    configs = [("RaggedShard(), per block", fs.RaggedShard(), False),
+               ("Owned(), one bucket", fs.Owned(), True),
+               ("Shard(0), per block", fs.Shard(0), False),
+               ("Owned(), per block", fs.Owned(), False),
+               ("Owned() 2-D + RaggedShard(), per block", _owned_matrices, False),
+               ("Owned() 2-D + RaggedShard(), one bucket", _owned_matrices, True)]
+    for label, placement, one in configs:
+        cells = []
+        for world in (2, 3, 4):
+            layouts = _bucket_layouts(placement, world, one_bucket=one)
+            copied = sum(copy_out_per_gather(lay) for lay in layouts)
+            ideal = sum(lay.ideal_bytes for lay in layouts)
+            cells.append(f"{world} ranks: pad {100 * _padding(layouts):.2f}% "
+                         f"copy-out {copied}/{ideal} B")
+        print(f"{label:40s} " + " | ".join(cells))
+
+
+def _owned_matrices(fqn, param):
+    return fs.Owned() if param.dim() == 2 else fs.RaggedShard()
+
+
+if __name__ == "__main__":  # PYTHONPATH=.:tests python tests/test_mixed_bucket.py
+    _report()

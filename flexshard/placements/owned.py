@@ -50,7 +50,7 @@ class Owned(Placement):
     def shard(self, full, rank, world_size) -> torch.Tensor:
         if rank == self._owner():
             return full
-        return full.reshape(-1)[:0].view(_empty_shape(full.shape))
+        return full.narrow(0, 0, 0) if full.dim() else full.reshape(1)[:0]  # views, no copy
 
     def unshard(self, pieces: Sequence[torch.Tensor], shape) -> torch.Tensor:
         return pieces[self._owner()].reshape(shape).clone()
