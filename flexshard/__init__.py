@@ -1,5 +1,6 @@
 """flexshard: bucketed, placement-pluggable parameter sharding for PyTorch."""
 
+from . import collectives, optim
 from .api import FlexShardModule, flex_shard
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
@@ -17,6 +18,8 @@ __all__ = [
     "Shard",
     "flex_shard",
     "full_state_dict",
+    "collectives",
     "load_full_state_dict",
+    "optim",
     "shard_sizes",
 ]
