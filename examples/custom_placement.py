@@ -77,7 +77,8 @@ class Net(nn.Module):
         super().__init__()
         self.inp = nn.Linear(5, dim)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
+                          nn.Linear(hidden, dim))
             for _ in range(depth))
         self.out = nn.Linear(dim, 1)
 
@@ -123,7 +124,8 @@ def main() -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"BlockRows(4): loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-            print(f"rows per rank of a 37-row weight: {BlockRows(4).rows(torch.Size((37,)), world)}")
+            rows = BlockRows(4).rows(torch.Size((37,)), world)
+            print(f"(start, rows) per rank of a 37-row weight: {rows}")
         if dist.is_initialized():
             dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:

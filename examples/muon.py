@@ -33,7 +33,8 @@ class Net(nn.Module):
         super().__init__()
         self.inp = nn.Linear(5, dim)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
+                          nn.Linear(hidden, dim))
             for _ in range(depth))
         self.out = nn.Linear(dim, 1)
 

@@ -142,7 +142,8 @@ def test_errors_on_every_rank_before_any_collective():
     expect_all_ranks_raise(2, _sum_mismatch, ValueError,
                            r"shard_tensor: the tensor has 5 rows along dim 0 but sum\(sizes\) is 4")
     expect_all_ranks_raise(2, _piece_mismatch, ValueError,
-                           r"gather_tensor: the tensor has 3 rows .* sizes\[\d\] \(this rank\) is 1")
+                           r"gather_tensor: the tensor has 3 rows .* "
+                           r"sizes\[\d\] \(this rank\) is 1")
 
 
 def test_bad_arguments_single_process():

@@ -52,7 +52,8 @@ def buckets(draw, max_params=5):
         fulls.append((torch.arange(math.prod(shape)) % 97 + i).to(dtype).view(shape))
         dtypes.append(dtype)
     bound = bind_placements(entries, world)
-    slots = [SlotPlan(f"p{i}", e[0], d, b, tuple(b.local_shape(e[0], r, world) for r in range(world)))
+    slots = [SlotPlan(f"p{i}", e[0], d, b,
+                      tuple(b.local_shape(e[0], r, world) for r in range(world)))
              for i, (e, d, b) in enumerate(zip(entries, dtypes, bound))]
     return world, slots, fulls
 
