@@ -8,7 +8,7 @@ import torch
 
 import flexshard as fs
 from flexshard.layout import bind_placements
-from harness import expect_all_ranks_raise
+from harness import expect_all_ranks_raise, run_world
 from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
 
 pytestmark = pytest.mark.world
@@ -43,6 +43,14 @@ def test_shard_sizes_errors():
         fs.shard_sizes(4)
     with pytest.raises(ValueError, match=r"n must be an int >= 0, got -1"):
         fs.shard_sizes(-1, world_size=2)
+
+
+def _sizes_from_group():
+    return fs.shard_sizes(5)
+
+
+def test_shard_sizes_world_from_process_group():
+    assert run_world(2, _sizes_from_group) == [[3, 2], [3, 2]]
 
 
 def test_flattened_dims_and_round_trip():
