@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -64,15 +65,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def plan_table(model) -> str:
-    """One line per bucket: params, placements, dtypes, this rank's bytes, full bytes."""
+    """One line per bucket: params, placement kinds, dtypes, this rank's bytes, full bytes."""
     state = get_state(model)
     rows = [("bucket", "params", "placements", "dtypes", "local bytes", "unsharded bytes")]
     for b in state.buckets:
-        placements = sorted({repr(s.placement) for s in b.slots})
+        kinds = Counter(type(s.placement).__name__ for s in b.slots)
         dtypes = sorted({_dtype_name(s.dtype) for s in b.slots})
         local = sum(reg.nbytes[state.rank] for reg in b.storage.layout.regions)
-        rows.append((b.name, str(len(b.slots)),
-                     ", ".join(placements) if len(placements) <= 2 else f"{len(placements)} kinds",
+        rows.append((b.name, str(len(b.slots)), ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())),
                      ",".join(dtypes), f"{local:,}", f"{b.storage.layout.ideal_bytes:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -93,7 +93,14 @@ class Dist(NamedTuple):
 
 
 def setup_distributed() -> Dist:
-    """Join torchrun's process group if launched by torchrun; else world size 1."""
+    """Join torchrun's process group if launched by torchrun; else world size 1.
+
+    A process group the caller already set up is used as it is.
+    """
+    if dist.is_available() and dist.is_initialized():
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+        return Dist(dist.get_rank(), dist.get_world_size(), device)
     if "WORLD_SIZE" not in os.environ:
         return Dist(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if torch.cuda.is_available():
@@ -124,15 +131,9 @@ def mixed_placement(fqn: str, param: torch.Tensor):
 
 
 def placement_for(name: str):
-    if name == "shard":
-        return fs.Shard(0)
-    if name == "owned":
-        return _feature("Owned", "--placement owned")()
-    if name == "ragged":
-        return _feature("RaggedShard", "--placement ragged")()
-    _feature("Owned", "--placement mixed")
-    _feature("RaggedShard", "--placement mixed")
-    return mixed_placement
+    """The --placement choice: one Placement, or a callable choosing per parameter."""
+    return {"shard": fs.Shard(0), "owned": fs.Owned(), "ragged": fs.RaggedShard(),
+            "mixed": mixed_placement}[name]
 
 
 def build_model(args, env: Dist) -> torch.nn.Module:

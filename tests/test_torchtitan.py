@@ -106,8 +106,9 @@ def _train_reference(world: int) -> tuple:
 
 
 @pytest.mark.world(2)
-def test_parallelize_llama_matches_single_process_training():
-    results = run_world(2, _train_sharded, "shard", timeout=240)
+@pytest.mark.parametrize("placement", ["shard", "owned"])
+def test_parallelize_llama_matches_single_process_training(placement):
+    results = run_world(2, _train_sharded, placement, timeout=240)
     ref_losses, ref_params = _train_reference(2)
     losses, full = results[0]
     assert results[1][0] == losses, "ranks disagree on the loss"
@@ -190,6 +191,12 @@ def test_chunked_loss_is_refused():
     config = llama3_debugmodel()  # torchtitan's own: chunked loss
     with pytest.raises(NotImplementedError, match="ChunkedLossWrapper calls lm_head outside"):
         check_trainer_config(config)
+
+
+@pytest.mark.parametrize("name, placement", [("shard", fs.Shard(0)), ("owned", fs.Owned()),
+                                             ("ragged", fs.RaggedShard())])
+def test_placement_names(name, placement):
+    assert FlexShardConfig(placement=name).build_placement() == placement
 
 
 def test_unknown_placement_name_is_refused():

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import run_world
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
 STEPS = 8
@@ -56,9 +58,10 @@ def test_two_ranks_learn_and_resume_from_a_checkpoint(tmp_path):
     assert "bucket" in out and "layers.0" in out, "no bucket plan printed"
     assert re.search(r"collectives per step: 9\.0 all-gathers, 5\.0 reduce-scatters", out), out
     assert "peak memory per rank r0:" in out and ", r1:" in out
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000008"]
+    saved = {int(p.name.split("_")[1]): p for p in ckpt.glob("step_*")}
+    assert sorted(saved) == [4, 8]
 
-    shutil.rmtree(ckpt / "step_000008")  # as if the run had died after step 4's save
+    shutil.rmtree(saved[8])  # as if the run had died after step 4's save
     out = torchrun(*common, "--resume", "--plot", str(tmp_path / "b.png"))
     assert "resumed from step 4" in out
     resumed_first, resumed_final = losses_of(out)
@@ -77,6 +80,32 @@ def test_one_process_without_torchrun(tmp_path, capsys, monkeypatch):
     first, final = losses_of(out)
     assert final < first
     assert "on 1 rank(s)" in out and "mp bf16" in out
+
+
+def _main_in_world(argv: list) -> str:
+    """Harness body: train.main in the harness's process group; rank 0's output."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        load_train_module().main(argv)
+    return out.getvalue()
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("flags, gathers", [
+    (["--placement", "owned"], 9), (["--placement", "ragged"], 9),
+    (["--placement", "mixed", "--mp", "bf16"], 9), (["--no-reshard"], 5),
+])
+def test_flags_train_at_two_ranks(flags, gathers, tmp_path):
+    out = run_world(2, _main_in_world, ["--steps", "4", "--plot", str(tmp_path / "l.png"), *flags],
+                    timeout=120)[0]
+    first, final = losses_of(out)
+    assert final < first - 0.5, f"{flags}: loss did not fall: {first} -> {final}"
+    assert f"collectives per step: {gathers}.0 all-gathers, 5.0 reduce-scatters" in out, out
+    placement = flags[1] if flags[0] == "--placement" else "shard"
+    assert f"on 2 rank(s), cpu, placement {placement}" in out
 
 
 def test_help_describes_every_flag(capsys):
@@ -109,5 +138,5 @@ def test_resume_without_a_checkpoint_says_so(tmp_path, monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     train = load_train_module()
-    with pytest.raises(FileNotFoundError, match=r"--resume: no complete checkpoint .* in "):
+    with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint in .*--checkpoint-every"):
         train.main(["--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume"])

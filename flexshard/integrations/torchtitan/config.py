@@ -23,11 +23,9 @@ class FlexShardConfig:
         """The placement this config names."""
         if self.placement == "shard":
             return fs.Shard(0)
-        name = {"owned": "Owned", "ragged": "RaggedShard"}.get(self.placement)
-        if name is None:
-            raise ValueError(f"--flex_shard.placement={self.placement!r}: choose one of "
-                             "'shard', 'owned', 'ragged'")
-        if not hasattr(fs, name):
-            raise NotImplementedError(f"--flex_shard.placement={self.placement} needs "
-                                      f"fs.{name}, which this flexshard does not have")
-        return getattr(fs, name)()
+        if self.placement == "owned":
+            return fs.Owned()
+        if self.placement == "ragged":
+            return fs.RaggedShard()
+        raise ValueError(f"--flex_shard.placement={self.placement!r}: choose one of "
+                         "'shard', 'owned', 'ragged'")
