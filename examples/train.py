@@ -132,8 +132,11 @@ def mixed_placement(fqn: str, param: torch.Tensor):
 
 def placement_for(name: str):
     """The --placement choice: one Placement, or a callable choosing per parameter."""
-    return {"shard": fs.Shard(0), "owned": fs.Owned(), "ragged": fs.RaggedShard(),
-            "mixed": mixed_placement}[name]
+    if name == "owned":
+        return fs.Owned()
+    if name == "ragged":
+        return fs.RaggedShard()
+    return mixed_placement if name == "mixed" else fs.Shard(0)
 
 
 def build_model(args, env: Dist) -> torch.nn.Module:
@@ -143,7 +146,9 @@ def build_model(args, env: Dist) -> torch.nn.Module:
           if args.mp == "bf16" else fs.MixedPrecisionPolicy())
     buckets = None
     if args.bucket_bytes is not None:
-        buckets = _feature("plan_buckets", "--bucket-bytes")(model, bucket_bytes=args.bucket_bytes)
+        example = (torch.zeros(1, model.cfg.seq, dtype=torch.long, device=env.device),)
+        buckets = _feature("plan_buckets", "--bucket-bytes")(
+            model, bucket_bytes=args.bucket_bytes, example_inputs=example)  # execution order
     return fs.flex_shard(model, buckets=buckets, placement=placement_for(args.placement),
                          mp_policy=mp, reshard_after_forward=not args.no_reshard)
 

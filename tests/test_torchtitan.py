@@ -29,13 +29,18 @@ LR = 8e-4  # torchtitan's debugmodel learning rate
 BATCH, SEQ, VOCAB = 2, 32, 2048
 
 
-def debugmodel(seed: int = 0) -> torch.nn.Module:
-    """torchtitan's llama3 debugmodel on CPU, with SDPA attention, initialised."""
+def debugmodel_config():
+    """torchtitan's llama3 debugmodel config, with SDPA attention."""
     cfg = model_registry("debugmodel").model
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def debugmodel(seed: int = 0) -> torch.nn.Module:
+    """torchtitan's llama3 debugmodel on CPU, with SDPA attention, initialised."""
     torch.manual_seed(seed)
-    model = cfg.build()
+    model = debugmodel_config().build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
@@ -118,6 +123,46 @@ def test_parallelize_llama_matches_single_process_training(placement):
     for k, ref in ref_params.items():
         err = (full[k] - ref).norm() / ref.norm()
         assert err < 1e-5, f"{k}: relative error {err:.2e}"
+
+
+def _init_on_meta(placement: str) -> tuple:
+    """As torchtitan's Trainer: build on meta, parallelize, to_empty, init_weights."""
+    import torch.distributed as dist
+
+    with torch.device("meta"):
+        model = debugmodel_config().build()
+    model = parallelize(model, dist.get_world_size(), placement)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=None)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    return fs.full_state_dict(model), buffers
+
+
+@pytest.mark.world(2)
+def test_meta_model_initialises_like_the_unsharded_one():
+    from flexshard.integrations.torchtitan.parallelize import _init_own_parameters
+
+    results = run_world(2, _init_on_meta, "ragged", timeout=240)
+    ref = debugmodel_config().build()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in ref.modules():  # flex_shard initialises one module at a time, in order
+            _init_own_parameters(module)
+        ref.init_weights(buffer_device=None)  # buffers (the parameters are overwritten below)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in ref.modules():
+            _init_own_parameters(module)
+    params, buffers = results[0]
+    assert params.keys() == dict(ref.named_parameters()).keys()
+    for k, p in ref.named_parameters():
+        assert torch.equal(params[k], p), k
+    assert len(buffers) == 6
+    for k, b in ref.named_buffers():
+        assert torch.equal(buffers[k], b), k
+    assert not torch.equal(params["layers.0.feed_forward.w1.weight"][:384],
+                           params["layers.0.feed_forward.w1.weight"][384:])
 
 
 def test_one_bucket_per_block_plus_root():

@@ -8,12 +8,14 @@ own `training` and `parallelism` sections; the placement from `FlexShardConfig`.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch.nn as nn
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+from torchtitan.protocols.module import Module as TitanModule
 
 import flexshard as fs
 
@@ -77,7 +79,35 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                                  reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                                  cast_forward_inputs=False)
     mesh = parallel_dims.get_mesh("fsdp") if parallel_dims.world_size > 1 else None
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and not hasattr(fs.FlexShardModule, "init_parameters"):
+        raise NotImplementedError("a meta-device model needs FlexShardModule.init_parameters "
+                                  "(meta-device initialisation), which this flexshard lacks")
     model = fs.flex_shard(model, mesh, buckets=llama_buckets(model, reshard),
                           placement=placement, mp_policy=mp, reshard_after_forward=reshard)
     model.set_gradient_divide_factor(1.0)
+    if on_meta:
+        # torchtitan's Trainer calls model.to_empty(...) and then model.init_weights(...).
+        # Its own init_weights would initialise each rank's shard with the same RNG
+        # stream; this one initialises each module's parameters at full size and keeps
+        # this rank's piece, as the unsharded model would be initialised.
+        model.init_weights = functools.partial(init_weights, model)
     return model
+
+
+def _init_own_parameters(module: nn.Module) -> None:
+    if isinstance(module, TitanModule):
+        module._init_self_parameters()  # the module's param_init, or reset_parameters
+    elif callable(getattr(module, "reset_parameters", None)):
+        module.reset_parameters()
+
+
+def init_weights(model: nn.Module, *, buffer_device=None, **_) -> None:
+    """torchtitan's `init_weights` for a flex-sharded model (after `to_empty`): every
+    module's own parameters by its `param_init`, at full size, one module at a time
+    (flex_shard's `init_parameters`); then every module's buffers (RoPE caches) as
+    torchtitan initialises them."""
+    model.init_parameters(_init_own_parameters)
+    for module in model.modules():
+        if isinstance(module, TitanModule):
+            module._init_self_buffers(buffer_device=buffer_device)
