@@ -8,6 +8,7 @@ its model registry.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -37,13 +38,18 @@ def debugmodel_config():
     return cfg
 
 
-def debugmodel(seed: int = 0) -> torch.nn.Module:
-    """torchtitan's llama3 debugmodel on CPU, with SDPA attention, initialised."""
-    torch.manual_seed(seed)
+@functools.lru_cache(maxsize=1)
+def _pristine_debugmodel() -> torch.nn.Module:
+    torch.manual_seed(0)
     model = debugmodel_config().build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
+
+
+def debugmodel() -> torch.nn.Module:
+    """torchtitan's llama3 debugmodel on CPU, with SDPA attention, initialised (seed 0)."""
+    return copy.deepcopy(_pristine_debugmodel())  # building it computes 6 large RoPE caches
 
 
 def tokens(step: int, rank: int) -> torch.Tensor:
@@ -184,11 +190,12 @@ def test_mixed_precision_and_reshard_come_from_torchtitan_config(policy, blocks_
                                                cast_forward_inputs=False)
         assert b.reshard_after_forward == (blocks_reshard and b.name != "root"), b.name
         assert b.gradient_divide_factor == 1.0  # torchtitan's loss is already normalised
-    x = tokens(0, 0)
-    loss = titan_loss(model, x, BATCH * SEQ)
-    loss.backward()
-    assert math.isfinite(loss.item())
-    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    if policy == "default":
+        loss = titan_loss(model, tokens(0, 0), BATCH * SEQ)
+        loss.backward()
+        assert math.isfinite(loss.item())
+        assert all(p.grad is not None and p.grad.dtype == torch.float32
+                   for p in model.parameters())
 
 
 @pytest.mark.parametrize("field, value, flag", [
@@ -201,7 +208,7 @@ def test_other_parallelisms_are_refused(field, value, flag):
     degrees[field] = value
     dims = ParallelDims(**degrees, world_size=2, spmd_backend="partial_dtensor")
     with pytest.raises(NotImplementedError, match=rf"data parallelism .* drop {flag.replace('>', '.')}"):
-        parallelize_llama(debugmodel(), parallel_dims=dims, training=TrainingConfig(),
+        parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
                           parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
                           compile_config=CompileConfig(), ac_config=None, dump_folder="")
 
@@ -210,7 +217,7 @@ def test_spmd_backend_and_compile_are_refused():
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     with pytest.raises(NotImplementedError, match=r"--parallelism.spmd_backend spmd_types "
                                                   r"\(use partial_dtensor\), --compile.enable"):
-        parallelize_llama(debugmodel(), parallel_dims=dims, training=TrainingConfig(),
+        parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
                           parallelism=ParallelismConfig(spmd_backend="spmd_types"),
                           compile_config=CompileConfig(enable=True), ac_config=None,
                           dump_folder="")
