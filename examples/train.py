@@ -41,11 +41,7 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_int
 PLACEMENTS = ("shard", "owned", "ragged", "mixed")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Train a small byte-level GPT on the texts in data/ with flexshard. "
-                    "Run under torchrun for several ranks, or plainly for one.")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
+def _sharding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default="shard",
                    help="how parameters are split across ranks: shard = Shard(0) on every "
                         "parameter (FSDP-like); owned = each parameter whole on one rank, "
@@ -61,19 +57,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-reshard", action="store_true",
                    help="keep each block's parameters unsharded from forward to backward "
                         "(one gather per bucket per step instead of two; more memory)")
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="directory for checkpoints (torch.distributed.checkpoint format, one "
-                        "sub-directory per saved step; saves are atomic)")
+                   help="directory for checkpoints (torch.distributed.checkpoint format through "
+                        "fs.save_checkpoint, one step_* sub-directory per save; saves are atomic)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="save a checkpoint every N steps and at the last step "
                         "(needs --checkpoint-dir; 0 = never)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir: same "
                         "model, optimizer, step and loss curve as an uninterrupted run")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a small byte-level GPT on the texts in data/ with flexshard. "
+                    "Run under torchrun for several ranks, or plainly for one.")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
+    _sharding_flags(p)
+    _checkpoint_flags(p)
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the model initialisation and the data order (default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--plot", type=Path, default=Path("runs/loss.png"),
                    help="where to write the loss curve PNG (default runs/loss.png)")
     args = p.parse_args(argv)
@@ -116,8 +124,7 @@ def setup_distributed() -> Dist:
 def _feature(name: str, flag: str):
     """fs.<name>, or NotImplementedError naming the flag that needs it."""
     if not hasattr(fs, name):
-        raise NotImplementedError(f"{flag} needs fs.{name}, which this flexshard "
-                                  f"(version {getattr(fs, '__version__', 'dev')}) does not have")
+        raise NotImplementedError(f"{flag} needs fs.{name}, which this flexshard does not have")
     return getattr(fs, name)
 
 
@@ -216,8 +223,9 @@ def summary(args, env: Dist, model, result: RunResult) -> None:
           f"rank(s), {env.device.type}, placement {args.placement}, mp {args.mp}, "
           f"reshard after forward {not args.no_reshard}")
     print(f"tokens/s {tokens / max(result.seconds, 1e-9):,.0f} (all ranks)")
-    print("peak memory per rank " + ", ".join(f"r{r}: {b / 2**20:.1f} MiB"
-                                              for r, b in enumerate(peaks)))
+    measure = "CUDA max allocated" if env.device.type == "cuda" else "max RSS of the process"
+    print(f"peak memory per rank ({measure}) " + ", ".join(f"r{r}: {b / 2**20:.1f} MiB"
+                                                           for r, b in enumerate(peaks)))
     print(f"collectives per step: {t.gathers / n:.1f} all-gathers, {t.reduces / n:.1f} "
           f"reduce-scatters; bytes per step per rank: {t.wire_bytes / n / 2**20:.3f} MiB on "
           f"the wire ({t.padding_bytes / n / 2**10:.1f} KiB of it padding)")
