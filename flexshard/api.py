@@ -13,6 +13,7 @@ from .bucket import Bucket
 from .bucketing import assign_params, default_buckets, param_aliases, running_module
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
+from .fingerprint import check_ranks_agree
 from .hooks import ModuleHooks, install_params
 from .layout import SlotPlan, bind_placements
 from .placements.contract import Placement
@@ -55,6 +56,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     state = FlexShardState(mesh, mesh.get_group() if mesh is not None else None,
                            rank, world_size, comm or Comm())
+    check_ranks_agree(state, specs, plans, named, mp_policy, reshard_after_forward)
     _build(module, state, specs, plans, named, mp_policy, reshard_after_forward, device)
     attach_state(module, state)
     cls = type(module)
