@@ -89,7 +89,13 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
 
 
 def _check_specs(buckets) -> list:
+    if isinstance(buckets, (str, BucketSpec)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(f"buckets must be a list of fs.BucketSpec, got {buckets!r}; "
+                        "e.g. buckets=[fs.BucketSpec('layers.*')]")
     specs = list(buckets)
+    if not specs:
+        raise ValueError("buckets is empty; pass buckets=None for one bucket per block, "
+                         "or at least one fs.BucketSpec")
     for i, spec in enumerate(specs):
         if not isinstance(spec, BucketSpec):
             raise TypeError(f"buckets[{i}] is {type(spec).__name__}, not a fs.BucketSpec")
