@@ -14,6 +14,7 @@ PG_TIMEOUT_S = 5.0  # the worlds' process-group timeout
 SLACK_S = 15.0  # scheduling noise on a loaded 2-core machine
 STARTUP_S = 120.0  # starting the processes and the process groups
 VICTIM = 1
+PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "flexshard", "models"]  # slow imports
 FAIL_AT_STEP = 2
 
 
@@ -70,7 +71,7 @@ def _rank_main(rank: int, world: int, port: int, scenario: str, out_dir: str) ->
 
 def _start_world(world: int, scenario: str, out_dir: str) -> list:
     ctx, port = mp.get_context("forkserver"), _free_port()
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "flexshard", "models"])
+    ctx.set_forkserver_preload(PRELOAD)
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, out_dir), daemon=True)
              for r in range(world)]
     for p in procs:
