@@ -8,6 +8,7 @@ import torch.distributed as dist
 import flexshard as fs
 from harness import run_world
 from models import TinyGPT, batch, loss_fn
+from reference import reference_run
 
 pytestmark = pytest.mark.world
 
@@ -36,18 +37,6 @@ def _train(seed: int, policy: str):
     return torch.stack(losses), fs.full_state_dict(model)
 
 
-def _reference(seed: int, world: int):
-    torch.manual_seed(seed)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        pairs = [batch(step, r) for r in range(world)]
-        opt.zero_grad()
-        loss_fn(model(torch.cat([p[0] for p in pairs])), torch.cat([p[1] for p in pairs])).backward()
-        opt.step()
-    return model.state_dict()
-
-
 def _bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -65,7 +54,10 @@ def test_same_seed_gives_bitwise_identical_runs(policy):
 
 
 def test_deterministic_run_matches_reference():
-    (_, params), _ = run_world(2, _train, 0, "fp32")
-    reference = _reference(0, 2)
+    results = run_world(2, _train, 0, "fp32")
+    ref_losses, reference, _ = reference_run(2, STEPS, lr=LR)
+    mean_losses = (results[0][0] + results[1][0]) / 2  # equal batches: the global mean
+    assert mean_losses.tolist() == pytest.approx(ref_losses, rel=RTOL)
+    params = results[0][1]
     for k, want in reference.items():
         torch.testing.assert_close(params[k], want, rtol=RTOL, atol=RTOL * want.abs().max().item())
