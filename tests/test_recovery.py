@@ -79,6 +79,8 @@ def _fail_once(model, where: str, x, y) -> None:
             out.register_hook(lambda grad: (_ for _ in ()).throw(Injected("in backward")))
         flaky.fail_at = None
         handle = model.layers[0].register_forward_hook(arm)
+    buckets = get_state(model).buckets
+    before = [b.counters.reduces for b in buckets]
     try:
         loss_fn(model(x), y).backward()
     except Injected:
@@ -89,6 +91,9 @@ def _fail_once(model, where: str, x, y) -> None:
         flaky.fail_at = None
         if handle is not None:
             handle.remove()
+    reduced = sum(b.counters.reduces > n for b, n in zip(buckets, before))
+    if where == "backward" and not 0 < reduced < len(buckets):
+        raise AssertionError(f"backward failed after {reduced} of {len(buckets)} reductions")
 
 
 def _recover(where: str, steps: int = 3, fail_before: int = 1):
@@ -104,17 +109,18 @@ def _recover(where: str, steps: int = 3, fail_before: int = 1):
         if step == fail_before:
             _fail_once(model, where, x, y)
             problems += [f"after the failure: {p}" for p in _clean_state(model)]
-            opt.zero_grad()
-        opt.zero_grad()
+            opt.zero_grad()  # drop the grads the failed backward left
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
-        dist.all_reduce(loss := loss.detach())
-        pairs = [batch(step, r) for r in range(world)]
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(reference(torch.cat([p[0] for p in pairs])), torch.cat([p[1] for p in pairs]))
+        opt.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        ref_loss = loss_fn(reference(torch.cat(xs)), torch.cat(ys))
         ref_loss.backward()
         ref_opt.step()
+        ref_opt.zero_grad()
         losses.append((loss.item() / world, ref_loss.item()))
     problems += _clean_state(model)
     full, ref = fs.full_state_dict(model), reference.state_dict()
