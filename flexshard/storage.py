@@ -33,11 +33,9 @@ def gathered_pieces(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan
 
 def gathered_param(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
                    index: int) -> tuple:
-    """(unsharded tensor, copied bytes): a view when the pieces are contiguous
-    and, in rank order, are the flattened parameter (rank_major), else the
-    placement joins them (a copy-out)."""
-    span: Optional[tuple] = (layout.gathered_range(index)
-                             if slot.placement.rank_major(slot.shape) else None)
+    """(unsharded tensor, copied bytes): a view when the pieces are contiguous,
+    else the placement joins them (a copy-out)."""
+    span: Optional[tuple] = layout.gathered_range(index)
     dtype = layout.regions[index].dtype
     if span is not None:
         return typed_view(gathered, span[0], dtype, slot.shape), 0

@@ -1,7 +1,17 @@
-"""Property tests (hypothesis) of the layout math for random shapes, dtypes,
-world sizes 1 to 8 and every placement: shard then unshard is the identity
-(directly and through the bucket's bytes), local sizes sum to the global size,
-byte ranges are disjoint and aligned, and binding is deterministic."""
+"""Property tests (hypothesis) of the bucket math for random shapes, dtypes,
+world sizes 1 to 8 and every placement (Shard, Owned, RaggedShard).
+
+tests/test_layout_properties.py checks one storage layout in isolation (worlds
+of up to 5). Here a whole world of Buckets runs in one process, through a Comm
+that plays the collectives, so the properties hold for the code that trains:
+- local sizes sum to the global size (ragged rounding sums exactly);
+- storage, gather (param_dtype) and reduce layouts: byte ranges disjoint and
+  aligned per rank and in the gathered buffer;
+- shard then unshard is the identity through the bucket's all-gather, bitwise,
+  also with a param_dtype cast;
+- the reduce-scatter hands every rank its piece of the mean gradient, bitwise;
+- binding (Owned owners, balanced RaggedShard rows) is deterministic and balanced.
+"""
 
 import math
 
@@ -9,148 +19,223 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import flexshard as fs
+from flexshard.bucket import Bucket
+from flexshard.layout import SlotPlan, bind_placements
 from harness import run_world
-from flexshard.layout import SlotPlan, bind_placements, plan_layout
-from flexshard.placements.shard import Shard
-from flexshard.storage import gathered_param, segment_views
 
-SETTINGS = settings(max_examples=60, deadline=None)
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
-          torch.int32, torch.int16, torch.uint8]
-world_sizes = st.integers(1, 8)
-shapes = st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple)
-
-
-def shard_placements(shape):
-    return st.integers(-len(shape), len(shape) - 1).map(Shard)
-
-
-PLACEMENTS = [shard_placements]  # one strategy (shape -> placements) per placement
+SETTINGS = settings(max_examples=40, deadline=None)
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+DTYPES = FLOATS + [torch.int64, torch.int32, torch.uint8]  # integer params are frozen
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(torch.Size)
 
 
 @st.composite
-def placed(draw, shape=None):
-    """(shape, dtype, placement) for any placement that can split the shape."""
-    shape = draw(shapes) if shape is None else shape
-    placement = draw(st.one_of([make(shape) for make in PLACEMENTS]))
-    return shape, draw(st.sampled_from(DTYPES)), placement
+def placements(draw, shape, world):
+    """Any placement that can split `shape` over `world` ranks."""
+    choices = [st.just(fs.Owned()), st.integers(0, world - 1).map(fs.Owned)]
+    if len(shape):
+        units = st.none() | st.lists(st.integers(0, 4), min_size=world, max_size=world).filter(
+            lambda u: sum(u) > 0).map(tuple)
+        choices += [st.integers(-len(shape), len(shape) - 1).map(fs.Shard),
+                    st.builds(fs.RaggedShard, st.integers(1, len(shape)).map(
+                        lambda n: tuple(range(n))), units)]
+    return draw(st.one_of(choices))
 
 
 @st.composite
-def buckets(draw):
-    """(world size, [(shape, dtype, placement)]) for a bucket of 1 to 5 parameters."""
-    return draw(world_sizes), draw(st.lists(placed(), min_size=1, max_size=5))
+def buckets(draw, max_params=5):
+    """(world, slots, trainable): a bucket of bound, mixed placements and dtypes."""
+    world = draw(st.integers(1, 8))
+    entries, dtypes = [], []
+    for _ in range(draw(st.integers(1, max_params))):
+        shape, dtype = draw(shapes), draw(st.sampled_from(DTYPES))
+        placement = draw(placements(shape, world))
+        placement.check(shape, world)
+        entries.append((shape, dtype.itemsize, placement))
+        dtypes.append(dtype)
+    bound = bind_placements(entries, world)
+    slots = [SlotPlan(f"p{i}", shape, dtype, pl,
+                      tuple(pl.local_shape(shape, r, world) for r in range(world)))
+             for i, ((shape, _, _), dtype, pl) in enumerate(zip(entries, dtypes, bound))]
+    trainable = [d.is_floating_point and draw(st.booleans()) for d in dtypes]
+    return world, slots, trainable
 
 
-def random_tensor(shape, dtype, seed) -> torch.Tensor:
-    """Random bytes viewed as `dtype` (compared bytewise, so NaN patterns are fine)."""
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+policies = st.sampled_from([
+    fs.MixedPrecisionPolicy(),
+    fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    fs.MixedPrecisionPolicy(reduce_dtype=torch.float64),
+])
+
+
+class PlayedComm(fs.Comm):
+    """One rank's Comm in a world played in one process. Each collective runs
+    twice: while `world.recording`, it stores what this rank sends; then it
+    returns what the real collective would, from every rank's recording."""
+
+    def __init__(self, world: "PlayedWorld", rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    def all_gather(self, output, input, group, async_op=False):
+        if self.world.recording:
+            self.world.sent[self.rank] = input.clone()
+        else:
+            output.copy_(torch.cat([self.world.sent[r] for r in range(self.world.size)]))
+
+    def reduce_scatter(self, output, input, group, async_op=False):
+        if self.world.recording:
+            self.world.sent[self.rank] = input.clone()
+            return
+        total = torch.zeros_like(output)
+        for r in range(self.world.size):  # in rank order, as the expected values
+            total += self.world.sent[r].view(self.world.size, -1)[self.rank]
+        output.copy_(total)
+
+
+class PlayedWorld:
+    """`size` Buckets over the same slots, one per rank, fed the same full tensors."""
+
+    def __init__(self, slots, trainable, mp, size: int, fulls: dict) -> None:
+        self.size, self.recording, self.sent = size, False, {}
+        self.buckets = [Bucket("b", slots, trainable, mp, False, None, r, size,
+                               PlayedComm(self, r), torch.device("cpu")) for r in range(size)]
+        for bucket in self.buckets:
+            bucket.load_full(fulls.__getitem__)
+
+    def run(self, call) -> list:
+        """call(bucket, rank) on every rank, once recording and once for real."""
+        self.recording = True
+        for r, bucket in enumerate(self.buckets):
+            call(bucket, r)
+        self.recording = False
+        return [call(bucket, r) for r, bucket in enumerate(self.buckets)]
+
+
+def random_bytes(shape, dtype, gen) -> torch.Tensor:
+    """Any bit pattern, NaNs included (compared bytewise)."""
+    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8,
+                        generator=gen)
     return raw.view(dtype).view(shape)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def bound_slots(entries, world_size) -> list:
-    bound = bind_placements([(s, d.itemsize, p) for s, d, p in entries], world_size)
-    return [SlotPlan(f"p{i}", torch.Size(s), d, pl,
-                     tuple(pl.local_shape(torch.Size(s), r, world_size) for r in range(world_size)))
-            for i, ((s, d, _), pl) in enumerate(zip(entries, bound))]
-
-
-@SETTINGS
-@given(placed(), world_sizes, st.integers(0, 2**31))
-def test_shard_then_unshard_is_identity(entry, world_size, seed):
-    shape, dtype, placement = entry
-    placement.check(torch.Size(shape), world_size)
-    (slot,) = bound_slots([entry], world_size)
-    full = random_tensor(shape, dtype, seed)
-    pieces = [slot.placement.shard(full, r, world_size) for r in range(world_size)]
-    assert [p.shape for p in pieces] == list(slot.local_shapes)
-    assert same_bytes(slot.placement.unshard(pieces, full.shape), full)
-
-
-@SETTINGS
-@given(placed(), world_sizes)
-def test_local_sizes_sum_to_the_global_size(entry, world_size):
-    (slot,) = bound_slots([entry], world_size)
-    assert sum(math.prod(s) for s in slot.local_shapes) == math.prod(entry[0])
-    for local in slot.local_shapes:
-        assert len(local) == len(entry[0])
-
-
-def _check_layout(layout, slots, dtypes, world_size) -> None:
-    widest = max(d.itemsize for d in dtypes)
-    assert layout.segment_bytes % widest == 0
-    for r in range(world_size):
-        spans = []
-        for reg, slot, dtype in zip(layout.regions, slots, dtypes):
-            assert reg.dtype == dtype and reg.offsets[r] % dtype.itemsize == 0
-            assert reg.nbytes[r] == math.prod(slot.local_shapes[r]) * dtype.itemsize
-            spans.append((reg.offsets[r], reg.offsets[r] + reg.nbytes[r]))
-        spans = sorted(s for s in spans if s[0] < s[1])
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
-        assert all(end <= layout.segment_bytes for _, end in spans)
-    starts = sorted((layout.piece_start(i, r), layout.piece_start(i, r) + reg.nbytes[r])
-                    for i, reg in enumerate(layout.regions) for r in range(world_size)
-                    if reg.nbytes[r])
-    assert all(a[1] <= b[0] for a, b in zip(starts, starts[1:]))
-    assert all(end <= layout.wire_bytes for _, end in starts)
-    assert layout.ideal_bytes == sum(sum(reg.nbytes) for reg in layout.regions)
-
-
-@SETTINGS
-@given(buckets(), st.sampled_from([None, torch.bfloat16, torch.float32]))
-def test_byte_ranges_are_disjoint_and_aligned(bucket, param_dtype):
-    world_size, entries = bucket
-    slots = bound_slots(entries, world_size)
-    storage = [s.dtype for s in slots]
-    gather = [param_dtype if param_dtype and d.is_floating_point else d for d in storage]
-    for dtypes in (storage, gather):
-        _check_layout(plan_layout(slots, dtypes, world_size), slots, dtypes, world_size)
-
-
-@SETTINGS
-@given(buckets(), st.integers(0, 2**31))
-def test_gathered_bytes_unshard_every_parameter(bucket, seed):
-    """Each rank writes its pieces into its segment; the rank-major concatenation
-    of the segments (what the all-gather makes) yields every full parameter."""
-    world_size, entries = bucket
-    slots = bound_slots(entries, world_size)
-    layout = plan_layout(slots, [s.dtype for s in slots], world_size)
-    fulls = [random_tensor(s.shape, s.dtype, seed + i) for i, s in enumerate(slots)]
-    segments = []
-    for r in range(world_size):
-        segment = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
-        for slot, view, full in zip(slots, segment_views(segment, layout, slots, r), fulls):
-            view.copy_(slot.placement.shard(full, r, world_size))
-        segments.append(segment)
-    gathered = torch.cat(segments)
-    for i, (slot, full) in enumerate(zip(slots, fulls)):
-        out, copied = gathered_param(gathered, layout, slot, i)
-        assert same_bytes(out, full)
-        zero_copy = layout.gathered_range(i) is not None and slot.placement.rank_major(slot.shape)
-        assert copied == (0 if zero_copy else full.numel() * full.element_size())
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 @SETTINGS
 @given(buckets())
-def test_binding_is_deterministic(bucket):
-    world_size, entries = bucket
-    first, again = bound_slots(entries, world_size), bound_slots(entries, world_size)
-    assert first == again
-    assert all(p.placement.bind(p.shape, p.dtype.itemsize, world_size, (0,) * world_size)
-               == p.placement for p in first)  # a bound placement binds to itself
+def test_local_sizes_sum_to_the_global_size(bucket):
+    world, slots, _ = bucket
+    for slot in slots:
+        assert sum(math.prod(s) for s in slot.local_shapes) == math.prod(slot.shape)
+        if isinstance(slot.placement, fs.RaggedShard):  # rounding: whole rows, summing exactly
+            assert sum(s[0] for s in slot.local_shapes) == math.prod(
+                slot.shape[:len(slot.placement.dims)])
+        if isinstance(slot.placement, fs.Owned) and math.prod(slot.shape):
+            assert [math.prod(s) > 0 for s in slot.local_shapes].count(True) == 1
 
 
-# ---- a regression the properties found, end to end
+def _check_layout(layout, slots, world: int) -> None:
+    widest = max(reg.dtype.itemsize for reg in layout.regions)
+    assert layout.segment_bytes % widest == 0
+    spans = []
+    for i, (reg, slot) in enumerate(zip(layout.regions, slots)):
+        for r in range(world):
+            assert reg.offsets[r] % reg.dtype.itemsize == 0
+            assert reg.nbytes[r] == math.prod(slot.local_shapes[r]) * reg.dtype.itemsize
+            assert reg.offsets[r] + reg.nbytes[r] <= layout.segment_bytes
+            if reg.nbytes[r]:
+                start = layout.piece_start(i, r)
+                spans.append((start, start + reg.nbytes[r]))
+    spans.sort()  # every piece of every rank: disjoint in the gathered buffer
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(end <= layout.wire_bytes for _, end in spans)
+
+
+@SETTINGS
+@given(buckets(), policies)
+def test_storage_gather_and_reduce_layouts_are_disjoint_and_aligned(bucket, mp):
+    world, slots, trainable = bucket
+    b = Bucket("b", slots, trainable, mp, False, None, 0, world, fs.Comm(), torch.device("cpu"))
+    _check_layout(b.storage.layout, slots, world)
+    _check_layout(b.gather_layout, slots, world)
+    if b.grad_slots:
+        _check_layout(b.reduce_layout, [slots[i] for i in b.grad_slots], world)
+
+
+@SETTINGS
+@given(buckets(), policies, st.integers(0, 2**31))
+def test_gather_unshards_every_parameter_bitwise(bucket, mp, seed):
+    world, slots, trainable = bucket
+    gen = torch.Generator().manual_seed(seed)
+    fulls = {s.fqn: random_bytes(s.shape, s.dtype, gen) for s in slots}
+    played = PlayedWorld(slots, trainable, mp, world, fulls)
+    for outs in played.run(lambda bucket, rank: bucket.gather_params()):
+        for slot, out in zip(slots, outs):
+            full = fulls[slot.fqn]
+            if mp.param_dtype is not None and full.is_floating_point():
+                full = full.to(mp.param_dtype)  # the cast the gather input makes
+            assert same_bytes(out, full), slot
+
+
+@SETTINGS
+@given(buckets(), policies, st.integers(0, 2**31))
+def test_reduce_gives_each_rank_its_piece_of_the_mean_gradient(bucket, mp, seed):
+    world, slots, trainable = bucket
+    assume(any(trainable))  # a frozen bucket's gather is not differentiable: no reduce
+    gen = torch.Generator().manual_seed(seed)
+    fulls = {s.fqn: torch.zeros(s.shape, dtype=s.dtype) for s in slots}
+    played = PlayedWorld(slots, trainable, mp, world, fulls)
+    grads = [[torch.randn(s.shape, generator=gen).to(s.dtype) if t else None
+              for s, t in zip(slots, trainable)] for _ in range(world)]
+    results = played.run(lambda bucket, rank: bucket.reduce_grads(grads[rank]))
+    reduce_dtype = played.buckets[0].reduce_layout.regions[0].dtype
+    for i, slot in enumerate(slots):
+        if not trainable[i]:
+            assert all(out[i] is None for out in results)
+            continue
+        mean = torch.zeros(slot.shape, dtype=reduce_dtype)
+        for r in range(world):  # the same sum, in the same order, as the collective
+            mean += grads[r][i].to(reduce_dtype)
+        if world > 1:
+            mean /= world
+        for r in range(world):
+            want = slot.placement.shard(mean, r, world).to(slot.dtype)
+            assert same_bytes(results[r][i], want), (slot, r)
+
+
+@SETTINGS
+@given(st.integers(1, 8), st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)),
+                                   min_size=1, max_size=12))
+def test_owner_assignment_is_deterministic_and_balanced(world, sizes):
+    entries = [(torch.Size(s), 4, fs.Owned()) for s in sizes]
+    owners = [p.rank for p in bind_placements(entries, world)]
+    assert owners == [p.rank for p in bind_placements(entries, world)]
+    load = [0] * world
+    for (shape, itemsize, _), owner in zip(entries, owners):
+        load[owner] += math.prod(shape) * itemsize
+    # each param went to the least-loaded rank: no rank ends more than one param ahead
+    assert max(load) - min(load) <= max(math.prod(s) * 4 for s in sizes)
+
+
+@SETTINGS
+@given(st.integers(1, 8), st.lists(st.integers(0, 20), min_size=1, max_size=8))
+def test_balanced_ragged_rows_are_deterministic_and_even(world, rows):
+    entries = [(torch.Size((n, 3)), 4, fs.RaggedShard()) for n in rows]
+    bound = bind_placements(entries, world)
+    assert bound == bind_placements(entries, world)
+    for (shape, _, _), placement in zip(entries, bound):
+        sizes = [placement.local_shape(shape, r, world)[0] for r in range(world)]
+        assert sum(sizes) == shape[0] and max(sizes) - min(sizes) <= 1
+
+
+# ---- found by these properties, end to end
 
 
 def _column_sharded_linear():
