@@ -93,6 +93,16 @@ def _rank_dependent_placement():
     _wrap_checked(TinyGPT(), placement=choose)
 
 
+def _rank_dependent_units():
+    torch.manual_seed(0)
+    units = (1, 2) if dist.get_rank() == 0 else (2, 1)
+
+    def choose(fqn, param):
+        return fs.RaggedShard(units=units) if fqn == "head.weight" else fs.Shard(0)
+
+    _wrap_checked(TinyGPT(), placement=choose)
+
+
 def _different_policy():
     torch.manual_seed(0)
     dtype = torch.bfloat16 if dist.get_rank() == 0 else torch.float32
@@ -139,6 +149,8 @@ def test_world_size_one_issues_no_collective():
                          r"'layers(\.0)?' where rank \d has 'layers(\.0)?'"),
     (_rank_dependent_placement, r"bucket 1 \('layers\.1' on rank \d\): field 'placements' differs: "
                                 r"rank \d has 'layers\.1\.up\.weight: Shard\(dim=[01]\)'"),
+    (_rank_dependent_units, r"bucket 2 \('root' on rank \d\): field 'placements' differs: rank \d has "
+                            r"'head\.weight: RaggedShard\(dims=\(0,\), units=\((1, 2|2, 1)\)\)'"),
     (_different_policy, r"bucket 0 .*: field 'mp_policy' differs: .*param_dtype=torch\.(bfloat16|float32)"),
     (_frozen_on_one_rank, r"bucket 1 \('layers\.1' on rank \d\): field 'trainable' differs: rank \d "
                           r"has 'layers\.1\.proj\.bias: (True|False)'"),
