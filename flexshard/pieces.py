@@ -98,25 +98,30 @@ def _index_boxes(placement, shape, rank, world_size) -> tuple:
 
 
 def _range_boxes(a: int, b: int, shape: Sequence[int], start: int) -> list:
-    """Row-major blocks covering flat range [a, b) of a `shape` tensor."""
+    """Row-major blocks covering flat range [a, b) of a `shape` tensor; the
+    first element sits at `start` in the piece."""
     if len(shape) == 0:
         return [Box((), (), start)]
     if len(shape) == 1:
         return [Box((a,), (b - a,), start)]
     inner = math.prod(shape[1:])
+
+    def in_row(row, lo, hi, at):
+        return [Box((row, *x.offsets), (1, *x.sizes), x.start)
+                for x in _range_boxes(lo, hi, shape[1:], at)]
+
     (r0, rem0), (r1, rem1) = divmod(a, inner), divmod(b, inner)
     if r0 == r1:
-        return [Box((r0, *x.offsets), (1, *x.sizes), x.start)
-                for x in _range_boxes(rem0, rem1, shape[1:], start)]
+        return in_row(r0, rem0, rem1, start)
     boxes = []
     if rem0:
-        boxes += _range_boxes(a, (r0 + 1) * inner, shape, start)
+        boxes += in_row(r0, rem0, inner, start)
         start, r0 = start + inner - rem0, r0 + 1
     if r1 > r0:
         boxes.append(Box((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:]), start))
         start += (r1 - r0) * inner
     if rem1:
-        boxes += _range_boxes(r1 * inner, b, shape, start)
+        boxes += in_row(r1, 0, rem1, start)
     return boxes
 
 

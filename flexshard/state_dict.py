@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .bucket import BucketState
 from .pieces import ShardedPieces, dtensor_shard, piece_boxes
@@ -159,7 +160,7 @@ class OptimizerHooks:
         self._state = weakref.ref(state)
         self._names = names  # id(sharded param) -> canonical FQN
         self._seen: weakref.WeakSet = weakref.WeakSet()
-        self.handle = torch.optim.optimizer.register_optimizer_step_pre_hook(self._on_step)
+        self.handle = register_optimizer_step_pre_hook(self._on_step)
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         if optimizer not in self._seen:
