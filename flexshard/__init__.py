@@ -1,8 +1,10 @@
 """flexshard: bucketed, placement-pluggable parameter sharding for PyTorch."""
 
 from .api import FlexShardModule, flex_shard
+from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
+from .pieces import ShardedPieces
 from .placements import Placement, Shard
 from .state_dict import full_state_dict, load_full_state_dict
 
@@ -13,7 +15,10 @@ __all__ = [
     "MixedPrecisionPolicy",
     "Placement",
     "Shard",
+    "ShardedPieces",
     "flex_shard",
     "full_state_dict",
+    "load_checkpoint",
     "load_full_state_dict",
+    "save_checkpoint",
 ]

@@ -8,7 +8,7 @@ import torch
 
 import flexshard as fs
 from ckpt_util import PLACEMENTS, assert_rel_close, reference, train, wrapped
-from harness import run_world
+from harness import expect_all_ranks_raise, run_world
 
 SAVE_STEPS = 3  # steps trained at 4 ranks before the checkpoint
 
@@ -101,3 +101,122 @@ def test_reshard_matrix(tmp_path):
             params, _ = assemble([r[key][1] for r in out])
             for k in ref_params:
                 assert_rel_close(params[k], ref_params[k], 1e-5, f"{key} at {world} ranks: {k}")
+
+
+# fs.save_checkpoint / fs.load_checkpoint: atomic saves, resume, errors.
+
+
+def _train_and_save(root, placement_name, steps):
+    import torch.distributed as dist
+
+    model, opt = wrapped(placement_name)
+    train(model, opt, range(steps), dist.get_rank())
+    return fs.save_checkpoint(root, model, opt, step=steps)
+
+
+def _resume(root, placement_name, more_steps):
+    import torch.distributed as dist
+
+    model, opt = wrapped(placement_name, seed=1)
+    step = fs.load_checkpoint(root, model, opt)
+    train(model, opt, range(step, step + more_steps), dist.get_rank())
+    return step, local_state(model, opt)
+
+
+def test_resume_on_another_world_size(tmp_path):
+    path = run_world(2, _train_and_save, str(tmp_path), "shard0", 2)[0]
+    assert path == str(tmp_path / "step_00000002")
+    out = run_world(3, _resume, str(tmp_path), "uneven", 1)
+    assert [r[0] for r in out] == [2, 2, 2]
+    params, _ = assemble([r[1] for r in out])
+    ref_params, _ = reference([2, 2, 3])
+    for k in ref_params:
+        assert_rel_close(params[k], ref_params[k], 1e-5, k)
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+def _crash_then_resume(root):
+    """Save step 1; crash while saving step 2 (before DCP's metadata is
+    written); load: step 1 comes back. Then save steps 2 and 3 with keep=2."""
+    import os
+    from unittest import mock
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    rank = dist.get_rank()
+    model, opt = wrapped("shard0")
+    train(model, opt, [0], rank)
+    fs.save_checkpoint(root, model, opt, step=1)
+    at_step1 = local_state(model, opt)
+    train(model, opt, [1], rank)
+    crashed = False
+    with mock.patch.object(FileSystemWriter, "finish", side_effect=SimulatedCrash("power cut")):
+        try:
+            fs.save_checkpoint(root, model, opt, step=2)
+        except CheckpointException as e:  # DCP re-raises rank 0's failure on every rank
+            crashed = isinstance(e.failures[0][0], SimulatedCrash)
+    left = sorted(os.listdir(root))
+    fresh, fresh_opt = wrapped("shard0", seed=1)
+    step = fs.load_checkpoint(root, fresh, fresh_opt)
+    loaded = local_state(fresh, fresh_opt)
+    fs.save_checkpoint(root, model, opt, step=2, keep=2)
+    fs.save_checkpoint(root, model, opt, step=3, keep=2)
+    return crashed, left, step, at_step1, loaded, sorted(os.listdir(root))
+
+
+def test_crash_during_save_leaves_previous_checkpoint(tmp_path):
+    out = run_world(2, _crash_then_resume, str(tmp_path))
+    for crashed, left, step, *_ in out:
+        assert crashed
+        assert left == [".tmp-step_00000002", "step_00000001"]
+        assert step == 1
+    assert_equal_state(assemble([r[3] for r in out]), assemble([r[4] for r in out]))
+    assert out[0][5] == ["step_00000002", "step_00000003"]
+
+
+def _load_into(root, model_kw=None, with_optimizer=True):
+    model, opt = wrapped("shard0", **(model_kw or {}))
+    return fs.load_checkpoint(root, model, opt if with_optimizer else None)
+
+
+def _save_model_only(root):
+    model, _ = wrapped("shard0")
+    fs.save_checkpoint(root, model, step=5)
+
+
+def test_missing_checkpoint_errors(tmp_path):
+    expect_all_ranks_raise(2, _load_into, FileNotFoundError, r"no checkpoint at .*not a directory",
+                           str(tmp_path / "nope"))
+    expect_all_ranks_raise(2, _load_into, FileNotFoundError, r"no checkpoint in .*step_\*",
+                           str(tmp_path))
+
+
+def test_partial_checkpoint_error(tmp_path):
+    run_world(2, _train_and_save, str(tmp_path), "shard0", 1)
+    (tmp_path / "step_00000001" / ".metadata").unlink()
+    expect_all_ranks_raise(2, _load_into, ValueError,
+                           r"incomplete: \.metadata is missing from \['step_00000001'\]",
+                           str(tmp_path))
+
+
+def test_checkpoint_of_another_model_names_the_key(tmp_path):
+    run_world(2, _save_model_only, str(tmp_path))
+    assert run_world(2, _load_into, str(tmp_path), None, False) == [5, 5]
+    expect_all_ranks_raise(2, _load_into, ValueError,
+                           r"'model\.pos' has shape \(11, 30\) but the model's is \(11, 33\)",
+                           str(tmp_path), {"dim": 33}, False)
+    expect_all_ranks_raise(2, _load_into, ValueError,
+                           r"has no 'optim\.state\.pos\.step'.*without this optimizer",
+                           str(tmp_path))
+
+
+def test_unwritable_directory(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    expect_all_ranks_raise(2, _save_model_only, ValueError,
+                           r"cannot write checkpoints to .*a_file/ckpt.*NotADirectoryError",
+                           str(tmp_path / "a_file" / "ckpt"))
