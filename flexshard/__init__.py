@@ -6,6 +6,7 @@ from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
 from .pieces import ShardedPieces
 from .placements import Placement, Shard
+from .pretrained import PretrainedKeys, load_pretrained
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -14,11 +15,13 @@ __all__ = [
     "FlexShardModule",
     "MixedPrecisionPolicy",
     "Placement",
+    "PretrainedKeys",
     "Shard",
     "ShardedPieces",
     "flex_shard",
     "full_state_dict",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_pretrained",
     "save_checkpoint",
 ]
