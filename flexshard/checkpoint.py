@@ -14,9 +14,11 @@ N ranks with one bucket plan loads on M ranks with another (see state_dict.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import warnings
 from typing import Optional
 
 import torch
@@ -50,8 +52,9 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save of this step left
     _barrier(state)
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
-             process_group=state.group)
+    with _single_process_quiet(state):
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
+                 process_group=state.group)
     _barrier(state)  # every rank wrote its files and rank 0 the metadata
     if state.rank == 0:
         _publish(tmp, final)
@@ -79,7 +82,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     model_sd, optim_sd = _state_dicts(model, optimizer)
     _check_compatible(ckpt, metadata.state_dict_metadata, model_sd, optim_sd)
     holder = {"model": model_sd, "optim": optim_sd, "step": -1}
-    dcp.load(holder, checkpoint_id=ckpt, process_group=state.group)
+    with _single_process_quiet(state):
+        dcp.load(holder, checkpoint_id=ckpt, process_group=state.group)
     if optimizer is None:
         set_model_state_dict(model, model_sd)
     else:
@@ -191,6 +195,16 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(state):
+    """Without a process group DCP warns that it assumes one process: that is
+    the intent here (a model wrapped without torch.distributed)."""
+    with warnings.catch_warnings():
+        if state.group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier(state) -> None:

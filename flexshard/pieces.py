@@ -193,7 +193,8 @@ class ShardedPieces(torch.Tensor):
         for box, view in zip(self._boxes, self._views):
             if torch.Size(box.offsets) == index.offset:
                 return view
-        raise ValueError(f"{index.fqn!r}: this rank holds no box at offset {tuple(index.offset)}")
+        raise AssertionError(f"{index.fqn!r}: DCP asked for a box at {tuple(index.offset)} that "
+                             "this rank does not hold")
 
 
 def _chunk(box: Box) -> ChunkStorageMetadata:

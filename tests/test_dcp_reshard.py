@@ -220,3 +220,32 @@ def test_unwritable_directory(tmp_path):
     expect_all_ranks_raise(2, _save_model_only, ValueError,
                            r"cannot write checkpoints to .*a_file/ckpt.*NotADirectoryError",
                            str(tmp_path / "a_file" / "ckpt"))
+
+
+def test_single_process_without_process_group(tmp_path):
+    model, opt = wrapped("shard0")  # no process group: world size 1, plain tensors
+    train(model, opt, [0, 1], 0)
+    fs.save_checkpoint(str(tmp_path), model, opt, step=2)
+    fresh, fresh_opt = wrapped("shard0", seed=1)
+    assert fs.load_checkpoint(str(tmp_path / "step_00000002"), fresh, fresh_opt) == 2
+    for (k, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), k
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"]), k
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m, o, d: fs.save_checkpoint(123, m), TypeError,
+     r"directory must be a str or os\.PathLike, got 123"),
+    (lambda m, o, d: fs.save_checkpoint(d, m, "adam"), TypeError,
+     r"optimizer must be a torch\.optim\.Optimizer or None, got str"),
+    (lambda m, o, d: fs.save_checkpoint(d, m, o, step=-1), ValueError,
+     r"step must be an int >= 0, got -1"),
+    (lambda m, o, d: fs.save_checkpoint(d, m, o, step=1, keep=0), ValueError,
+     r"keep must be None or an int >= 1, got 0"),
+    (lambda m, o, d: fs.load_checkpoint(None, m, o), TypeError,
+     r"path must be a str or os\.PathLike, got None"),
+])
+def test_checkpoint_argument_errors(tmp_path, call, error, match):
+    model, opt = wrapped("shard0")
+    with pytest.raises(error, match=match):
+        call(model, opt, str(tmp_path))

@@ -138,3 +138,19 @@ def test_state_not_shaped_like_the_param_is_refused():
     expect_all_ranks_raise(2, _row_state, NotImplementedError,
                            r"optimizer state 'row' of parameter 'pos' has shape \((6|5),\), not the "
                            r"sharded parameter's \((6|5), 30\); flexshard reshards only per-element")
+
+
+def _load_bad_optimizer_state():
+    import torch.distributed as dist
+
+    model, opt = wrapped("shard0")
+    train(model, opt, [0], dist.get_rank())
+    osd = opt.state_dict()
+    osd["state"][0]["exp_avg"] = torch.zeros(3)  # state 0 is model.parameters()[0]: pos
+    opt.load_state_dict(osd)
+
+
+def test_optimizer_state_of_another_shape():
+    expect_all_ranks_raise(2, _load_bad_optimizer_state, ValueError,
+                           r"optimizer\.load_state_dict: 'pos\.exp_avg' has shape \(3,\) but the "
+                           r"parameter is \(11, 30\)")

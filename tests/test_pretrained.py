@@ -140,3 +140,30 @@ def test_errors_name_the_key(tmp_path):
     assert run_world(2, _load_broken, "lenient") == [(["layers.1.down.bias"], [])] * 2
     expect_all_ranks_raise(2, _load, FileNotFoundError, r"'.*nothing\.safetensors' does not exist",
                            str(tmp_path / "nothing.safetensors"), "shard0")
+
+
+def test_argument_errors(tmp_path, monkeypatch):
+    import sys
+
+    model = fs.flex_shard(make_model())  # no process group: world size 1
+    with pytest.raises(TypeError, match=r"key_map must be a callable name -> source key"):
+        fs.load_pretrained(model, pretrained(), key_map={"pos": "p"})
+    with pytest.raises(TypeError, match=r"source must be a mapping of tensors or a path .*got int"):
+        fs.load_pretrained(model, 42)
+    with pytest.raises(FileNotFoundError, match=r"no \.safetensors file in"):
+        fs.load_pretrained(model, str(tmp_path))
+    save_file(pretrained(), str(tmp_path / "model.safetensors"))
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if it were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'flexshard\[safetensors\]'"):
+        fs.load_pretrained(model, str(tmp_path))
+
+
+def test_buffer_of_another_shape():
+    net = fs.flex_shard(nn.Sequential(nn.Linear(7, 9), nn.BatchNorm1d(9)))
+    sd = {k: v.clone() for k, v in nn.Sequential(nn.Linear(7, 9), nn.BatchNorm1d(8)).state_dict().items()
+          if not k.startswith("0.")}
+    sd.update({"0.weight": torch.zeros(9, 7), "0.bias": torch.zeros(9), "1.weight": torch.ones(9),
+               "1.bias": torch.zeros(9)})
+    with pytest.raises(ValueError, match=r"source tensor '1\.running_mean' has shape \(8,\) but the "
+                                         r"buffer is \(9,\)"):
+        fs.load_pretrained(net, sd)

@@ -184,3 +184,24 @@ def test_dsd_full_state_dict():
     for rank, kinds, _, loaded in run_world(2, _dsd_full, "uneven"):
         assert kinds == (["ShardedPieces"] if rank == 0 else [])
         assert loaded
+
+
+def _load_other_layout():
+    uneven, _ = wrapped("uneven")
+    model, _ = wrapped("shard0")
+    model.load_state_dict(uneven.state_dict())
+
+
+def test_load_sharded_values_of_another_layout():
+    expect_all_ranks_raise(2, _load_other_layout, ValueError,
+                           r"'pos' holds the pieces of another layout; load a sharded checkpoint "
+                           r"with torch\.distributed\.checkpoint\.load")
+
+
+def test_load_a_non_tensor_value():
+    model = fs.flex_shard(make_model())  # no process group: world size 1
+    sd = model.state_dict()
+    sd["pos"] = 3
+    with pytest.raises(TypeError, match=r"load_state_dict: 'pos' is a int, expected a tensor of "
+                                        r"shape \(11, 30\)"):
+        model.load_state_dict(sd)
