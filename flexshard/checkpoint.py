@@ -49,7 +49,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     final = os.path.join(directory, _STEP_DIR.format(step))
     tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))
     if state.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save of this step left
+        _remove_leftovers(directory)
     _barrier(state)
     model_sd, optim_sd = _state_dicts(model, optimizer)
     with _single_process_quiet(state):
@@ -118,6 +118,7 @@ def _state_dicts(model, optimizer) -> tuple:
 
     if optimizer is None:
         return get_model_state_dict(model), {}
+    get_state(model).state_dict_hooks.optimizers.attach(optimizer)
     return get_state_dict(model, optimizer)
 
 
@@ -181,6 +182,13 @@ def _publish(tmp: str, final: str) -> None:
     _fsync_dir(os.path.dirname(final))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(directory: str) -> None:
+    """Remove what crashed saves left behind (their temp dirs)."""
+    for name in os.listdir(directory):
+        if name.startswith(_TMP_PREFIX):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def _prune(directory: str, keep: int) -> None:
