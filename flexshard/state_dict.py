@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -161,6 +161,7 @@ class OptimizerHooks:
         self._names = names  # id(sharded param) -> canonical FQN
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self.handle = register_optimizer_step_pre_hook(self._on_step)
+        self.optimizer_handles: list = []
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         if optimizer not in self._seen:
@@ -176,11 +177,14 @@ class OptimizerHooks:
             return
         refs = slot_refs(state)
         if any(id(p) in refs for g in optimizer.param_groups for p in g["params"]):
-            optimizer.register_state_dict_post_hook(self._state_dict_post_hook)
-            optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)
+            self.optimizer_handles += [
+                optimizer.register_state_dict_post_hook(self._state_dict_post_hook),
+                optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)]
 
     def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
         state = self._state()
+        if state is None:  # the model is gone
+            return state_dict
         refs = slot_refs(state)
         for key, param in _param_keys(optimizer, state_dict):
             ref = refs.get(id(param))
@@ -204,6 +208,8 @@ class OptimizerHooks:
 
     def _load_pre_hook(self, optimizer, state_dict: dict) -> dict:
         state = self._state()
+        if state is None:
+            return state_dict
         refs = slot_refs(state)
         new_state = dict(state_dict["state"])
         for key, param in _param_keys(optimizer, state_dict):
@@ -243,7 +249,7 @@ class StateDictHooks:
         weakref.finalize(module, self.optimizers.handle.remove)
 
     def remove(self) -> None:
-        for handle in self.handles:
+        for handle in self.handles + self.optimizers.optimizer_handles:
             handle.remove()
 
 
