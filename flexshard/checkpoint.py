@@ -165,7 +165,7 @@ def _check_compatible(ckpt: str, saved: dict, model_sd: dict, optim_sd: dict) ->
             raise ValueError(f"checkpoint {ckpt!r} has no {key!r}; it was saved from another "
                              "model or without this optimizer")
         size = getattr(saved[key], "size", None)
-        if isinstance(value, torch.Tensor) and size is not None and tuple(size) != tuple(value.shape):
+        if size is not None and isinstance(value, torch.Tensor) and tuple(size) != value.shape:
             raise ValueError(f"checkpoint {ckpt!r}: {key!r} has shape {tuple(size)} but the "
                              f"model's is {tuple(value.shape)}; load it into the same model")
 

@@ -47,9 +47,10 @@ def piece_boxes(placement: Placement, shape: Sequence[int], rank: int,
         return ()
     box = _view_box(placement, shape, rank, world_size)
     boxes = (box,) if box is not None else _index_boxes(placement, shape, rank, world_size)
-    if sum(math.prod(b.sizes) for b in boxes) != math.prod(local):
-        raise ValueError(f"{placement!r}.shard() returned a piece of {sum(math.prod(b.sizes) for b in boxes)} "
-                         f"elements for rank {rank} of a {shape} tensor, but local_shape says "
+    found = sum(math.prod(b.sizes) for b in boxes)
+    if found != math.prod(local):
+        raise ValueError(f"{placement!r}.shard() returned a piece of {found} elements for rank "
+                         f"{rank} of a {shape} tensor, but local_shape says "
                          f"{local}; make shard() and local_shape() agree")
     return boxes
 

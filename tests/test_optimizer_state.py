@@ -107,7 +107,7 @@ def test_full_optimizer_state_dict():
     out = run_world(2, _full_optimizer_state)
     _, ref_state = reference([2, 2])
     for fqn, exp_avg in out[0][0].items():
-        assert isinstance(exp_avg, torch.Tensor) and exp_avg.shape == ref_state[fqn]["exp_avg"].shape
+        assert type(exp_avg) is torch.Tensor and exp_avg.shape == ref_state[fqn]["exp_avg"].shape
         assert_rel_close(exp_avg, ref_state[fqn]["exp_avg"], 1e-5, fqn)
     original, resharded = assemble([r[1] for r in out]), assemble([r[2] for r in out])
     for fqn in original:
@@ -136,8 +136,9 @@ def _row_state():
 
 def test_state_not_shaped_like_the_param_is_refused():
     expect_all_ranks_raise(2, _row_state, NotImplementedError,
-                           r"optimizer state 'row' of parameter 'pos' has shape \((6|5),\), not the "
-                           r"sharded parameter's \((6|5), 30\); flexshard reshards only per-element")
+                           r"optimizer state 'row' of parameter 'pos' has shape \((6|5),\), not "
+                           r"the sharded parameter's \((6|5), 30\); flexshard reshards only "
+                           r"per-element")
 
 
 def _load_bad_optimizer_state():

@@ -132,8 +132,8 @@ def _load_broken(case):
 
 def test_errors_name_the_key(tmp_path):
     expect_all_ranks_raise(2, _load_broken, ValueError,
-                           r"the source has no tensor for \['layers\.1\.down\.bias'\] \(1 missing\)",
-                           "missing")
+                           r"the source has no tensor for \['layers\.1\.down\.bias'\] "
+                           r"\(1 missing\)", "missing")
     expect_all_ranks_raise(2, _load_broken, ValueError,
                            r"source tensor 'layers\.0\.qkv\.weight' has shape \(80, 30\) but "
                            r"parameter 'layers\.0\.qkv\.weight' is \(90, 30\)", "shape")
@@ -160,10 +160,8 @@ def test_argument_errors(tmp_path, monkeypatch):
 
 def test_buffer_of_another_shape():
     net = fs.flex_shard(nn.Sequential(nn.Linear(7, 9), nn.BatchNorm1d(9)))
-    sd = {k: v.clone() for k, v in nn.Sequential(nn.Linear(7, 9), nn.BatchNorm1d(8)).state_dict().items()
-          if not k.startswith("0.")}
-    sd.update({"0.weight": torch.zeros(9, 7), "0.bias": torch.zeros(9), "1.weight": torch.ones(9),
-               "1.bias": torch.zeros(9)})
-    with pytest.raises(ValueError, match=r"source tensor '1\.running_mean' has shape \(8,\) but the "
-                                         r"buffer is \(9,\)"):
+    sd = dict(nn.Sequential(nn.Linear(7, 9), nn.BatchNorm1d(9)).state_dict())
+    sd["1.running_mean"] = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"source tensor '1\.running_mean' has shape \(8,\) but "
+                                         r"the buffer is \(9,\)"):
         fs.load_pretrained(net, sd)
