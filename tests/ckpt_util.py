@@ -82,7 +82,8 @@ def shard1(fqn, param):
     return fs.Shard(1) if param.dim() > 1 else fs.Shard(0)
 
 
-PLACEMENTS = {"shard0": fs.Shard(0), "shard1": shard1, "uneven": mixed_uneven}
+PLACEMENTS = {"shard0": fs.Shard(0), "shard1": shard1, "ragged": fs.RaggedShard(),
+              "owned": fs.Owned(), "uneven": mixed_uneven}
 
 
 def train(model, opt, steps, rank: int) -> list:
