@@ -50,7 +50,7 @@ def _save_muon(path):
 
     from models import batch, loss_fn
 
-    model, opts = muon_and_sgd("shard0")
+    model, opts = muon_and_sgd("owned")  # whole matrices: what Muon wants
     for step in (0, 1):
         x, y = batch(step, dist.get_rank())
         loss_fn(model(x), y).backward()
@@ -66,7 +66,7 @@ def _load_muon(path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opts = muon_and_sgd("shard1", seed=1)
+    model, opts = muon_and_sgd("ragged", seed=1)
     model_sd, optim_sd = get_state_dict(model, opts)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, opts, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -28,7 +28,8 @@ def _covered(placement, shape, rank, world) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("placement", [fs.Shard(0), fs.Shard(1), fs.Shard(-1), FlatRange(),
+@pytest.mark.parametrize("placement", [fs.Shard(0), fs.Shard(1), fs.Shard(-1), fs.Owned(),
+                                       fs.RaggedShard(), fs.RaggedShard((0, 1)), FlatRange(),
                                        OnOneRank(1)], ids=repr)
 @pytest.mark.parametrize("shape", [(37, 30), (5, 3), (3, 7, 4), (2, 1, 5)])
 def test_boxes_cover_exactly_the_piece(placement, shape):
