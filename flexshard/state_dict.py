@@ -16,6 +16,7 @@ sharded parameters attaches state-dict hooks to it, so `optimizer.state_dict()`
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import NamedTuple
@@ -48,9 +49,7 @@ def slot_refs(state: FlexShardState) -> dict:
 def named_slots(module: nn.Module, state: FlexShardState) -> dict:
     """Every name (tied aliases included) of a sharded parameter -> SlotRef."""
     for bucket in state.buckets:
-        if bucket.state != BucketState.SHARDED:
-            raise RuntimeError(f"bucket {bucket.name!r} is {bucket.state.value}: state dicts are "
-                               "only available outside forward and backward")
+        _check_sharded(bucket)
     refs = slot_refs(state)
     return {name: refs[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
             if id(p) in refs}
@@ -115,31 +114,52 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
     return slot.placement.shard(value, state.rank, state.world_size)
 
 
-# Module hooks (registered by flex_shard on the root module).
+# Module hooks: on every module that registers a sharded param (tied aliases
+# included), so the state dict of any submodule carries full shapes too.
 
 
-def _module_state_dict_post_hook(module, state_dict, prefix, local_metadata) -> None:
-    state = get_state(module)
-    for name, ref in named_slots(module, state).items():
-        key = prefix + name
-        if key in state_dict:
-            state_dict[key] = sharded_value(state, ref, state_dict[key].detach())
+def _check_sharded(bucket) -> None:
+    if bucket.state != BucketState.SHARDED:
+        raise RuntimeError(f"bucket {bucket.name!r} is {bucket.state.value}: state dicts are "
+                           "only available outside forward and backward")
 
 
-def _module_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                          unexpected_keys, error_msgs) -> None:
-    state = get_state(module)
-    present = {prefix + name: ref for name, ref in named_slots(module, state).items()
-               if prefix + name in state_dict}
-    if present and local_metadata.get("assign_to_params_buffers", False):
-        raise NotImplementedError(
-            "load_state_dict(assign=True) would replace flexshard's sharded parameters, which "
-            "are views into their bucket's storage; call load_state_dict(state_dict) without "
-            "assign")
-    for key, ref in present.items():
-        check_value_shape(key, state_dict[key], ref)
-    for key, ref in present.items():
-        state_dict[key] = local_value(state, ref, key, state_dict[key])
+class _OwnerHooks:
+    """State-dict hooks of one module for its sharded params (attr -> SlotRef)."""
+
+    def __init__(self, state: FlexShardState, refs: dict) -> None:
+        self.state, self.refs = state, refs
+
+    def state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
+        for attr, ref in self.refs.items():
+            key = prefix + attr
+            if key in state_dict:
+                _check_sharded(ref.bucket)
+                state_dict[key] = sharded_value(self.state, ref, state_dict[key].detach())
+
+    def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                 unexpected_keys, error_msgs) -> None:
+        present = {prefix + a: ref for a, ref in self.refs.items() if prefix + a in state_dict}
+        if present and local_metadata.get("assign_to_params_buffers", False):
+            raise NotImplementedError(
+                "load_state_dict(assign=True) would replace flexshard's sharded parameters, "
+                "which are views into their bucket's storage; call "
+                "load_state_dict(state_dict) without assign")
+        for key, ref in present.items():
+            _check_sharded(ref.bucket)
+            check_value_shape(key, state_dict[key], ref)
+        for key, ref in present.items():
+            state_dict[key] = local_value(self.state, ref, key, state_dict[key])
+
+
+def _owner_refs(state: FlexShardState) -> list:
+    """[(module, {attr: SlotRef})] for every module registering a sharded param."""
+    owners: dict = {}
+    for bucket, slot_aliases in zip(state.buckets, state.aliases):
+        for index, pairs in enumerate(slot_aliases):
+            for module, attr in pairs:
+                owners.setdefault(id(module), (module, {}))[1][attr] = SlotRef(bucket, index)
+    return list(owners.values())
 
 
 # Optimizer hooks.
@@ -243,9 +263,12 @@ class StateDictHooks:
         refs = slot_refs(state)
         names = {id(p): name for name, p in module.named_parameters() if id(p) in refs}
         self.optimizers = OptimizerHooks(state, names)
-        self.handles = [module.register_state_dict_post_hook(_module_state_dict_post_hook),
-                        module.register_load_state_dict_pre_hook(_module_load_pre_hook),
-                        self.optimizers.handle]
+        self.handles = [self.optimizers.handle]
+        for owner, owned in _owner_refs(state):
+            hooks = _OwnerHooks(state, owned)
+            self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
+                owner.register_state_dict_post_hook(functools.partial(hooks.state_dict_post)),
+                owner.register_load_state_dict_pre_hook(hooks.load_pre)]
         weakref.finalize(module, self.optimizers.handle.remove)
 
     def remove(self) -> None:

@@ -83,16 +83,21 @@ def _values(placement_name):
         sd["pos"] + 1
     except NotImplementedError as e:
         out["error"] = str(e)
+    out["layer"] = {k: tuple(v.shape) for k, v in model.layers[1].state_dict().items()}
     return out
 
 
 def test_state_dict_values_carry_the_full_shape():
-    full = {k: tuple(v.shape) for k, v in make_model(tied=True).state_dict().items()}
+    reference = make_model(tied=True)
+    full = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    layer = {k: tuple(v.shape) for k, v in reference.layers[1].state_dict().items()}
     for vals in run_world(2, _values, "shard0"):
+        assert vals.pop("layer") == layer  # a submodule's state dict too
         assert {k: v[1] for k, v in vals.items() if k != "error"} == full
         assert all(t == "DTensor" and same for t, _, same in
                    (vals[k] for k in full)), "Shard(0) pieces are DTensors viewing the params"
     for vals in run_world(2, _values, "uneven"):
+        assert vals.pop("layer") == layer
         assert {k: v[1] for k, v in vals.items() if k != "error"} == full
         assert all(t == "ShardedPieces" and same for t, _, same in (vals[k] for k in full))
         assert "head.weight" in vals and "tok.weight" in vals  # tied: both names
