@@ -14,7 +14,8 @@ PG_TIMEOUT_S = 5.0  # the worlds' process-group timeout
 SLACK_S = 15.0  # scheduling noise on a loaded 2-core machine
 STARTUP_S = 120.0  # starting the processes and the process groups
 VICTIM = 1
-PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "flexshard", "models"]  # slow imports
+PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "torch.distributed.checkpoint",
+           "flexshard", "models"]  # slow imports, done once in the forkserver
 FAIL_AT_STEP = 2
 
 
@@ -24,14 +25,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _record(out_dir: str, rank: int, **fields) -> None:
+def record(out_dir: str, rank: int, **fields) -> None:
+    """What a rank of a small world reports to the test (a JSON file per rank)."""
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(fields, f)
 
 
 def _victim_hook(scenario: str, out_dir: str):
     def hook(module, args):
-        _record(out_dir, VICTIM, failed_at=time.time())
+        record(out_dir, VICTIM, failed_at=time.time())
         if scenario == "dead":
             os._exit(17)  # no goodbye to the other ranks
         time.sleep(10 * (PG_TIMEOUT_S + SLACK_S))  # stalled
@@ -39,18 +41,25 @@ def _victim_hook(scenario: str, out_dir: str):
     return hook
 
 
-def _rank_main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
-    """Train a few steps; the victim dies or stalls mid-step (in a block's forward)."""
+def init_world(rank: int, world: int, port: int) -> None:
+    """In a child: join the small world's gloo group, with the short timeout."""
     import torch
     import torch.distributed as dist
-
-    import flexshard as fs
-    from models import TinyGPT, batch, loss_fn
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+
+
+def _rank_main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
+    """Train a few steps; the victim dies or stalls mid-step (in a block's forward)."""
+    import torch
+
+    import flexshard as fs
+    from models import TinyGPT, batch, loss_fn
+
+    init_world(rank, world, port)
     torch.manual_seed(0)
     model = fs.flex_shard(TinyGPT())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -63,23 +72,24 @@ def _rank_main(rank: int, world: int, port: int, scenario: str, out_dir: str) ->
             opt.step()
             opt.zero_grad()
     except Exception as e:  # noqa: BLE001 - what the test checks
-        _record(out_dir, rank, error=type(e).__name__, message=str(e)[:500], at=time.time())
+        record(out_dir, rank, error=type(e).__name__, message=str(e)[:500], at=time.time())
         os._exit(3)  # a broken process group cannot be torn down cleanly
-    _record(out_dir, rank, error=None, at=time.time())
+    record(out_dir, rank, error=None, at=time.time())
     os._exit(0)
 
 
-def _start_world(world: int, scenario: str, out_dir: str) -> list:
+def start_world(target, world: int, *args) -> list:
+    """Start `world` processes running target(rank, world, port, *args)."""
     ctx, port = mp.get_context("forkserver"), _free_port()
     ctx.set_forkserver_preload(PRELOAD)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenario, out_dir), daemon=True)
+    procs = [ctx.Process(target=target, args=(r, world, port, *args), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
     return procs
 
 
-def _finish_world(procs: list, out_dir: str, deadline: float) -> dict:
+def finish_world(procs: list, out_dir: str, deadline: float) -> dict:
     """Wait for the live ranks until `deadline`, kill what is left; returns what happened."""
     for r, p in enumerate(procs):
         if r != VICTIM:
@@ -115,9 +125,10 @@ def test_dead_or_stalled_rank_makes_live_ranks_raise_within_the_timeout(tmp_path
     dirs = {name: tmp_path / name for name in scenarios}
     for d in dirs.values():
         d.mkdir()
-    procs = {name: _start_world(world, name, str(dirs[name])) for name, world in scenarios.items()}
+    procs = {name: start_world(_rank_main, world, name, str(dirs[name]))
+             for name, world in scenarios.items()}
     deadline = time.monotonic() + STARTUP_S + PG_TIMEOUT_S + SLACK_S
-    results = {name: _finish_world(procs[name], str(dirs[name]), deadline) for name in scenarios}
+    results = {name: finish_world(procs[name], str(dirs[name]), deadline) for name in scenarios}
     _check(results["dead"])
     assert results["dead"]["codes"][VICTIM] == 17
     _check(results["stalled"])
