@@ -183,6 +183,10 @@ class OptimizerHooks:
         self.handle = register_optimizer_step_pre_hook(self._on_step)
         self.optimizer_handles: list = []
 
+    def release(self) -> None:
+        """The model is gone: drop what the global hook holds (it stays a no-op)."""
+        self._names.clear()
+
     def _on_step(self, optimizer, args, kwargs) -> None:
         if optimizer not in self._seen:
             self.attach(optimizer)
@@ -269,7 +273,11 @@ class StateDictHooks:
             self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
                 owner.register_state_dict_post_hook(functools.partial(hooks.state_dict_post)),
                 owner.register_load_state_dict_pre_hook(hooks.load_pre)]
-        weakref.finalize(module, self.optimizers.handle.remove)
+        # Not handle.remove(): a finalizer may run (GC) while torch iterates its global
+        # optimizer pre-hooks, and removing one then raises "OrderedDict mutated during
+        # iteration" in someone's optimizer.step(). The dead hook stays, a no-op
+        # (its weakref to the state is dead), holding nothing but an emptied dict.
+        weakref.finalize(module, self.optimizers.release)
 
     def remove(self) -> None:
         for handle in self.handles + self.optimizers.optimizer_handles:

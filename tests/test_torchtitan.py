@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torchtitan.config import CompileConfig, ConfigManager, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import parallel_dims as torchtitan_parallel_dims
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 
@@ -70,12 +72,15 @@ def parallelize(model, world: int, placement: str = "shard", param: str = "float
                 reshard: str = "default"):
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
                         world_size=world, spmd_backend="partial_dtensor")
-    return parallelize_llama(
-        model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
-                                      fsdp_reshard_after_forward=reshard),
-        compile_config=CompileConfig(), ac_config=None, dump_folder="",
-        flex_shard=FlexShardConfig(placement=placement))
+    # torchtitan builds its meshes for an accelerator ("cuda" when none is found); this
+    # CPU test needs CPU meshes over the gloo group.
+    with mock.patch.object(torchtitan_parallel_dims, "device_type", "cpu"):
+        return parallelize_llama(
+            model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param),
+            parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                          fsdp_reshard_after_forward=reshard),
+            compile_config=CompileConfig(), ac_config=None, dump_folder="",
+            flex_shard=FlexShardConfig(placement=placement))
 
 
 def _train_sharded(placement: str) -> tuple:
