@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.config import CompileConfig, ConfigManager, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed import parallel_dims as torchtitan_parallel_dims
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
@@ -28,6 +29,7 @@ from flexshard.state import get_state
 from harness import run_world
 
 STEPS = 3
+AC_CONFIGS = {"none": lambda: None, "full": FullAC.Config, "selective": SelectiveAC.Config}
 LR = 8e-4  # torchtitan's debugmodel learning rate
 BATCH, SEQ, VOCAB = 2, 32, 2048
 
@@ -69,7 +71,7 @@ def titan_loss(model, rows: torch.Tensor, global_tokens: int) -> torch.Tensor:
 
 
 def parallelize(model, world: int, placement: str = "shard", param: str = "float32",
-                reshard: str = "default"):
+                reshard: str = "default", ac: str = "none"):
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
                         world_size=world, spmd_backend="partial_dtensor")
     # torchtitan builds its meshes for an accelerator ("cuda" when none is found); this
@@ -79,15 +81,15 @@ def parallelize(model, world: int, placement: str = "shard", param: str = "float
             model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param),
             parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
                                           fsdp_reshard_after_forward=reshard),
-            compile_config=CompileConfig(), ac_config=None, dump_folder="",
+            compile_config=CompileConfig(), ac_config=AC_CONFIGS[ac](), dump_folder="",
             flex_shard=FlexShardConfig(placement=placement))
 
 
-def _train_sharded(placement: str) -> tuple:
+def _train_sharded(placement: str, ac: str = "none") -> tuple:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = parallelize(debugmodel(), world, placement)
+    model = parallelize(debugmodel(), world, placement, ac=ac)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -98,7 +100,8 @@ def _train_sharded(placement: str) -> tuple:
         total = loss.detach().clone()
         dist.all_reduce(total)  # per-rank sums over the global count add up to the mean
         losses.append(total.item())
-    full = fs.full_state_dict(model)
+    full = {k.replace("._checkpoint_wrapped_module", ""): v  # torchtitan's AC wrapper
+            for k, v in fs.full_state_dict(model).items()}
     return losses, full if rank == 0 else None
 
 
@@ -122,9 +125,12 @@ def _train_reference(world: int) -> tuple:
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("placement", ["shard", "owned"])
-def test_parallelize_llama_matches_single_process_training(placement):
-    results = run_world(2, _train_sharded, placement, timeout=240)
+@pytest.mark.parametrize("placement, ac", [("shard", "none"), ("owned", "none"),
+                                           ("ragged", "full"), ("shard", "selective")])
+def test_parallelize_llama_matches_single_process_training(placement, ac):
+    """Also with torchtitan's activation checkpointing (its AC wrappers sit inside
+    the flex_shard buckets, as inside FSDP2's)."""
+    results = run_world(2, _train_sharded, placement, ac, timeout=240)
     ref_losses, ref_params = _train_reference(2)
     losses, full = results[0]
     assert results[1][0] == losses, "ranks disagree on the loss"
@@ -238,7 +244,7 @@ def test_experiment_config_is_selected_like_torchtitans_own():
     assert config.model_spec.parallelize_fn is parallelize_llama
     assert config.model_spec.name == "flexshard/llama3" and config.model_spec.flavor == "debugmodel"
     assert config.parallelism.spmd_backend == "partial_dtensor"
-    assert config.activation_checkpoint is None
+    assert isinstance(config.activation_checkpoint, SelectiveAC.Config)  # torchtitan's own
     check_trainer_config(config)  # the loss is one FlexShardTrainer accepts
 
 

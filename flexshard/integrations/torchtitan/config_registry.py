@@ -4,8 +4,8 @@
 Each starts from torchtitan's own config of the same model and changes only
 what flex_shard needs: the trainer (FlexShardTrainer, `--flex_shard.*`), the
 parallelize function, a plain cross-entropy loss (the chunked loss calls the LM
-head outside forward), the partial_dtensor SPMD backend, and no activation
-checkpointing by default (reshard-after-forward already recomputes gathers).
+head outside forward) and the partial_dtensor SPMD backend. torchtitan's activation
+checkpointing stays as configured: its wrappers sit inside flex_shard's buckets.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ def flexshard_config(config: Trainer.Config) -> FlexShardTrainer.Config:
     if isinstance(out.loss, ChunkedLossWrapper.Config):
         out.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
     out.parallelism.spmd_backend = "partial_dtensor"
-    out.activation_checkpoint = None
     return out
 
 
