@@ -13,10 +13,12 @@ from .bucket import Bucket
 from .bucketing import assign_params, default_buckets, param_aliases, running_module
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
-from .hooks import ModuleHooks, install_params
+from .hooks import ModuleHooks, RootHooks, install_params, reshard_explicitly, unshard_explicitly
 from .layout import SlotPlan, bind_placements
 from .placements.contract import Placement
 from .placements.shard import Shard
+from .prefetch import Prefetcher
+from .reduction import ReduceQueue
 from .state import FlexShardState, attach_state, find_state, get_state
 
 
@@ -30,6 +32,42 @@ class FlexShardModule:
             raise TypeError(f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}")
         for bucket in get_state(self).buckets:
             bucket.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """Whether every bucket frees its unsharded params after its module's
+        forward (and regathers them in backward); the root bucket included."""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        for bucket in get_state(self).buckets:
+            bucket.reshard_after_forward = reshard_after_forward
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many buckets ahead (in recorded execution order) to launch
+        gathers for, in forward and backward; 0 disables prefetching."""
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise TypeError(f"set_prefetch_depth expects an int, got {depth!r}")
+        if depth < 0:
+            raise ValueError(f"set_prefetch_depth expects depth >= 0, got {depth}; "
+                             "use 0 to disable prefetching")
+        state = get_state(self)
+        state.prefetcher.drop_all()
+        state.prefetcher.depth = depth
+
+    def unshard(self, async_op: bool = False):
+        """Gather every bucket and install the unsharded params on the modules,
+        where they stay (forward uses them, no reshard after forward) until
+        reshard(). With async_op=True returns a handle: its wait() completes it
+        (the next forward waits by itself). Gradients still reach the shards."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"unshard expects async_op to be a bool, got {async_op!r}")
+        state = get_state(self)
+        entries = [(b, a) for b, a in zip(state.buckets, state.aliases) if b.needs_hooks]
+        return unshard_explicitly(entries, async_op)
+
+    def reshard(self) -> None:
+        """Undo unshard(): the modules hold their sharded params again."""
+        state = get_state(self)
+        reshard_explicitly(list(zip(state.buckets, state.aliases)))
 
 
 def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
@@ -160,6 +198,7 @@ def _plan_slots(spec: BucketSpec, names, named, default, world_size) -> list:
 
 def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> None:
     aliases = param_aliases(module)
+    state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
     by_runner: dict = {}
     for spec, slots in zip(specs, plans):
         slot_aliases = [aliases[id(named[s.fqn])] for s in slots]
@@ -170,6 +209,7 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
                         spec.mp_policy or mp_policy, bucket_reshard, state.group,
                         state.rank, state.world_size, state.comm, device)
         bucket.load_full(lambda fqn: named[fqn].detach())
+        bucket.reduce_queue = reduce_queue
         pairs = [[(m, a) for m, a, _ in a] for a in slot_aliases]
         install_params(pairs, bucket.params)
         state.buckets.append(bucket)
@@ -177,4 +217,7 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
         if bucket.needs_hooks:
             by_runner.setdefault(id(runner), (runner, []))[1].append((bucket, pairs))
     for runner, entries in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, [b for b, _ in entries], [p for _, p in entries]))
+        state.hooks.append(ModuleHooks(runner, [b for b, _ in entries], [p for _, p in entries],
+                                       state.prefetcher, state.buckets))
+    if by_runner:
+        state.hooks.append(RootHooks(module, state.prefetcher))

@@ -9,22 +9,73 @@ gradient reduction, so sharded gradients arrive through autograd.
 from __future__ import annotations
 
 import enum
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from .comm import Comm
 from .config import MixedPrecisionPolicy
 from .layout import BucketLayout, SlotPlan, plan_layout
+from .reduction import ReduceQueue
 from .storage import BucketStorage, gathered_param, typed_view
 
 
 class BucketState(enum.Enum):
-    SHARDED = "sharded"  # modules hold sharded parameters
-    UNSHARDING = "unsharding"  # the gather is in flight
+    SHARDED = "sharded"  # modules hold sharded parameters, no gather in flight
+    UNSHARDING = "unsharding"  # a gather is in flight (prefetched), modules hold sharded params
     UNSHARDED = "unsharded"  # modules hold unsharded parameters
+
+
+class PendingGather(NamedTuple):
+    """A launched all-gather whose output is not yet consumed."""
+
+    work: Any  # dist.Work, or None when the gather already finished
+    gathered: torch.Tensor  # the gather output
+    layout: BucketLayout
+    version: int  # storage version at launch: a later write makes it stale
+
+
+class PendingReduce(NamedTuple):
+    """A launched reduce-scatter whose sharded grads are not yet delivered."""
+
+    work: Any  # dist.Work, or None at world size 1
+    output: torch.Tensor  # the reduce-scatter output (this rank's segment)
+
+
+_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+
+@contextmanager
+def _hidden_from_checkpoint():
+    """Run a gather's ops outside selective-checkpoint dispatch modes.
+
+    Selective activation checkpointing replays ops by (op, call index), so the
+    forward and the recompute must issue the same ops. A gather may be launched
+    early (prefetch) in one and on demand in the other, so launching never shows
+    to those modes; other dispatch modes (CommDebugMode, user modes) still see it.
+    """
+    depth = torch._C._len_torch_dispatch_stack()
+    stack = [torch._C._get_dispatch_stack_at(i) for i in range(depth)]
+    if not any(isinstance(m, _SAC_MODES) for m in stack):
+        yield
+        return
+    for _ in stack:
+        _pop_mode()
+    kept = [m for m in stack if not isinstance(m, _SAC_MODES)]
+    for m in kept:
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for m in stack:
+            _push_mode(m)
 
 
 @dataclass
@@ -33,6 +84,8 @@ class BucketCounters:
 
     gathers: int = 0
     reduces: int = 0
+    prefetches: int = 0  # gathers launched ahead of use (counted in gathers too)
+    discarded_prefetches: int = 0  # prefetched gathers dropped unused
     gather_wire_bytes: int = 0
     gather_ideal_bytes: int = 0
     reduce_wire_bytes: int = 0
@@ -80,6 +133,10 @@ class Bucket:
         self.requires_gradient_sync = True
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.counters = BucketCounters()
+        self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
+        self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
+        self.pinned: Optional[list] = None  # unsharded params held by module.unshard()
+        self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
 
     @property
     def needs_hooks(self) -> bool:
@@ -99,7 +156,7 @@ class Bucket:
 
     def unshard(self) -> list:
         """Gather the bucket: unsharded parameters linked to the sharded ones by autograd."""
-        self.assert_state(BucketState.SHARDED, BucketState.UNSHARDED)
+        self.assert_state(BucketState.SHARDED, BucketState.UNSHARDING, BucketState.UNSHARDED)
         self.state = BucketState.UNSHARDING
         try:
             outs = _Unshard.apply(self, *self.params)
@@ -116,27 +173,68 @@ class Bucket:
 
     def gather_params(self, layout: Optional[BucketLayout] = None) -> list:
         """One all-gather over the bucket; returns the unsharded tensors, typed
-        by `layout` (the gather layout, i.e. param_dtype, by default)."""
+        by `layout` (the gather layout, i.e. param_dtype, by default). Consumes
+        a prefetched gather of the same layout when one is in flight."""
         layout = layout or self.gather_layout
+        pending = self._take_inflight(layout) or self._launch(layout, async_op=False)
         self.gathering = True
         try:
-            send = self._gather_input(layout)
-            if self.world_size == 1:
-                gathered = send
-            else:
-                gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=send.device)
-                self.comm.all_gather(gathered, send, self.group)
+            if pending.work is not None:
+                pending.work.wait()
             outs = []
             for i, slot in enumerate(self.slots):
-                full, copied = gathered_param(gathered, layout, slot, i)
+                full, copied = gathered_param(pending.gathered, layout, slot, i)
                 self.counters.copy_out_bytes += copied
                 outs.append(full)
         finally:
             self.gathering = False
+        return outs
+
+    def start_gather(self) -> bool:
+        """Launch the bucket's gather without waiting (prefetch); the next
+        unshard consumes it. Returns False when there is nothing to launch."""
+        if self.inflight is not None or self.world_size == 1 or self.state is not BucketState.SHARDED:
+            return False
+        self.inflight = self._launch(self.gather_layout, async_op=True)
+        self.state = BucketState.UNSHARDING
+        self.counters.prefetches += 1
+        return True
+
+    def discard_gather(self) -> None:
+        """Drop a prefetched gather nobody consumed (waits for it first)."""
+        pending, self.inflight = self.inflight, None
+        if pending is None:
+            return
+        if pending.work is not None:
+            pending.work.wait()
+        self.counters.discarded_prefetches += 1
+        if self.state is BucketState.UNSHARDING:
+            self.state = BucketState.SHARDED
+
+    def _take_inflight(self, layout: BucketLayout) -> Optional[PendingGather]:
+        pending = self.inflight
+        if pending is None or pending.layout != layout:
+            return None
+        if pending.version != self.storage.buffer._version:  # params written since launch
+            self.discard_gather()
+            return None
+        self.inflight = None
+        return pending
+
+    def _launch(self, layout: BucketLayout, async_op: bool) -> PendingGather:
+        version = self.storage.buffer._version
+        with torch.no_grad(), _hidden_from_checkpoint():
+            send = self._gather_input(layout)
+            work = None
+            if self.world_size == 1:
+                gathered = send
+            else:
+                gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=send.device)
+                work = self.comm.all_gather(gathered, send, self.group, async_op=async_op)
         self.counters.gathers += 1
         self.counters.gather_wire_bytes += layout.wire_bytes if self.world_size > 1 else 0
         self.counters.gather_ideal_bytes += layout.ideal_bytes if self.world_size > 1 else 0
-        return outs
+        return PendingGather(work if async_op else None, gathered, layout, version)
 
     def _gather_input(self, layout: BucketLayout) -> torch.Tensor:
         if layout == self.storage.layout:
@@ -150,8 +248,14 @@ class Bucket:
         return send
 
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> list:
-        """One reduce-scatter (mean over ranks) of the unsharded grads; returns
-        sharded grads per slot (None for frozen slots and no-sync passes)."""
+        """One reduce-scatter (mean over ranks) of the unsharded grads, waited
+        for; returns sharded grads per slot (None for frozen slots and no-sync passes)."""
+        pending = self.start_reduce(grads)
+        return [None] * len(self.slots) if pending is None else self.finish_reduce(pending)
+
+    def start_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
+        """Pack the unsharded grads and launch their reduce-scatter without
+        waiting; None under no-sync (the packed grads are kept for later)."""
         layout = self.reduce_layout
         send = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=self.storage.buffer.device)
         for j, i in enumerate(self.grad_slots):
@@ -159,12 +263,33 @@ class Bucket:
                 self._pack_grad(send, j, i, grads[i])
         if not self.requires_gradient_sync:
             self._accumulate_pending(send)
-            return [None] * len(self.slots)
+            return None
         if self.pending_grads is not None:
             send, self.pending_grads = self._typed(send).add_(self._typed(self.pending_grads)), None
             send = send.view(torch.uint8)
-        out = self._reduce_scatter(send)
-        return self._sharded_grads(out)
+        return self._reduce_scatter(send)
+
+    def finish_reduce(self, pending: PendingReduce) -> list:
+        """Wait for a launched reduce-scatter; returns sharded grads per slot."""
+        if pending.work is not None:
+            pending.work.wait()
+        if self.world_size > 1:
+            self._typed(pending.output).div_(self.world_size)
+        return self._sharded_grads(pending.output)
+
+    def accumulate_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Add sharded grads into the sharded params' .grad, then run their
+        post-accumulate-grad hooks (what autograd's AccumulateGrad would do)."""
+        with torch.no_grad():
+            for param, grad in zip(self.params, grads):
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad += grad
+                for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                    hook(param)
 
     def _typed(self, buf: torch.Tensor) -> torch.Tensor:
         dtype = self.reduce_layout.regions[0].dtype
@@ -184,18 +309,19 @@ class Bucket:
         else:
             self._typed(self.pending_grads).add_(self._typed(send))
 
-    def _reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter(self, send: torch.Tensor) -> PendingReduce:
         layout = self.reduce_layout
+        work = None
         if self.world_size == 1:
             out = send
         else:
             out = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=send.device)
-            self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group)
+            work = self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group,
+                                            async_op=True)
             self.counters.reduce_wire_bytes += layout.wire_bytes
             self.counters.reduce_ideal_bytes += layout.ideal_bytes
-            self._typed(out).div_(self.world_size)
         self.counters.reduces += 1
-        return out
+        return PendingReduce(work, out)
 
     def _sharded_grads(self, out: torch.Tensor) -> list:
         grads: list = [None] * len(self.slots)
@@ -221,4 +347,11 @@ class _Unshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *ctx.bucket.reduce_grads(grads))
+        # The reduce-scatter runs while the rest of backward does; the queue
+        # delivers the sharded grads into .grad (at the latest when backward ends).
+        bucket = ctx.bucket
+        bucket.reduce_queue.make_room()
+        pending = bucket.start_reduce(grads)
+        if pending is not None:
+            bucket.reduce_queue.push(bucket, pending)
+        return (None,) * (1 + len(grads))

@@ -24,6 +24,7 @@ class FlexShardState:
     buckets: list = field(default_factory=list)  # Bucket, in BucketSpec order
     hooks: list = field(default_factory=list)  # ModuleHooks, one per running module
     aliases: list = field(default_factory=list)  # per bucket: per slot [(module, attr)]
+    prefetcher: Any = None  # Prefetcher: execution orders and gathers launched ahead
 
 
 def attach_state(module: nn.Module, state: FlexShardState) -> None:
