@@ -137,6 +137,7 @@ class Bucket:
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
         self.pinned: Optional[list] = None  # unsharded params held by module.unshard()
         self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
+        self._anchor: Optional[torch.Tensor] = None  # see _grad_anchor
 
     @property
     def needs_hooks(self) -> bool:
@@ -157,13 +158,35 @@ class Bucket:
     def unshard(self) -> list:
         """Gather the bucket: unsharded parameters linked to the sharded ones by autograd."""
         self.assert_state(BucketState.SHARDED, BucketState.UNSHARDING, BucketState.UNSHARDED)
+        self._check_requires_grad()
         self.state = BucketState.UNSHARDING
         try:
-            outs = _Unshard.apply(self, *self.params)
+            outs = _Unshard.apply(self, self._grad_anchor())
         finally:
             self.state = BucketState.SHARDED
         self.state = BucketState.UNSHARDED
         return list(outs)
+
+    def _check_requires_grad(self) -> None:
+        trainable = set(self.grad_slots)
+        for i, (slot, param) in enumerate(zip(self.slots, self.params)):
+            if param.requires_grad != (i in trainable):
+                raise ValueError(
+                    f"parameter {slot.fqn!r} (bucket {self.name!r}) changed requires_grad to "
+                    f"{param.requires_grad} after flex_shard; the bucket's gradient layout is "
+                    "fixed at wrap time, so set requires_grad before calling flex_shard")
+
+    def _grad_anchor(self) -> torch.Tensor:
+        """An empty leaf that requires grad when some param does: the input
+        that ties the unsharded params to this bucket's reduction. The sharded
+        params are not autograd inputs, so autograd never accumulates into
+        them itself; the reduce queue does (hooks included)."""
+        anchor = self._anchor
+        device = self.storage.buffer.device
+        if anchor is None or anchor.device != device:
+            anchor = torch.empty(0, device=device, requires_grad=bool(self.grad_slots))
+            self._anchor = anchor
+        return anchor
 
     def mark_resharded(self) -> None:
         self.assert_state(BucketState.UNSHARDED, BucketState.SHARDED)
@@ -336,11 +359,12 @@ class _Unshard(torch.autograd.Function):
     """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, bucket: Bucket, *sharded: torch.Tensor):
+    def forward(ctx, bucket: Bucket, anchor: torch.Tensor):
         ctx.bucket = bucket
         ctx.set_materialize_grads(False)
         outs = bucket.gather_params()
-        frozen = [o for o, p in zip(outs, sharded) if not p.requires_grad]
+        trainable = set(bucket.grad_slots)
+        frozen = [o for i, o in enumerate(outs) if i not in trainable]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return tuple(outs)
@@ -354,4 +378,4 @@ class _Unshard(torch.autograd.Function):
         pending = bucket.start_reduce(grads)
         if pending is not None:
             bucket.reduce_queue.push(bucket, pending)
-        return (None,) * (1 + len(grads))
+        return None, None

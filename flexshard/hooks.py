@@ -88,8 +88,6 @@ class ModuleHooks:
 class RootHooks:
     """Mark where the wrapped module's forward starts and ends (for prefetch)."""
 
-    buckets: tuple = ()  # runs no bucket itself
-
     def __init__(self, module: nn.Module, prefetcher: Prefetcher) -> None:
         self.module, self.prefetcher = module, prefetcher
         self.handles = [

@@ -25,6 +25,7 @@ class FlexShardState:
     hooks: list = field(default_factory=list)  # ModuleHooks, one per running module
     aliases: list = field(default_factory=list)  # per bucket: per slot [(module, attr)]
     prefetcher: Any = None  # Prefetcher: execution orders and gathers launched ahead
+    root_hooks: Any = None  # RootHooks: where the wrapped module's forward starts and ends
 
 
 def attach_state(module: nn.Module, state: FlexShardState) -> None:
