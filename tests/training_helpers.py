@@ -1,6 +1,6 @@
-"""Shared pieces of the training-feature tests: a counting Comm, short
-training loops (sharded, inside a world, and the single-process reference)
-and the parity check between them."""
+"""Shared pieces of the training-feature tests: Comms that count or delay
+collectives, a short sharded training loop and the parity check against the
+single-process reference (tests/reference.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
-from models import TinyGPT, batch, loss_fn
+from models import batch, loss_fn
+from reference import reference_run
+from test_parity import assert_rel_close
 
-STEPS = 3
 LR = 1e-2
+MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
 class CountingComm(fs.Comm):
@@ -22,7 +25,7 @@ class CountingComm(fs.Comm):
 
     def __init__(self) -> None:
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        self.gather_outputs: list = []  # (weakref to untyped storage, nbytes)
+        self.gather_outputs: list = []  # (weakref to the output's storage, nbytes)
 
     def all_gather(self, output, input, group, async_op=False):
         self.calls["all_gather"] += 1
@@ -46,101 +49,88 @@ class CountingComm(fs.Comm):
 
 
 class DelayedWork:
-    """A Work that reports done only `delay` seconds after launch."""
+    """A Work whose wait() returns no earlier than `delay` seconds after launch."""
 
-    def __init__(self, work, delay: float, log: list, name: str) -> None:
-        self.work, self.done_at, self.log, self.name = work, time.monotonic() + delay, log, name
-
-    def is_completed(self) -> bool:
-        return time.monotonic() >= self.done_at and self.work.is_completed()
+    def __init__(self, work, delay: float, comm: "DelayComm", kind: str) -> None:
+        self.work, self.kind, self.comm = work, kind, comm
+        self.done_at = time.monotonic() + delay
+        comm.in_flight.append(self)
 
     def wait(self, timeout=None) -> bool:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         time.sleep(max(0.0, self.done_at - time.monotonic()))
-        self.log.append(("wait", self.name))
+        if self in self.comm.in_flight:
+            self.comm.in_flight.remove(self)
         return True
 
 
 class DelayComm(CountingComm):
-    """Every async all-gather takes at least `delay` seconds (an injected
-    slow network); the log records launches and waits."""
+    """Collectives that take at least `delay` seconds (an injected slow
+    network). `in_flight` holds the launched collectives not yet waited for."""
 
     def __init__(self, delay: float) -> None:
         super().__init__()
-        self.delay, self.log, self.inflight = delay, [], []
+        self.delay, self.in_flight = delay, []
 
     def all_gather(self, output, input, group, async_op=False):
-        work = super().all_gather(output, input, group, async_op=True)
-        name = f"gather{self.calls['all_gather']}"
-        delayed = DelayedWork(work, self.delay, self.log, name)
-        self.log.append(("launch", name))
-        self.inflight.append(delayed)
-        if async_op:
-            return delayed
-        delayed.wait()
-        return None
+        work = DelayedWork(super().all_gather(output, input, group, True), self.delay,
+                           self, "all_gather")
+        return work if async_op else work.wait() and None
 
-    def gathers_in_flight(self) -> int:
-        return sum(not w.is_completed() for w in self.inflight)
+    def reduce_scatter(self, output, input, group, async_op=False):
+        work = DelayedWork(super().reduce_scatter(output, input, group, True), self.delay,
+                           self, "reduce_scatter")
+        return work if async_op else work.wait() and None
 
-
-def make_model(seed: int = 0, **kwargs) -> TinyGPT:
-    torch.manual_seed(seed)
-    return TinyGPT(**kwargs)
+    def flying(self, kind: str) -> int:
+        return sum(w.kind == kind for w in self.in_flight)
 
 
-def train_steps(model, steps: int = STEPS, rank: int = 0, world: int = 1, opt=None,
-                step_fn=None) -> list:
-    """AdamW steps on `batch(step, rank)`; returns the per-step losses
-    (averaged over ranks when distributed)."""
+class MatmulLog(TorchDispatchMode):
+    """Counts matmuls, and for each one what `probe()` said when it ran."""
+
+    def __init__(self, probe=lambda: None) -> None:
+        super().__init__()
+        self.probe, self.seen = probe, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in MATMULS:
+            self.seen.append(self.probe())
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+
+def train(model, steps: int, step_fn=None, opt=None) -> list:
+    """AdamW steps of `model` on this rank's batches; per-step losses
+    averaged over ranks. `step_fn(model, step, x, y)` returns the loss after
+    running backward itself (default: one forward and backward)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     opt = opt or torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
-        inputs, targets = batch(step, rank)
-        loss = step_fn(model, inputs, targets) if step_fn else loss_fn(model(inputs), targets)
+        x, y = batch(step, rank)
         if step_fn is None:
+            loss = loss_fn(model(x), y)
             loss.backward()
+        else:
+            loss = step_fn(model, step, x, y)
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(_mean_over_ranks(loss.detach(), world))
+        opt.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
     return losses
 
 
-def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
-    if world > 1:
-        loss = loss.clone()
-        dist.all_reduce(loss)
-        loss /= world
-    return float(loss)
-
-
-def reference_batch(step: int, world: int):
-    """The union of every rank's batch: one process sees what all ranks see."""
-    parts = [batch(step, r) for r in range(world)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-def train_reference(model, world: int, steps: int = STEPS, step_fn=None) -> tuple:
-    """Single-process AdamW on the union of the ranks' batches; (losses, state)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        inputs, targets = reference_batch(step, world)
-        loss = step_fn(model, inputs, targets) if step_fn else loss_fn(model(inputs), targets)
-        if step_fn is None:
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_parity(losses, state, ref_losses, ref_state, rtol: float = 1e-5) -> None:
-    """Losses each step and full params at the end match the reference (fp32)."""
-    assert len(losses) == len(ref_losses)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs reference {b}"
-    assert set(state) <= set(ref_state), sorted(set(state) - set(ref_state))
-    for fqn, value in state.items():
-        torch.testing.assert_close(value, ref_state[fqn], rtol=rtol, atol=1e-6,
-                                   msg=lambda m: f"{fqn}: {m}")
+def check_against_reference(losses, full: dict, world: int, steps: int, model_kw=None,
+                            rtol: float = 1e-5) -> None:
+    """Per-step losses and final full params match reference_run (fp32)."""
+    ref_losses, ref_params, _ = reference_run(world, steps, lr=LR, model_kw=model_kw)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+    assert full.keys() == ref_params.keys()
+    for k in ref_params:
+        assert_rel_close(full[k], ref_params[k], rtol, k)
