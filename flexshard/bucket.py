@@ -138,6 +138,7 @@ class Bucket:
         self.pinned: Optional[list] = None  # unsharded params held by module.unshard()
         self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self._anchor: Optional[torch.Tensor] = None  # see _grad_anchor
+        self._pinned_version = -1
 
     @property
     def needs_hooks(self) -> bool:
@@ -166,6 +167,23 @@ class Bucket:
             self.state = BucketState.SHARDED
         self.state = BucketState.UNSHARDED
         return list(outs)
+
+    def pin(self, outs: list) -> None:
+        """Hold `outs` as the unsharded params until unpin (module.unshard())."""
+        self.assert_state(BucketState.UNSHARDED)
+        self.pinned, self._pinned_version = outs, self.storage.buffer._version
+
+    def unpin(self) -> None:
+        self.pinned = None
+        self.mark_resharded()
+
+    def check_pinned(self) -> None:
+        """Refuse to run a forward on pinned params the shards no longer match."""
+        if self.pinned is not None and self._pinned_version != self.storage.buffer._version:
+            raise RuntimeError(
+                f"bucket {self.name!r}: its sharded params changed (an optimizer step?) while "
+                "module.unshard() held them unsharded; call module.reshard() before changing "
+                "the params, then module.unshard() again")
 
     def _check_requires_grad(self) -> None:
         trainable = set(self.grad_slots)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from .bucket import Bucket
+from .bucket import Bucket, BucketState
 from .prefetch import Prefetcher
 from .recompute import RecomputeRegion, saved_tensors_hooked
 from .reduction import in_backward
@@ -57,6 +57,7 @@ class ModuleHooks:
             self.region.enter(module, args, kwargs)
         for bucket, aliases in zip(self.buckets, self.aliases):
             if bucket.pinned is not None:  # module.unshard() holds it unsharded
+                bucket.check_pinned()
                 continue
             install_params(aliases, bucket.unshard())
             self.prefetcher.unsharded(bucket)
@@ -122,13 +123,17 @@ class UnshardHandle:
             bucket.pin_handle = None
             with torch.enable_grad():  # so forwards run under grad reach the reduction
                 outs = bucket.unshard()
-            bucket.pinned = outs
+            bucket.pin(outs)
             install_params(aliases, outs)
 
 
 def unshard_explicitly(entries: Sequence[tuple], async_op: bool):
     """Launch the gathers of every (bucket, aliases) entry; see UnshardHandle."""
     entries = [(b, a) for b, a in entries if b.pinned is None and b.pin_handle is None]
+    for bucket, _ in entries:
+        if bucket.state is not BucketState.SHARDED:
+            raise RuntimeError(f"module.unshard() called while bucket {bucket.name!r} is "
+                               f"{bucket.state.value} (inside its forward?); call it between steps")
     for bucket, _ in entries:
         bucket.start_gather()
     handle = UnshardHandle(entries)
@@ -146,6 +151,5 @@ def reshard_explicitly(entries: Sequence[tuple]) -> None:
     for bucket, aliases in entries:
         if bucket.pinned is None:
             continue
-        bucket.pinned = None
         install_params(aliases, bucket.params)
-        bucket.mark_resharded()
+        bucket.unpin()
