@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -10,7 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .bucket import Bucket
-from .bucketing import assign_params, default_buckets, param_aliases, running_module
+from .bucketing import (assign_params, claimed_elsewhere, default_buckets, param_aliases,
+                        running_module)
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
 from .hooks import ModuleHooks, RootHooks, install_params, reshard_explicitly, unshard_explicitly
@@ -196,13 +198,29 @@ def _plan_slots(spec: BucketSpec, names, named, default, world_size) -> list:
             for fqn, pl in zip(names, bound)]
 
 
+def _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases) -> None:
+    """A tied/shared param whose other FQN another bucket claims stays correct (its
+    bucket runs on a module covering every use) but may be gathered far earlier."""
+    for slot, aliases in zip(slots, slot_aliases):
+        for fqn, label in claimed_elsewhere(aliases, specs, specs.index(spec)):
+            where = next((n for n, m in module.named_modules() if m is runner), "?") or "root"
+            warnings.warn(
+                f"parameter {slot.fqn!r} (bucket {spec.label!r}) is also registered as {fqn!r}, "
+                f"which bucket {label!r} matches; a parameter lives in one bucket, so "
+                f"{spec.label!r} runs on module {where!r} (covering both uses) and stays "
+                "unsharded through its forward. Put both FQNs in one BucketSpec to make "
+                "this explicit", stacklevel=4)
+
+
 def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> None:
     aliases = param_aliases(module)
     state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
+    reduce_queue.listeners.append(state.prefetcher.end_backward)
     by_runner: dict = {}
     for spec, slots in zip(specs, plans):
         slot_aliases = [aliases[id(named[s.fqn])] for s in slots]
         runner = running_module(module, [fqn for a in slot_aliases for _, _, fqn in a])
+        _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases)
         bucket_reshard = (spec.reshard_after_forward if spec.reshard_after_forward is not None
                           else reshard and runner is not module)
         bucket = Bucket(spec.label, slots, [named[s.fqn].requires_grad for s in slots],

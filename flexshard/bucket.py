@@ -392,6 +392,7 @@ class _Unshard(torch.autograd.Function):
         # The reduce-scatter runs while the rest of backward does; the queue
         # delivers the sharded grads into .grad (at the latest when backward ends).
         bucket = ctx.bucket
+        bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
         pending = bucket.start_reduce(grads)
         if pending is not None:

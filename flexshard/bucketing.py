@@ -57,15 +57,28 @@ def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
 
 
 def param_aliases(module: nn.Module) -> dict:
-    """id(param) -> [(owner module, attr, owner FQN)] for every place a parameter is registered."""
+    """id(param) -> [(owner module, attr, owner FQN)] for every place a parameter is
+    registered, a shared submodule under each of its paths (so the running module
+    covers every path that calls it)."""
     aliases: dict = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
             if p is not None:
-                entry = (mod, attr, mod_name)
-                if entry[:2] not in [(m, a) for m, a, _ in aliases.get(id(p), [])]:
-                    aliases.setdefault(id(p), []).append(entry)
+                aliases.setdefault(id(p), []).append((mod, attr, mod_name))
     return aliases
+
+
+def claimed_elsewhere(aliases: Sequence[tuple], specs: Sequence[BucketSpec], own: int) -> list:
+    """(alias FQN, bucket label) for each alias of a parameter of bucket `own`
+    whose FQN another bucket's patterns match (a tied or shared parameter
+    the user's buckets split)."""
+    out = []
+    for _, attr, owner in aliases:
+        fqn = f"{owner}.{attr}" if owner else attr
+        for i, spec in enumerate(specs):
+            if i != own and any(fnmatch.fnmatchcase(fqn, p) for p in spec.patterns):
+                out.append((fqn, spec.label))
+    return out
 
 
 def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:

@@ -39,7 +39,8 @@ class ModuleHooks:
     def __init__(self, module: nn.Module, buckets: Sequence[Bucket], aliases: Sequence,
                  prefetcher: Prefetcher, all_buckets: Sequence[Bucket]) -> None:
         self.module, self.buckets, self.aliases = module, list(buckets), list(aliases)
-        self.prefetcher = prefetcher
+        self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
+        self.queue.listeners.append(self.reshard_kept)
         self.mp = self.buckets[0].mp
         self.region = RecomputeRegion(all_buckets)
         self.handles = [
@@ -53,6 +54,8 @@ class ModuleHooks:
         for bucket in self.buckets:
             if bucket.pin_handle is not None:  # module.unshard(async_op=True) not waited yet
                 bucket.pin_handle.wait()
+        if in_backward():  # a recompute: the pass must end by resharding what it gathers
+            self.queue.watch_backward()
         if self._wants_region():
             self.region.enter(module, args, kwargs)
         for bucket, aliases in zip(self.buckets, self.aliases):
@@ -73,13 +76,24 @@ class ModuleHooks:
                 and not saved_tensors_hooked())
 
     def post_forward(self, module, args, kwargs, output):
+        keep = torch.is_grad_enabled() and not in_backward()
         for bucket, aliases in zip(self.buckets, self.aliases):
-            if bucket.pinned is not None:
-                continue
+            if bucket.pinned is not None or (keep and not bucket.reshard_after_forward):
+                continue  # kept unsharded until backward ends (see reshard_kept)
             install_params(aliases, bucket.params)
             bucket.mark_resharded()
         self.region.exit()
         return _cast_floating(output, self.mp.output_dtype)
+
+    def reshard_kept(self) -> None:
+        """When backward ends: reshard the buckets that kept their unsharded
+        params since forward. Until then the modules hold them, as FSDP2 does,
+        so a recompute inside backward (ours or the user's activation
+        checkpointing) that reads one of them finds the unsharded tensor."""
+        for bucket, aliases in zip(self.buckets, self.aliases):
+            if bucket.pinned is None and bucket.state is BucketState.UNSHARDED:
+                install_params(aliases, bucket.params)
+                bucket.mark_resharded()
 
     def remove(self) -> None:
         for h in self.handles:

@@ -56,14 +56,14 @@ class Prefetcher:
 
     def _follow_backward(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task == self._backward_task:
-            return
-        self._backward_task = task
-        self.backward.begin_pass()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if task != self._backward_task:
+            self._backward_task = task
+            self.backward.begin_pass()
 
-    def _end_backward(self) -> None:
-        self.backward.end_pass()
+    def end_backward(self) -> None:
+        """A backward pass ended (a ReduceQueue listener)."""
+        if self._backward_task is not None:
+            self.backward.end_pass()
         self._drop(self._launched)
         self._backward_task = None
 

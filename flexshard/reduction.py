@@ -4,7 +4,8 @@ A bucket's backward launches its reduce-scatter and returns at once, so the
 collective overlaps the backward of the buckets before it. The queue keeps at
 most `max_in_flight` reductions launched; the oldest is finished (waited for,
 averaged, accumulated into `.grad`) to make room, and whatever is left is
-finished by a callback autograd runs when the backward pass ends.
+finished by a callback autograd runs when the backward pass ends. Other parts
+of the runtime add their own end-of-backward work to `listeners`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,19 @@ class ReduceQueue:
 
     def __init__(self, max_in_flight: int = 1) -> None:
         self.max_in_flight = max_in_flight
+        self.listeners: list = []  # called when a backward pass ends, after the reductions
         self._pending: deque = deque()  # (bucket, PendingReduce)
-        self._callback_task = None  # graph task id the end-of-backward callback is queued on
+        self._watched_task = None  # graph task the end-of-backward callback is queued on
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def watch_backward(self) -> None:
+        """Inside backward: make sure this pass ends by finishing the queue."""
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._watched_task:
+            self._watched_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def make_room(self) -> None:
         """Finish the oldest reductions until another one may be launched."""
@@ -36,21 +45,23 @@ class ReduceQueue:
             self._finish_oldest()
 
     def push(self, bucket, pending) -> None:
-        """Track a launched reduction; make sure backward's end finishes it."""
+        """Track a launched reduction; it is finished by backward's end at the latest."""
         self._pending.append((bucket, pending))
-        task = torch._C._current_graph_task_id()
-        if self.max_in_flight == 0 or task == -1:
+        if self.max_in_flight == 0 or not in_backward():
             self.finish_all()
-            return
-        if task != self._callback_task:
-            self._callback_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_all)
+        else:
+            self.watch_backward()
 
     def finish_all(self) -> None:
         """Deliver every launched reduction's sharded grads into .grad."""
         while self._pending:
             self._finish_oldest()
-        self._callback_task = None
+
+    def _backward_ended(self) -> None:
+        self._watched_task = None
+        self.finish_all()
+        for listener in self.listeners:
+            listener()
 
     def _finish_oldest(self) -> None:
         bucket, pending = self._pending.popleft()

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from models import batch, loss_fn
-from reference import reference_run
+from reference import make_model, reference_run
 from test_parity import assert_rel_close
 
 LR = 1e-2
@@ -126,11 +126,44 @@ def train(model, steps: int, step_fn=None, opt=None) -> list:
     return losses
 
 
+def reference_train(model, world: int, steps: int, step_fn=None) -> tuple:
+    """Single-process AdamW on every rank's batch at once, for a model the
+    test built itself (reference_run builds a plain TinyGPT):
+    (losses, named params). `step_fn` as in train()."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for step in range(steps):
+            xs, ys = zip(*(batch(step, r) for r in range(world)))
+            x, y = torch.cat(xs), torch.cat(ys)
+            if step_fn is None:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            else:
+                loss = step_fn(model, step, x, y)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
 def check_against_reference(losses, full: dict, world: int, steps: int, model_kw=None,
-                            rtol: float = 1e-5) -> None:
-    """Per-step losses and final full params match reference_run (fp32)."""
-    ref_losses, ref_params, _ = reference_run(world, steps, lr=LR, model_kw=model_kw)
+                            model=None, step_fn=None, rtol: float = 1e-5) -> None:
+    """Per-step losses and final full params match the single-process run of
+    `model` (default: reference_run's TinyGPT(**model_kw)), fp32."""
+    if model is None and step_fn is None:
+        ref_losses, ref_params, _ = reference_run(world, steps, lr=LR, model_kw=model_kw)
+    else:
+        model = model if model is not None else make_model(**(model_kw or {}))
+        ref_losses, ref_params = reference_train(model, world, steps, step_fn)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
     assert full.keys() == ref_params.keys()
     for k in ref_params:
-        assert_rel_close(full[k], ref_params[k], rtol, k)
+        if ref_params[k].norm() == 0:  # a frozen zero-initialised param: stays exactly zero
+            assert torch.equal(full[k], ref_params[k]), k
+        else:
+            assert_rel_close(full[k], ref_params[k], rtol, k)
