@@ -4,16 +4,21 @@ from .api import FlexShardModule, flex_shard
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
 from .placements import Placement, Shard
+from .plan import BucketPlan, ShardingPlan, describe, plan_buckets
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
+    "BucketPlan",
     "BucketSpec",
     "Comm",
     "FlexShardModule",
     "MixedPrecisionPolicy",
     "Placement",
     "Shard",
+    "ShardingPlan",
+    "describe",
     "flex_shard",
     "full_state_dict",
     "load_full_state_dict",
+    "plan_buckets",
 ]

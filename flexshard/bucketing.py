@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from .config import BucketSpec
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def default_buckets(module: nn.Module) -> list:
@@ -92,6 +92,6 @@ def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:
         common.append(level[0])
     while True:
         mod = root.get_submodule(".".join(common))
-        if not common or not isinstance(mod, _CONTAINERS):
+        if not common or not isinstance(mod, CONTAINERS):
             return mod
         common.pop()
