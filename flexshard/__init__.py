@@ -1,6 +1,7 @@
 """flexshard: bucketed, placement-pluggable parameter sharding for PyTorch."""
 
 from .api import FlexShardModule, flex_shard
+from .clip import clip_grad_norm_
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
 from .placements import Placement, Shard
@@ -16,6 +17,7 @@ __all__ = [
     "Placement",
     "Shard",
     "ShardingPlan",
+    "clip_grad_norm_",
     "describe",
     "flex_shard",
     "full_state_dict",
