@@ -17,6 +17,7 @@ from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
 from .hooks import ModuleHooks, RootHooks, install_params, reshard_explicitly, unshard_explicitly
 from .layout import SlotPlan, bind_placements
+from .materialize import apply_to_buckets, init_parameters
 from .placements.contract import Placement
 from .placements.shard import Shard
 from .prefetch import Prefetcher
@@ -54,6 +55,25 @@ class FlexShardModule:
         state = get_state(self)
         state.prefetcher.drop_all()
         state.prefetcher.depth = depth
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module._apply (to_empty, to, cuda, ...): the buckets' storage moves
+        as one buffer each and the sharded params are re-viewed into it."""
+        state = find_state(self)
+        if state is None:
+            return super()._apply(fn, recurse)
+        apply_to_buckets(state, fn, lambda: super(FlexShardModule, self)._apply(fn, recurse))
+        return self
+
+    def init_parameters(self, init_fn=None) -> None:
+        """Initialise the sharded params after to_empty(), one module at a time:
+        each module's own params are materialised at full size, initialised by
+        `init_fn(module)` (default: its reset_parameters()), and this rank keeps
+        its piece. Called for every module in modules() order, so with every rank
+        seeded alike the values equal the unsharded model's after the same calls."""
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_parameters expects a callable init_fn(module), got {init_fn!r}")
+        init_parameters(self, get_state(self), init_fn)
 
     def unshard(self, async_op: bool = False):
         """Gather every bucket and install the unsharded params on the modules,

@@ -149,6 +149,31 @@ class Bucket:
         if self.state not in states:
             raise AssertionError(f"bucket {self.name!r} is {self.state}, expected {states}")
 
+    def check_apply(self, fn) -> None:
+        """Refuse an nn.Module._apply `fn` that would change a param's dtype."""
+        for slot in self.slots:
+            probe = fn(torch.empty(0, dtype=slot.dtype, device=self.storage.buffer.device))
+            if probe.dtype != slot.dtype:
+                raise NotImplementedError(
+                    f"parameter {slot.fqn!r} (bucket {self.name!r}) would change dtype from "
+                    f"{slot.dtype} to {probe.dtype}; flex_shard fixes parameter dtypes at wrap "
+                    "time: convert the module before flex_shard, or compute in another dtype "
+                    "with MixedPrecisionPolicy(param_dtype=...)")
+
+    def apply_to_storage(self, fn) -> None:
+        """Move the storage as nn.Module._apply's `fn` moves tensors (to_empty,
+        .to(device)); the sharded params become views of the new buffer (new
+        nn.Parameter objects, as nn.Module makes for incompatible tensors)."""
+        self.assert_state(BucketState.SHARDED)
+        buffer = fn(self.storage.buffer)
+        if buffer is self.storage.buffer:
+            return
+        self.storage.replace_buffer(buffer)
+        self.params = [_moved_param(p, v, fn) for p, v in zip(self.params, self.storage.views)]
+        if self.pending_grads is not None:
+            self.pending_grads = fn(self.pending_grads)
+        self._anchor = None
+
     def load_full(self, fqn_to_tensor) -> None:
         """Copy this rank's piece of each full tensor into the sharded storage."""
         with torch.no_grad():
@@ -371,6 +396,19 @@ class Bucket:
             g = typed_view(out, reg.offsets[self.rank], reg.dtype, slot.local_shapes[self.rank])
             grads[i] = g.to(slot.dtype)
         return grads
+
+
+def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
+    """A new sharded param over `view` carrying `old`'s grad (moved by `fn`)
+    and post-accumulate-grad hooks. A new object, because `.data =` would
+    stop the param from sharing the storage buffer's version counter."""
+    param = nn.Parameter(view, requires_grad=old.requires_grad)
+    if old.grad is not None:
+        param.grad = fn(old.grad)
+    hooks = getattr(old, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        param._post_accumulate_grad_hooks = hooks
+    return param
 
 
 class _Unshard(torch.autograd.Function):
