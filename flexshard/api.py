@@ -258,4 +258,4 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
         state.hooks.append(ModuleHooks(runner, [b for b, _ in entries], [p for _, p in entries],
                                        state.prefetcher, state.buckets))
     if by_runner:
-        state.root_hooks = RootHooks(module, state.prefetcher)
+        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue)

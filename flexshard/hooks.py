@@ -103,14 +103,16 @@ class ModuleHooks:
 class RootHooks:
     """Mark where the wrapped module's forward starts and ends (for prefetch)."""
 
-    def __init__(self, module: nn.Module, prefetcher: Prefetcher) -> None:
-        self.module, self.prefetcher = module, prefetcher
+    def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue) -> None:
+        self.module, self.prefetcher, self.queue = module, prefetcher, queue
         self.handles = [
             module.register_forward_pre_hook(self.pre_forward, prepend=True),
             module.register_forward_hook(self.post_forward, always_call=True),
         ]
 
     def pre_forward(self, module, args):
+        if not in_backward():
+            self.queue.forget_backward()
         self.prefetcher.begin_forward()
 
     def post_forward(self, module, args, output):

@@ -10,8 +10,6 @@ whatever is left unused is dropped when the pass ends.
 
 from __future__ import annotations
 
-import torch
-
 from .order import ExecutionOrder
 from .reduction import in_backward
 
@@ -24,11 +22,13 @@ class Prefetcher:
         self.forward = ExecutionOrder()
         self.backward = ExecutionOrder()
         self._launched: list = []  # buckets whose gather was prefetched, unconsumed
-        self._backward_task = None  # graph task whose backward pass is being followed
+        self._backward_pass = False  # a backward pass is being followed
 
     def begin_forward(self) -> None:
         """The root module's forward starts (not a recompute inside backward)."""
         if not in_backward():
+            if self._backward_pass:  # a backward that raised never ended
+                self.end_backward()
             self.forward.begin_pass()
 
     def end_forward(self) -> None:
@@ -55,17 +55,16 @@ class Prefetcher:
         self._drop(self._launched)
 
     def _follow_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._backward_task:
-            self._backward_task = task
+        if not self._backward_pass:
+            self._backward_pass = True
             self.backward.begin_pass()
 
     def end_backward(self) -> None:
-        """A backward pass ended (a ReduceQueue listener)."""
-        if self._backward_task is not None:
+        """The outermost backward pass ended (a ReduceQueue listener)."""
+        if self._backward_pass:
             self.backward.end_pass()
         self._drop(self._launched)
-        self._backward_task = None
+        self._backward_pass = False
 
     def _drop(self, buckets) -> None:
         for b in list(buckets):

@@ -5,7 +5,9 @@ collective overlaps the backward of the buckets before it. The queue keeps at
 most `max_in_flight` reductions launched; the oldest is finished (waited for,
 averaged, accumulated into `.grad`) to make room, and whatever is left is
 finished by a callback autograd runs when the backward pass ends. Other parts
-of the runtime add their own end-of-backward work to `listeners`.
+of the runtime add their own end-of-backward work to `listeners`, which run
+when the outermost watched pass ends (a reentrant checkpoint runs a nested
+backward pass inside the outer one).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class ReduceQueue:
         self.max_in_flight = max_in_flight
         self.listeners: list = []  # called when a backward pass ends, after the reductions
         self._pending: deque = deque()  # (bucket, PendingReduce)
-        self._watched_task = None  # graph task the end-of-backward callback is queued on
+        self._watched: list = []  # graph tasks with our end-of-backward callback, outermost first
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -35,9 +37,15 @@ class ReduceQueue:
     def watch_backward(self) -> None:
         """Inside backward: make sure this pass ends by finishing the queue."""
         task = torch._C._current_graph_task_id()
-        if task != -1 and task != self._watched_task:
-            self._watched_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        if task != -1 and task not in self._watched:
+            self._watched.append(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._backward_ended(task))
+
+    def forget_backward(self) -> None:
+        """Forward starts outside backward: no pass is running (one that raised
+        never ran its callback)."""
+        self._watched.clear()
 
     def make_room(self) -> None:
         """Finish the oldest reductions until another one may be launched."""
@@ -57,11 +65,13 @@ class ReduceQueue:
         while self._pending:
             self._finish_oldest()
 
-    def _backward_ended(self) -> None:
-        self._watched_task = None
+    def _backward_ended(self, task) -> None:
+        if task in self._watched:
+            self._watched.remove(task)
         self.finish_all()
-        for listener in self.listeners:
-            listener()
+        if not self._watched:
+            for listener in self.listeners:
+                listener()
 
     def _finish_oldest(self) -> None:
         bucket, pending = self._pending.popleft()

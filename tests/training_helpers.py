@@ -21,15 +21,13 @@ MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
 class CountingComm(fs.Comm):
-    """Counts collectives; keeps weakrefs to gather outputs to measure live bytes."""
+    """Counts collectives."""
 
     def __init__(self) -> None:
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        self.gather_outputs: list = []  # (weakref to the output's storage, nbytes)
 
     def all_gather(self, output, input, group, async_op=False):
         self.calls["all_gather"] += 1
-        self.gather_outputs.append((weakref.ref(output.untyped_storage()), output.nbytes))
         return super().all_gather(output, input, group, async_op)
 
     def reduce_scatter(self, output, input, group, async_op=False):
@@ -40,12 +38,41 @@ class CountingComm(fs.Comm):
         self.calls["all_reduce"] += 1
         return super().all_reduce(tensor, group, op)
 
-    def live_gather_bytes(self) -> int:
-        """Bytes of gather outputs still alive (some view of them is referenced)."""
-        return sum(n for ref, n in self.gather_outputs if ref() is not None)
-
     def reset(self) -> None:
         self.calls = dict.fromkeys(self.calls, 0)
+
+
+class UnshardedTracker:
+    """Weak references to the storage of every unsharded param any bucket makes
+    (the gather output when params are views of it, else each copy-out), so a
+    test can ask how many unsharded bytes are alive, per bucket."""
+
+    def __init__(self, model) -> None:
+        from flexshard.state import get_state
+
+        self.made: dict = {}  # bucket name -> [(weakref to storage, nbytes)]
+        for bucket in get_state(model).buckets:
+            bucket.gather_params = self._recording(bucket.name, bucket.gather_params)
+
+    def _recording(self, name, gather):
+        def gather_params(layout=None):
+            outs = gather(layout)
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in outs
+                        if t.numel()}
+            self.made.setdefault(name, []).extend(
+                (weakref.ref(s), s.nbytes()) for s in storages.values())
+            return outs
+        return gather_params
+
+    def live_bytes(self) -> dict:
+        """bucket name -> bytes of its unsharded storage still alive (0 omitted)."""
+        live = {name: sum(n for ref, n in refs if ref() is not None)
+                for name, refs in self.made.items()}
+        return {name: n for name, n in live.items() if n}
+
+    def forget_dead(self) -> None:
+        for name, refs in self.made.items():
+            refs[:] = [(r, n) for r, n in refs if r() is not None]
 
 
 class DelayedWork:
