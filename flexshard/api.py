@@ -87,9 +87,12 @@ class FlexShardModule:
         return unshard_explicitly(entries, async_op)
 
     def reshard(self) -> None:
-        """Undo unshard(): the modules hold their sharded params again."""
+        """Undo unshard(): the modules hold their sharded params again (also
+        those a forward without a backward left unsharded)."""
         state = get_state(self)
         reshard_explicitly(list(zip(state.buckets, state.aliases)))
+        for hooks in state.hooks:
+            hooks.reshard_kept()
 
 
 def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,

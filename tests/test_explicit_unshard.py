@@ -70,6 +70,23 @@ def test_unshard_holds_full_params_until_reshard():
         assert facts["held"] == facts["after_forward"] == full
 
 
+def forward_without_backward() -> tuple:
+    """Rank body: a training forward never followed by backward, then reshard()."""
+    model = fs.flex_shard(make_model())
+    x, _ = batch(0, torch.distributed.get_rank())
+    model(x)  # grad mode: the root bucket keeps its params for a backward that never comes
+    kept = tuple(model.head.weight.shape)
+    model.reshard()
+    model.to("cpu")  # allowed again: every bucket is sharded
+    return kept, tuple(model.head.weight.shape)
+
+
+def test_reshard_after_forward_without_backward():
+    full = tuple(make_model().head.weight.shape)
+    for kept, after in run_world(2, forward_without_backward):
+        assert kept == full and after != full
+
+
 def toggled_reshard() -> tuple:
     """Rank body: one step without, one with reshard-after-forward (root included)."""
     comm = CountingComm()
