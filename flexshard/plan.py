@@ -166,7 +166,8 @@ class ShardingPlan(NamedTuple):
 def describe(module: nn.Module) -> ShardingPlan:
     """What flex_shard made of `module`: per bucket its module, parameters,
     placements, dtypes, bytes and collectives per training step (one forward
-    and one backward through every bucket, no user activation checkpointing)."""
+    and one backward through every bucket; a bucket regathers in backward when
+    its module or an enclosing one reshards after forward)."""
     state = get_state(module)
     names = {id(m): n for n, m in module.named_modules()}
     runners = {id(b): (h.module, h.buckets) for h in state.hooks for b in h.buckets}
@@ -182,10 +183,9 @@ def describe(module: nn.Module) -> ShardingPlan:
 
 def _inside_region(root: nn.Module, runner: nn.Module, resharding: set, names: dict) -> bool:
     """Whether backward regathers: the runner or one of its ancestors reshards."""
-    path = names[id(runner)]
-    prefixes = [""] + [".".join(path.split(".")[:i]) for i in range(1, len(path.split(".")) + 1)] \
-        if path else [""]
-    return any(id(root.get_submodule(p)) in resharding for p in prefixes)
+    parts = names[id(runner)].split(".") if names[id(runner)] else []
+    return any(id(root.get_submodule(".".join(parts[:i]))) in resharding
+               for i in range(len(parts) + 1))
 
 
 def _bucket_plan(bucket, world_size: int, module_name, regather: bool) -> BucketPlan:
