@@ -15,6 +15,7 @@ from .bucketing import (assign_params, claimed_elsewhere, default_buckets, param
                         running_module)
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
+from .fingerprint import check_ranks_agree
 from .hooks import ModuleHooks, RootHooks, install_params, reshard_explicitly, unshard_explicitly
 from .layout import SlotPlan, bind_placements
 from .materialize import apply_to_buckets, init_parameters
@@ -23,6 +24,7 @@ from .placements.shard import Shard
 from .prefetch import Prefetcher
 from .reduction import ReduceQueue
 from .state import FlexShardState, attach_state, find_state, get_state
+from .state_dict import StateDictHooks
 
 
 class FlexShardModule:
@@ -118,8 +120,10 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     state = FlexShardState(mesh, mesh.get_group() if mesh is not None else None,
                            rank, world_size, comm or Comm())
+    check_ranks_agree(state, specs, plans, named, mp_policy, reshard_after_forward)
     _build(module, state, specs, plans, named, mp_policy, reshard_after_forward, device)
     attach_state(module, state)
+    state.state_dict_hooks = StateDictHooks(module, state)
     cls = type(module)
     module.__class__ = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
     return module
@@ -150,7 +154,13 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
 
 
 def _check_specs(buckets) -> list:
+    if isinstance(buckets, (str, BucketSpec)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(f"buckets must be a list of fs.BucketSpec, got {buckets!r}; "
+                        "e.g. buckets=[fs.BucketSpec('layers.*')]")
     specs = list(buckets)
+    if not specs:
+        raise ValueError("buckets is empty; pass buckets=None for one bucket per block, "
+                         "or at least one fs.BucketSpec")
     for i, spec in enumerate(specs):
         if not isinstance(spec, BucketSpec):
             raise TypeError(f"buckets[{i}] is {type(spec).__name__}, not a fs.BucketSpec")

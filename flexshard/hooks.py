@@ -43,12 +43,15 @@ class ModuleHooks:
         self.queue.listeners.append(self.reshard_kept)
         self.mp = self.buckets[0].mp
         self.region = RecomputeRegion(all_buckets)
+        self._post_ran = True  # post_forward ran since the last pre_forward
         self.handles = [
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
-            module.register_forward_hook(self.post_forward, with_kwargs=True, always_call=True),
+            module.register_forward_hook(self.post_forward, with_kwargs=True),
+            module.register_forward_hook(self.after_error, with_kwargs=True, always_call=True),
         ]
 
     def pre_forward(self, module, args, kwargs):
+        self._post_ran = False
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         for bucket in self.buckets:
@@ -76,6 +79,7 @@ class ModuleHooks:
                 and not saved_tensors_hooked())
 
     def post_forward(self, module, args, kwargs, output):
+        self._post_ran = True
         keep = torch.is_grad_enabled() and not in_backward()
         for bucket, aliases in zip(self.buckets, self.aliases):
             if bucket.pinned is not None or (keep and not bucket.reshard_after_forward):
@@ -85,11 +89,26 @@ class ModuleHooks:
         self.region.exit()
         return _cast_floating(output, self.mp.output_dtype)
 
+    def after_error(self, module, args, kwargs, output):
+        """Runs after every forward (always_call). When the forward or a pre-hook
+        raised, post_forward did not run: reshard and abort the checkpoint here so
+        the module stays usable. After post_forward it does nothing."""
+        if self._post_ran:
+            return
+        self._post_ran = True
+        self._reshard()
+        self.region.abort()
+
     def reshard_kept(self) -> None:
         """When backward ends: reshard the buckets that kept their unsharded
         params since forward. Until then the modules hold them, as FSDP2 does,
         so a recompute inside backward (ours or the user's activation
         checkpointing) that reads one of them finds the unsharded tensor."""
+        self._reshard()
+
+    def _reshard(self) -> None:
+        """Sharded params back on the modules for every unsharded, unpinned bucket
+        (a prefetched one, UNSHARDING, is the prefetcher's to drop)."""
         for bucket, aliases in zip(self.buckets, self.aliases):
             if bucket.pinned is None and bucket.state is BucketState.UNSHARDED:
                 install_params(aliases, bucket.params)

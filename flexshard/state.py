@@ -26,6 +26,7 @@ class FlexShardState:
     aliases: list = field(default_factory=list)  # per bucket: per slot [(module, attr)]
     prefetcher: Any = None  # Prefetcher: execution orders and gathers launched ahead
     root_hooks: Any = None  # RootHooks: where the wrapped module's forward starts and ends
+    state_dict_hooks: Any = None  # state_dict.StateDictHooks: module and optimizer hooks
 
 
 def attach_state(module: nn.Module, state: FlexShardState) -> None:

@@ -9,7 +9,7 @@ import torch.nn as nn
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT
-from training_helpers import check_against_reference, train
+from training_helpers import LR, check_against_reference, train
 
 STEPS = 3
 SEED = 7
@@ -79,11 +79,18 @@ def test_meta_init_matches_unsharded_init(world, model_kw):
 
 
 def train_after_meta_init() -> tuple:
+    """Rank body: train after meta init; state dicts round-trip midway (the params
+    are new objects after to_empty: the state-dict hooks must still know them)."""
     model = fs.flex_shard(meta_model())
     model.to_empty(device="cpu")
     torch.manual_seed(SEED)
     model.init_parameters(init_weights)
-    return train(model, STEPS), fs.full_state_dict(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = train(model, 1, opt=opt)
+    model.load_state_dict(model.state_dict())
+    opt.load_state_dict(opt.state_dict())
+    losses += train(model, STEPS - 1, opt=opt, first_step=1)
+    return losses, fs.full_state_dict(model)
 
 
 def test_training_after_meta_init_parity():

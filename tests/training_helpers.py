@@ -131,14 +131,14 @@ class MatmulLog(TorchDispatchMode):
         return len(self.seen)
 
 
-def train(model, steps: int, step_fn=None, opt=None) -> list:
+def train(model, steps: int, step_fn=None, opt=None, first_step: int = 0) -> list:
     """AdamW steps of `model` on this rank's batches; per-step losses
     averaged over ranks. `step_fn(model, step, x, y)` returns the loss after
     running backward itself (default: one forward and backward)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     opt = opt or torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         x, y = batch(step, rank)
         if step_fn is None:
             loss = loss_fn(model(x), y)
