@@ -30,6 +30,7 @@ def clipped_training(norm_type) -> tuple:
     """Rank body: train with fs.clip_grad_norm_; (losses, params, norms, all-reduces)."""
     comm = CountingComm()
     model = fs.flex_shard(make_model(), comm=comm)
+    comm.reset()  # flex_shard's own check that the ranks agree all-reduces too
     norms = []
     losses = train(model, STEPS, clip_step(fs.clip_grad_norm_, norm_type, norms))
     # train() all-reduces the loss outside comm; the clips are the only comm all-reduces.

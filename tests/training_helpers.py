@@ -42,6 +42,21 @@ class CountingComm(fs.Comm):
         self.calls = dict.fromkeys(self.calls, 0)
 
 
+def settled(read, want, timeout: float = 5.0):
+    """read() once it equals `want`, or its last value after `timeout` seconds.
+
+    The comm backend's worker thread drops its reference to a finished
+    collective's tensors shortly after wait() returns (gloo here, NCCL's
+    watchdog likewise), so storage freed by flexshard may take a moment to
+    die. A leak never settles; a late release does."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while value != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+        value = read()
+    return value
+
+
 class UnshardedTracker:
     """Weak references to the storage of every unsharded param any bucket makes
     (the gather output when params are views of it, else each copy-out), so a
