@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .bucket import Bucket
 from .bucketing import (assign_params, claimed_elsewhere, default_buckets, param_aliases,
-                        running_module)
+                        running_module, used_in_nested_runner)
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
 from .fingerprint import check_ranks_agree
@@ -245,6 +245,15 @@ def _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases) -> Non
                 "this explicit", stacklevel=4)
 
 
+def _mark_nested_use(module, by_runner: dict) -> None:
+    """Flag the buckets whose params another (nested) running module uses too."""
+    names = {id(m): n for n, m in module.named_modules()}
+    runners = [names[id(runner)] for runner, _ in by_runner.values()]
+    for runner, entries in by_runner.values():
+        for bucket, _, owners in entries:
+            bucket.used_in_nested_runner = used_in_nested_runner(owners, names[id(runner)], runners)
+
+
 def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> None:
     aliases = param_aliases(module)
     state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
@@ -266,9 +275,11 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
         state.buckets.append(bucket)
         state.aliases.append(pairs)
         if bucket.needs_hooks:
-            by_runner.setdefault(id(runner), (runner, []))[1].append((bucket, pairs))
+            owners = [fqn for a in slot_aliases for _, _, fqn in a]
+            by_runner.setdefault(id(runner), (runner, []))[1].append((bucket, pairs, owners))
+    _mark_nested_use(module, by_runner)
     for runner, entries in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, [b for b, _ in entries], [p for _, p in entries],
+        state.hooks.append(ModuleHooks(runner, [e[0] for e in entries], [e[1] for e in entries],
                                        state.prefetcher, state.buckets))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue)

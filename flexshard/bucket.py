@@ -27,7 +27,7 @@ from .storage import BucketStorage, gathered_param, typed_view
 
 class BucketState(enum.Enum):
     SHARDED = "sharded"  # modules hold sharded parameters, no gather in flight
-    UNSHARDING = "unsharding"  # a gather is in flight (prefetched), modules hold sharded params
+    UNSHARDING = "unsharding"  # the gather runs (a prefetched one lives in Bucket.inflight)
     UNSHARDED = "unsharded"  # modules hold unsharded parameters
 
 
@@ -136,6 +136,7 @@ class Bucket:
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
         self.pinned: Optional[list] = None  # unsharded params held by module.unshard()
+        self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self._anchor: Optional[torch.Tensor] = None  # see _grad_anchor
         self._pinned_version = -1
@@ -185,7 +186,7 @@ class Bucket:
 
     def unshard(self) -> list:
         """Gather the bucket: unsharded parameters linked to the sharded ones by autograd."""
-        self.assert_state(BucketState.SHARDED, BucketState.UNSHARDING, BucketState.UNSHARDED)
+        self.assert_state(BucketState.SHARDED, BucketState.UNSHARDED)
         self._check_requires_grad()
         self.state = BucketState.UNSHARDING
         try:
@@ -264,7 +265,6 @@ class Bucket:
         if self.inflight is not None or self.world_size == 1 or self.state is not BucketState.SHARDED:
             return False
         self.inflight = self._launch(self.gather_layout, async_op=True)
-        self.state = BucketState.UNSHARDING
         self.counters.prefetches += 1
         return True
 
@@ -276,8 +276,6 @@ class Bucket:
         if pending.work is not None:
             pending.work.wait()
         self.counters.discarded_prefetches += 1
-        if self.state is BucketState.UNSHARDING:
-            self.state = BucketState.SHARDED
 
     def _take_inflight(self, layout: BucketLayout) -> Optional[PendingGather]:
         pending = self.inflight

@@ -95,3 +95,15 @@ def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:
         if not common or not isinstance(mod, CONTAINERS):
             return mod
         common.pop()
+
+
+def _within(fqn: str, ancestor: str) -> bool:
+    return not ancestor or fqn == ancestor or fqn.startswith(ancestor + ".")
+
+
+def used_in_nested_runner(owner_fqns: Sequence[str], runner: str, runners: Sequence[str]) -> bool:
+    """Whether a module registering one of a bucket's params (`owner_fqns`)
+    lies inside another running module nested in the bucket's own (`runner`):
+    a shared module or tied param used inside another bucket's forward."""
+    return any(other != runner and _within(other, runner) and _within(owner, other)
+               for owner in owner_fqns for other in runners)

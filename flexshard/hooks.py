@@ -82,7 +82,8 @@ class ModuleHooks:
         self._post_ran = True
         keep = torch.is_grad_enabled() and not in_backward()
         for bucket, aliases in zip(self.buckets, self.aliases):
-            if bucket.pinned is not None or (keep and not bucket.reshard_after_forward):
+            if bucket.pinned is not None or (keep and bucket.used_in_nested_runner
+                                             and not bucket.reshard_after_forward):
                 continue  # kept unsharded until backward ends (see reshard_kept)
             install_params(aliases, bucket.params)
             bucket.mark_resharded()
@@ -101,14 +102,14 @@ class ModuleHooks:
 
     def reshard_kept(self) -> None:
         """When backward ends: reshard the buckets that kept their unsharded
-        params since forward. Until then the modules hold them, as FSDP2 does,
-        so a recompute inside backward (ours or the user's activation
-        checkpointing) that reads one of them finds the unsharded tensor."""
+        params since forward. A bucket that does not reshard after forward but
+        whose params are also used inside another bucket's module (a shared
+        module, a tied param) stays on the modules until then, so that module's
+        recompute in backward reads the unsharded tensor it computed with."""
         self._reshard()
 
     def _reshard(self) -> None:
-        """Sharded params back on the modules for every unsharded, unpinned bucket
-        (a prefetched one, UNSHARDING, is the prefetcher's to drop)."""
+        """Sharded params back on the modules for every unsharded, unpinned bucket."""
         for bucket, aliases in zip(self.buckets, self.aliases):
             if bucket.pinned is None and bucket.state is BucketState.UNSHARDED:
                 install_params(aliases, bucket.params)
@@ -131,7 +132,7 @@ class RootHooks:
 
     def pre_forward(self, module, args):
         if not in_backward():
-            self.queue.forget_backward()
+            self.queue.abandon_backward()
         self.prefetcher.begin_forward()
 
     def post_forward(self, module, args, output):

@@ -42,10 +42,20 @@ class ReduceQueue:
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._backward_ended(task))
 
-    def forget_backward(self) -> None:
-        """Forward starts outside backward: no pass is running (one that raised
-        never ran its callback)."""
+    def abandon_backward(self) -> None:
+        """Forward starts outside backward, so no backward pass is running: one
+        that raised never ran its callback. Its launched reductions are waited
+        for and dropped (the user zeroes the grads of a failed step) and the
+        listeners clean up after it."""
+        if not (self._watched or self._pending):
+            return
+        while self._pending:
+            _, pending = self._pending.popleft()
+            if pending.work is not None:
+                pending.work.wait()
         self._watched.clear()
+        for listener in self.listeners:
+            listener()
 
     def make_room(self) -> None:
         """Finish the oldest reductions until another one may be launched."""
