@@ -31,6 +31,7 @@ def train_unsharded_explicitly(async_op: bool) -> tuple:
     """Rank body: train with explicit unshard/reshard around each step."""
     comm = CountingComm()
     model = fs.flex_shard(make_model(), comm=comm)
+    comm.reset()  # flex_shard's check that the ranks agree is an all-reduce
     losses = train(model, STEPS, unshard_step(async_op))
     calls = dict(comm.calls)
     return losses, fs.full_state_dict(model), calls
@@ -71,20 +72,26 @@ def test_unshard_holds_full_params_until_reshard():
 
 
 def forward_without_backward() -> tuple:
-    """Rank body: a training forward never followed by backward, then reshard()."""
-    model = fs.flex_shard(make_model())
+    """Rank body: a training forward never followed by backward, then reshard().
+    layers.1 calls layers.0's `up`, so bucket layers.0 (run by the root) keeps
+    its params on the modules for layers.1's recompute in a backward that never comes."""
+    from test_frozen_tied import shared_block_model
+
+    model = fs.flex_shard(shared_block_model())
     x, _ = batch(0, torch.distributed.get_rank())
-    model(x)  # grad mode: the root bucket keeps its params for a backward that never comes
-    kept = tuple(model.head.weight.shape)
+    model(x)
+    kept = tuple(model.layers[0].up.weight.shape), tuple(model.head.weight.shape)
     model.reshard()
     model.to("cpu")  # allowed again: every bucket is sharded
-    return kept, tuple(model.head.weight.shape)
+    return kept, tuple(model.layers[0].up.weight.shape)
 
 
 def test_reshard_after_forward_without_backward():
-    full = tuple(make_model().head.weight.shape)
-    for kept, after in run_world(2, forward_without_backward):
-        assert kept == full and after != full
+    reference = make_model()
+    up, head = tuple(reference.layers[0].up.weight.shape), tuple(reference.head.weight.shape)
+    for (kept_up, kept_head), after in run_world(2, forward_without_backward):
+        assert kept_up == up and after != up
+        assert kept_head != head  # the root's own params reshard after forward as usual
 
 
 def toggled_reshard() -> tuple:
