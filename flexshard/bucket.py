@@ -2,8 +2,10 @@
 and the one reduce-scatter that hands back their gradients.
 
 States: SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED. Unsharded parameters
-are made by `_Unshard`, an autograd Function whose backward is the bucket's
-gradient reduction, so sharded gradients arrive through autograd.
+are made by `_Unshard`, an autograd Function whose backward launches the
+bucket's gradient reduction; the model's ReduceQueue finishes it and
+accumulates the sharded gradients into `.grad`. A gather may be launched
+early (`start_gather`, prefetch) and consumed by the next unshard.
 """
 
 from __future__ import annotations
