@@ -282,4 +282,4 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
         state.hooks.append(ModuleHooks(runner, [e[0] for e in entries], [e[1] for e in entries],
                                        state.prefetcher, state.buckets))
     if by_runner:
-        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue)
+        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispat
 from .comm import Comm
 from .config import MixedPrecisionPolicy
 from .layout import BucketLayout, SlotPlan, plan_layout
-from .reduction import ReduceQueue
+from .reduction import ReduceQueue, deliver_anchor
 from .storage import BucketStorage, gathered_param, typed_view
 
 
@@ -224,17 +224,20 @@ class Bucket:
                     f"{param.requires_grad} after flex_shard; the bucket's gradient layout is "
                     "fixed at wrap time, so set requires_grad before calling flex_shard")
 
+    def new_anchor(self) -> None:
+        """Start a new route for this bucket's grads into autograd (at the
+        start of each forward under grad; see reduction.py)."""
+        self._anchor = None
+        if self.grad_slots and torch.is_grad_enabled():
+            self._anchor = deliver_anchor(self.reduce_queue, self.params)
+
     def _grad_anchor(self) -> torch.Tensor:
-        """An empty leaf that requires grad when some param does: the input
-        that ties the unsharded params to this bucket's reduction. The sharded
-        params are not autograd inputs, so autograd never accumulates into
-        them itself; the reduce queue does (hooks included)."""
-        anchor = self._anchor
-        device = self.storage.buffer.device
-        if anchor is None or anchor.device != device:
-            anchor = torch.empty(0, device=device, requires_grad=bool(self.grad_slots))
-            self._anchor = anchor
-        return anchor
+        """The input tying the unsharded params to this bucket's reduction."""
+        if self._anchor is None or self._anchor[1].device != self.storage.buffer.device:
+            self.new_anchor()
+        if self._anchor is None:
+            return torch.empty(0, device=self.storage.buffer.device)
+        return self._anchor[1]
 
     def mark_resharded(self) -> None:
         self.assert_state(BucketState.UNSHARDED, BucketState.SHARDED)
@@ -345,20 +348,6 @@ class Bucket:
             self._typed(pending.output).div_(self.world_size)
         return self._sharded_grads(pending.output)
 
-    def accumulate_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Add sharded grads into the sharded params' .grad, then run their
-        post-accumulate-grad hooks (what autograd's AccumulateGrad would do)."""
-        with torch.no_grad():
-            for param, grad in zip(self.params, grads):
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
-                for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
-                    hook(param)
-
     def _typed(self, buf: torch.Tensor) -> torch.Tensor:
         dtype = self.reduce_layout.regions[0].dtype
         return buf.view(dtype)
@@ -413,12 +402,17 @@ def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
     return param
 
 
+def grads_anchor(bucket: Bucket) -> torch.Tensor:
+    """A defined (empty) grad for the anchor, so its _Deliver node runs."""
+    return torch.empty(0, device=bucket.storage.buffer.device)
+
+
 class _Unshard(torch.autograd.Function):
     """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
 
     @staticmethod
     def forward(ctx, bucket: Bucket, anchor: torch.Tensor):
-        ctx.bucket = bucket
+        ctx.bucket, ctx.delivery = bucket, bucket._anchor[0] if bucket._anchor else None
         ctx.set_materialize_grads(False)
         outs = bucket.gather_params()
         trainable = set(bucket.grad_slots)
@@ -435,6 +429,6 @@ class _Unshard(torch.autograd.Function):
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
         pending = bucket.start_reduce(grads)
-        if pending is not None:
-            bucket.reduce_queue.push(bucket, pending)
-        return None, None
+        if pending is not None and ctx.delivery is not None:
+            bucket.reduce_queue.push(bucket, pending, ctx.delivery)
+        return None, grads_anchor(bucket)

@@ -121,10 +121,12 @@ class ModuleHooks:
 
 
 class RootHooks:
-    """Mark where the wrapped module's forward starts and ends (for prefetch)."""
+    """Mark where the wrapped module's forward starts (new grad routes, prefetch)
+    and ends."""
 
-    def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue) -> None:
+    def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets) -> None:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
+        self.buckets = [b for b in buckets if b.needs_hooks]
         self.handles = [
             module.register_forward_pre_hook(self.pre_forward, prepend=True),
             module.register_forward_hook(self.post_forward, always_call=True),
@@ -133,6 +135,8 @@ class RootHooks:
     def pre_forward(self, module, args):
         if not in_backward():
             self.queue.abandon_backward()
+            for bucket in self.buckets:  # first in forward, so last in backward
+                bucket.new_anchor()
         self.prefetcher.begin_forward()
 
     def post_forward(self, module, args, output):

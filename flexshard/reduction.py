@@ -1,11 +1,18 @@
-"""Gradient reductions in flight: launched in backward, delivered into .grad later.
+"""Gradient reductions in flight: launched in backward, delivered through autograd later.
 
 A bucket's backward launches its reduce-scatter and returns at once, so the
 collective overlaps the backward of the buckets before it. The queue keeps at
 most `max_in_flight` reductions launched; the oldest is finished (waited for,
-averaged, accumulated into `.grad`) to make room, and whatever is left is
-finished by a callback autograd runs when the backward pass ends. Other parts
-of the runtime add their own end-of-backward work to `listeners`, which run
+averaged, kept on its Delivery) to make room.
+
+Delivery into `.grad` is autograd's own: each forward starts with one
+`_Deliver` node per bucket, taking the sharded params as inputs and giving the
+empty *anchor* that the bucket's `_Unshard` takes as input. Created first in
+forward, these nodes have the lowest sequence numbers, so autograd's engine
+runs them after the block computations that are ready with them, i.e. at the
+end of backward; their backward returns the reduced sharded grads and
+AccumulateGrad puts them into `.grad` (post-accumulate-grad hooks included).
+Other parts of the runtime add end-of-backward work to `listeners`, which run
 when the outermost watched pass ends (a reentrant checkpoint runs a nested
 backward pass inside the outer one).
 """
@@ -13,6 +20,7 @@ backward pass inside the outer one).
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import torch
 
@@ -50,7 +58,7 @@ class ReduceQueue:
         if not (self._watched or self._pending):
             return
         while self._pending:
-            _, pending = self._pending.popleft()
+            _, pending, _ = self._pending.popleft()
             if pending.work is not None:
                 pending.work.wait()
         self._watched.clear()
@@ -62,9 +70,9 @@ class ReduceQueue:
         while len(self._pending) >= max(self.max_in_flight, 1):
             self._finish_oldest()
 
-    def push(self, bucket, pending) -> None:
+    def push(self, bucket, pending, delivery) -> None:
         """Track a launched reduction; it is finished by backward's end at the latest."""
-        self._pending.append((bucket, pending))
+        self._pending.append((bucket, pending, delivery))
         if self.max_in_flight == 0 or not in_backward():
             self.finish_all()
         else:
@@ -84,5 +92,45 @@ class ReduceQueue:
                 listener()
 
     def _finish_oldest(self) -> None:
-        bucket, pending = self._pending.popleft()
-        bucket.accumulate_grads(bucket.finish_reduce(pending))
+        bucket, pending, delivery = self._pending.popleft()
+        delivery.add(bucket.finish_reduce(pending))
+
+
+class Delivery:
+    """The sharded grads one forward's reductions of one bucket produced, until
+    its _Deliver node hands them to autograd."""
+
+    def __init__(self) -> None:
+        self.grads: Optional[list] = None
+
+    def add(self, grads: list) -> None:
+        if self.grads is None:
+            self.grads = list(grads)
+            return
+        self.grads = [a if b is None else b if a is None else a + b
+                      for a, b in zip(self.grads, grads)]
+
+    def take(self) -> list:
+        grads, self.grads = self.grads, None
+        return grads
+
+
+class _Deliver(torch.autograd.Function):
+    """Forward: sharded params -> an empty anchor. Backward: the reduced sharded grads."""
+
+    @staticmethod
+    def forward(ctx, queue: ReduceQueue, delivery: Delivery, *params: torch.Tensor):
+        ctx.queue, ctx.delivery, ctx.count = queue, delivery, len(params)
+        return params[0].new_empty(0) if params else torch.empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.queue.finish_all()
+        grads = ctx.delivery.take() or [None] * ctx.count
+        return (None, None, *grads)
+
+
+def deliver_anchor(queue: ReduceQueue, params) -> tuple:
+    """(Delivery, anchor): a new route from a bucket's reductions into its params' .grad."""
+    delivery = Delivery()
+    return delivery, _Deliver.apply(queue, delivery, *params)
