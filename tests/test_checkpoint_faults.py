@@ -106,3 +106,14 @@ def test_rank_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path, m
     assert fs.load_checkpoint(str(root), model, opt) == 1
     saved = torch.load(out / "step1.pt")
     assert all(torch.equal(p, saved[k]) for k, p in model.named_parameters())
+
+
+def test_truncated_metadata_is_refused_with_a_clear_error(tmp_path):
+    """A damaged .metadata names the checkpoint instead of a bare unpickling error."""
+    import flexshard.checkpoint as ckpt_mod
+
+    step = tmp_path / "step_3"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"\x80\x04\x95")  # a pickle cut short
+    with pytest.raises(ValueError, match=r"step_3.*is damaged.*metadata cannot be"):
+        ckpt_mod._read_metadata(str(step))
