@@ -19,13 +19,6 @@ import flexshard as fs
 KEEP = 2  # complete checkpoints kept; older ones are deleted after a save
 
 
-def _require(name: str):
-    if not hasattr(fs, name):
-        raise NotImplementedError(f"--checkpoint-dir needs fs.{name}, which this flexshard "
-                                  "does not have (checkpoint support)")
-    return getattr(fs, name)
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -35,7 +28,6 @@ class Checkpointer:
 
     def __init__(self, root: Path, every: int) -> None:
         self.root, self.every = Path(root), every
-        self._save, self._load = _require("save_checkpoint"), _require("load_checkpoint")
 
     def due(self, step: int, last: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == last)
@@ -46,12 +38,12 @@ class Checkpointer:
             tmp = self.root / "losses.json.tmp"
             tmp.write_text(json.dumps(losses))
             os.replace(tmp, self.root / "losses.json")
-        return self._save(str(self.root), model, opt, step, keep=KEEP)
+        return fs.save_checkpoint(str(self.root), model, opt, step, keep=KEEP)
 
     def load(self, model, opt) -> tuple:
         """Restore model and optimizer in place; returns (step, losses of steps before it)."""
         try:
-            step = self._load(str(self.root), model, opt)
+            step = fs.load_checkpoint(str(self.root), model, opt)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"--resume: {e}; train with --checkpoint-every first, "
                                     "or drop --resume") from None

@@ -1,10 +1,9 @@
-"""What the training example shows: the bucket plan, progress, traffic, memory, the loss curve."""
+"""What the training example shows besides the plan: progress, traffic, memory, the loss curve."""
 
 from __future__ import annotations
 
 import resource
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,37 +57,6 @@ def peak_memory_bytes(env) -> list:
     if env.world_size > 1:
         dist.all_reduce(peaks)
     return [int(p) for p in peaks.tolist()]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def plan_table(model) -> str:
-    """One line per bucket: params, placement kinds, dtypes, this rank's bytes, full bytes."""
-    state = get_state(model)
-    rows = [("bucket", "params", "placements", "dtypes", "local bytes", "unsharded bytes")]
-    for b in state.buckets:
-        kinds = Counter(type(s.placement).__name__ for s in b.slots)
-        dtypes = sorted({_dtype_name(s.dtype) for s in b.slots})
-        local = sum(reg.nbytes[state.rank] for reg in b.storage.layout.regions)
-        rows.append((b.name, str(len(b.slots)), ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())),
-                     ",".join(dtypes), f"{local:,}", f"{b.storage.layout.ideal_bytes:,}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def print_plan(model, fs) -> None:
-    """The bucket plan: fs.describe(model) where flexshard has it, else our own table."""
-    if hasattr(fs, "describe"):
-        text = fs.describe(model)
-        print(text if isinstance(text, str) else str(text))
-    else:
-        print(f"bucket plan (rank 0 of {get_state(model).world_size}):")
-        print(plan_table(model))
-    sys.stdout.flush()
 
 
 class _Lines:

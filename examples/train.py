@@ -32,7 +32,7 @@ import flexshard as fs  # noqa: E402
 from flexshard.state import get_state  # noqa: E402
 from gpt import GPT, GPTConfig, batch, load_text, loss_fn  # noqa: E402
 from checkpointing import Checkpointer  # noqa: E402
-from report import Traffic, peak_memory_bytes, plot_losses, print_plan, progress  # noqa: E402
+from report import Traffic, peak_memory_bytes, plot_losses, progress  # noqa: E402
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 WARMUP = 10  # steps of linear learning-rate warm-up, then cosine decay to 10%
@@ -121,13 +121,6 @@ def setup_distributed() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), device)
 
 
-def _feature(name: str, flag: str):
-    """fs.<name>, or NotImplementedError naming the flag that needs it."""
-    if not hasattr(fs, name):
-        raise NotImplementedError(f"{flag} needs fs.{name}, which this flexshard does not have")
-    return getattr(fs, name)
-
-
 def mixed_placement(fqn: str, param: torch.Tensor):
     """--placement mixed: one choice per parameter, all sharing the buckets."""
     if param.dim() == 1:
@@ -154,8 +147,8 @@ def build_model(args, env: Dist) -> torch.nn.Module:
     buckets = None
     if args.bucket_bytes is not None:
         example = (torch.zeros(1, model.cfg.seq, dtype=torch.long, device=env.device),)
-        buckets = _feature("plan_buckets", "--bucket-bytes")(
-            model, bucket_bytes=args.bucket_bytes, example_inputs=example)  # execution order
+        buckets = fs.plan_buckets(model, bucket_bytes=args.bucket_bytes,
+                                  example_inputs=example)  # traced execution order
     return fs.flex_shard(model, buckets=buckets, placement=placement_for(args.placement),
                          mp_policy=mp, reshard_after_forward=not args.no_reshard)
 
@@ -243,7 +236,7 @@ def main(argv=None) -> None:
     try:
         model = build_model(args, env)
         if env.rank == 0:
-            print_plan(model, fs)
+            print(fs.describe(model), flush=True)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         ckpt = Checkpointer(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
         start, losses = (ckpt.load(model, opt) if args.resume else (0, []))

@@ -24,7 +24,8 @@ from torchtitan.models.llama3 import model_registry
 
 import flexshard as fs
 from flexshard.integrations.torchtitan import FlexShardConfig, llama_buckets, parallelize_llama
-from flexshard.integrations.torchtitan.trainer import FlexShardTrainer, check_trainer_config
+from flexshard.integrations.torchtitan.trainer import (FlexShardTrainer, check_trainer_config,
+                                                       clip_before_step)
 from flexshard.state import get_state
 from harness import run_world
 
@@ -265,6 +266,34 @@ def test_placement_names(name, placement):
 def test_unknown_placement_name_is_refused():
     with pytest.raises(ValueError, match=r"--flex_shard.placement='rows': choose one of"):
         FlexShardConfig(placement="rows").build_placement()
+
+
+def _clipped_step() -> tuple:
+    """Rank body: clip before the step by the global norm; (norm before, after)."""
+    import torch.distributed as dist
+
+    model = parallelize(debugmodel(), dist.get_world_size())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    clip_before_step(opt, [model], max_norm=0.5)
+    titan_loss(model, tokens(0, dist.get_rank()), 2 * BATCH * SEQ).backward()
+
+    def global_norm() -> float:  # summed as clip_grad_norm_ sums, to compare like with like
+        sq = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+                 for p in model.parameters()).reshape(1)
+        dist.all_reduce(sq)
+        return sq.sqrt().item()
+
+    before = global_norm()
+    opt.step()
+    return before, global_norm()
+
+
+@pytest.mark.world(2)
+def test_trainer_clips_by_the_global_norm_before_the_step():
+    (before, after), other = run_world(2, _clipped_step, timeout=120)
+    assert other == (before, after)
+    assert before > 0.5  # so the clip acts
+    assert after == pytest.approx(0.5, rel=1e-5)
 
 
 def test_gradient_divide_factor_is_checked():

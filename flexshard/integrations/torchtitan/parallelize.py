@@ -80,9 +80,6 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                                  cast_forward_inputs=False)
     mesh = parallel_dims.get_mesh("fsdp") if parallel_dims.world_size > 1 else None
     on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta and not hasattr(fs.FlexShardModule, "init_parameters"):
-        raise NotImplementedError("a meta-device model needs FlexShardModule.init_parameters "
-                                  "(meta-device initialisation), which this flexshard lacks")
     model = fs.flex_shard(model, mesh, buckets=llama_buckets(model, reshard),
                           placement=placement, mp_policy=mp, reshard_after_forward=reshard)
     model.set_gradient_divide_factor(1.0)

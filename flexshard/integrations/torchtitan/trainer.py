@@ -28,11 +28,21 @@ def check_trainer_config(config) -> None:
                          "a flexshard_* function of flexshard.integrations.torchtitan.config_registry")
 
 
+def clip_before_step(optimizer, models, max_norm: float):
+    """Register a step pre-hook on `optimizer` that clips the gradients of every
+    flex-sharded model in `models` to a global norm of `max_norm` (one all-reduce
+    each). Returns the hook's handle."""
+    def clip(*_) -> None:
+        for model in models:
+            fs.clip_grad_norm_(model, max_norm)
+    return optimizer.register_step_pre_hook(clip)
+
+
 class FlexShardTrainer(Trainer):
     """Trainer whose parallelize function is flexshard's, configured by `--flex_shard.*`.
 
     Gradient clipping: torchtitan's own clip sees only this rank's sharded
-    gradients, so it is switched off (max_norm = inf, its logged grad_norm is this
+    gradients, so it is switched off (max_norm = inf; its logged grad_norm is this
     rank's) and `fs.clip_grad_norm_` clips by the global norm right before each
     optimizer step, with `--training.max_norm`.
     """
@@ -44,20 +54,10 @@ class FlexShardTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         check_trainer_config(config)
         max_norm = float(config.training.max_norm)
-        clip = None
-        if 0 < max_norm < math.inf:
-            if not hasattr(fs, "clip_grad_norm_"):
-                raise NotImplementedError(
-                    f"--training.max_norm {max_norm} needs fs.clip_grad_norm_, which this "
-                    "flexshard does not have; pass --training.max_norm inf to train unclipped")
-            clip = fs.clip_grad_norm_
         config.training.max_norm = math.inf
         config.model_spec = dataclasses.replace(
             config.model_spec,
             parallelize_fn=functools.partial(parallelize_llama, flex_shard=config.flex_shard))
         super().__init__(config)
-        if clip is not None:
-            models = list(self.model_parts)
-            first = next(iter(self.optimizers))
-            first.register_step_pre_hook(
-                lambda *_: [clip(m, max_norm) for m in models])
+        if 0 < max_norm < math.inf:  # the first optimizer steps first: clip before it
+            clip_before_step(next(iter(self.optimizers)), list(self.model_parts), max_norm)
