@@ -29,15 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt.py beside this f
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # flexshard from a checkout
 
 import flexshard as fs  # noqa: E402
-from flexshard.state import get_state  # noqa: E402
 from gpt import GPT, GPTConfig, batch, load_text, loss_fn  # noqa: E402
 from checkpointing import Checkpointer  # noqa: E402
 from report import Traffic, peak_memory_bytes, plot_losses, progress  # noqa: E402
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 WARMUP = 10  # steps of linear learning-rate warm-up, then cosine decay to 10%
-# torch 2.13 deprecates the *_tensor collectives flexshard still calls; say it once, not per step.
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into|reduce_scatter)_tensor` is deprecated")
+# torch 2.13 deprecates the *_tensor collectives flexshard calls: a note for flexshard, not users.
+warnings.filterwarnings(
+    "ignore", message=r"`torch\.distributed\.(all_gather_into|reduce_scatter)_tensor` is deprec")
 PLACEMENTS = ("shard", "owned", "ragged", "mixed")
 
 
@@ -238,7 +238,8 @@ def main(argv=None) -> None:
         if env.rank == 0:
             print(fs.describe(model), flush=True)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-        ckpt = Checkpointer(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
+        ckpt = (Checkpointer(args.checkpoint_dir, args.checkpoint_every)
+                if args.checkpoint_dir else None)
         start, losses = (ckpt.load(model, opt) if args.resume else (0, []))
         if env.rank == 0 and args.resume:
             print(f"resumed from step {start}")

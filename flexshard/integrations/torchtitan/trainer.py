@@ -1,4 +1,4 @@
-"""torchtitan's Trainer with flex_shard: a `--flex_shard.*` config section and global-norm clipping."""
+"""torchtitan's Trainer with flex_shard: a `--flex_shard.*` section, global-norm clipping."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def check_trainer_config(config) -> None:
             "CrossEntropyLoss.Config (the flexshard_* configs do)")
     if config.model_spec is None:
         raise ValueError("FlexShardTrainer.Config.model_spec is None; build the config with "
-                         "a flexshard_* function of flexshard.integrations.torchtitan.config_registry")
+                         "a flexshard_* function of flexshard.integrations.torchtitan."
+                         "config_registry")
 
 
 def clip_before_step(optimizer, models, max_norm: float):
