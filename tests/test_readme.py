@@ -144,12 +144,15 @@ def test_ci_runs_the_readme_test_command_and_it_installs_what_tests_import():
     assert main == "torchrun --standalone --nproc-per-node 2 examples/train.py"
 
 
-def test_local_links_point_at_files():
-    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+def test_local_links_and_named_files_exist():
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
     local = [link for link in links if not re.match(r"\w+://", link)]
     assert local, "no local links found"
-    missing = [link for link in local if not (REPO / link).exists()]
-    assert not missing, f"README links to missing files: {missing}"
+    named = re.findall(r"`((?:examples|data|benchmarks|flexshard|tests)/[\w./-]+)`", text)
+    assert named, "no file of the repository named in backticks"
+    missing = [path for path in local + named if not (REPO / path).exists()]
+    assert not missing, f"README names missing files: {missing}"
 
 
 if __name__ == "__main__":
