@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         ws = dist.get_world_size()
         results = run_configs(_grid(args, [ws]), args.steps, args.warmup, args.device, True)
         if dist.get_rank() == 0:
-            write_outputs(results, meta, args.out_dir, chart=not args.no_chart)
+            write_outputs(results, meta, args.out_dir, chart_png=not args.no_chart)
         dist.destroy_process_group()
         return 0
     results = []
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
               flush=True)
         results += spawn_world(ws, _grid(args, [ws]), args.steps, args.warmup, args.device)
     meta["load_average_end"] = list(os.getloadavg())
-    write_outputs(results, meta, args.out_dir, chart=not args.no_chart)
+    write_outputs(results, meta, args.out_dir, chart_png=not args.no_chart)
     return 0
 
 
