@@ -49,9 +49,10 @@ def _slowest_rank(values: list) -> list:
     """Elementwise max over ranks (a step takes as long as its slowest rank)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces CUDA tensors only
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def _max_over_ranks(value: float) -> float:
@@ -61,7 +62,7 @@ def _max_over_ranks(value: float) -> float:
 def time_steps(runners: list, first_step: int, steps: int, world_size: int) -> dict:
     """Alternate the runners' steps, rotating who goes first; per runner the
     step and optimizer times (slowest rank) and the losses (this rank)."""
-    record = {r.kind: {"step_s": [], "optim_s": [], "loss": []} for r in runners}
+    record = {r.kind: {"step_s": [], "optim_s": [], "cpu_s": [], "loss": []} for r in runners}
     for i in range(steps):
         shift = i % len(runners)
         for r in runners[shift:] + runners[:shift]:
@@ -70,10 +71,12 @@ def time_steps(runners: list, first_step: int, steps: int, world_size: int) -> d
             st = r.step(first_step + i)
             record[r.kind]["step_s"].append(st.step_s)
             record[r.kind]["optim_s"].append(st.optim_s)
+            record[r.kind]["cpu_s"].append(st.cpu_s)
             record[r.kind]["loss"].append(st.loss)
     for rec in record.values():
         rec["step_s"] = _slowest_rank(rec["step_s"])
         rec["optim_s"] = _slowest_rank(rec["optim_s"])
+        rec["cpu_s"] = _slowest_rank(rec["cpu_s"])
     return record
 
 
@@ -129,7 +132,9 @@ def run_config(cfg: Config, mesh, device: torch.device, steps: int, warmup: int)
     result = {**base, "status": "ok", "steps": steps, "warmup": warmup,
               "step_time_s": {k: _spread(v["step_s"]) for k, v in record.items()},
               "optim_time_s": {k: _spread(v["optim_s"]) for k, v in record.items()},
+              "cpu_time_s": {k: _spread(v["cpu_s"]) for k, v in record.items()},
               "ratio": {"flexshard/fsdp2": _ratios(record, "flexshard", "fsdp2", "step_s"),
+                        "cpu flexshard/fsdp2": _ratios(record, "flexshard", "fsdp2", "cpu_s"),
                         "optim flexshard/fsdp2": _ratios(record, "flexshard", "fsdp2", "optim_s")},
               "loss_gap_flexshard_fsdp2": _loss_gap(record, "flexshard", "fsdp2"),
               "plain_copies": plain_copies(cfg.model, cfg.param_dtype, 0, rank, device),
@@ -137,6 +142,7 @@ def run_config(cfg: Config, mesh, device: torch.device, steps: int, warmup: int)
     if "plain" in record:
         result["ratio"]["flexshard/plain"] = _ratios(record, "flexshard", "plain", "step_s")
         result["ratio"]["fsdp2/plain"] = _ratios(record, "fsdp2", "plain", "step_s")
+        result["ratio"]["cpu flexshard/plain"] = _ratios(record, "flexshard", "plain", "cpu_s")
     return result
 
 

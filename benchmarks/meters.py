@@ -48,6 +48,18 @@ def _op_name(func) -> str:
     return func._schema.name
 
 
+_COLLECTIVE_WORDS = ("gather", "reduce", "scatter", "broadcast", "all_to_all", "alltoall",
+                     "barrier", "send", "recv")
+
+
+def is_collective(name: str) -> bool:
+    """A c10d or functional-collective op that moves data between ranks
+    (not wait_tensor or the autograd wrappers around them)."""
+    namespace, _, op = name.partition("::")
+    return (namespace.startswith(("c10d", "_c10d_functional"))
+            and any(w in op for w in _COLLECTIVE_WORDS))
+
+
 def _collective_bytes(args, kwargs, out) -> int:
     """The largest buffer of a collective: the gathered output of an
     all-gather, the input of a reduce-scatter, the tensor of an all-reduce."""
@@ -70,7 +82,7 @@ class TrafficMeter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = _op_name(func)
-        if name.startswith(("c10d::", "_c10d_functional::")) and not name.endswith("wait_tensor"):
+        if is_collective(name):
             kind = name.split("::")[1].strip("_")
             size = _collective_bytes(args, kwargs, out)
             self.collectives[kind] += 1

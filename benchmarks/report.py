@@ -88,10 +88,12 @@ def time_table(results) -> str:
         st, ratio = r["step_time_s"], r["ratio"]
         plain = _spread(ratio["flexshard/plain"]) if "flexshard/plain" in ratio else "–"
         rows.append([_ws(r), r["name"], _spread(ratio["flexshard/fsdp2"]), plain,
+                     _spread(ratio["cpu flexshard/fsdp2"]),
                      f"{st['fsdp2']['median'] * 1e3:.0f}", f"{st['flexshard']['median'] * 1e3:.0f}",
                      f"{r['loss_gap_flexshard_fsdp2']:.1e}"])
     return _table(["ws", "configuration", "step time flexshard/FSDP2 median (min–max)",
-                   "flexshard/plain", "FSDP2 ms", "flexshard ms", "loss gap"], rows)
+                   "flexshard/plain", "CPU time flexshard/FSDP2", "FSDP2 ms", "flexshard ms",
+                   "loss gap"], rows)
 
 
 def traffic_table(results) -> str:
@@ -172,7 +174,8 @@ def _time_lines(results) -> list:
         q = base[0]["ratio"]["flexshard/fsdp2"]
         all2 = [r["ratio"]["flexshard/fsdp2"]["median"] for r in _find(results, 2)]
         lines.append(f"- Step time at world size 2 (Shard(0), fp32, reshard, odd shapes): flexshard "
-                     f"{_spread(q)}x FSDP2 ({_verdict(q['median'], TARGET_VS_FSDP2)}); "
+                     f"{_spread(q)}x FSDP2 ({_verdict(q['median'], TARGET_VS_FSDP2)}; CPU time "
+                     f"{_spread(base[0]['ratio']['cpu flexshard/fsdp2'])}x); "
                      f"medians over all {len(all2)} world-size-2 configurations "
                      f"{min(all2):.2f}–{max(all2):.2f}x.")
     plain = [r for r in _find(results, 1) if "flexshard/plain" in r["ratio"]]

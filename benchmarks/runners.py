@@ -28,6 +28,7 @@ class StepTime(NamedTuple):
     loss: float
     step_s: float  # zero_grad + forward + backward + optimizer step
     optim_s: float  # optimizer step alone
+    cpu_s: float  # CPU time of this process over the step (all its threads)
 
 
 class Optimizers:
@@ -141,15 +142,15 @@ class Runner:
 
     def step(self, step: int) -> StepTime:
         _sync(self.device)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         self.optim.zero_grad()
         loss = self.forward_backward(step)
         _sync(self.device)
         t1 = time.perf_counter()
         self.optim.step()
         _sync(self.device)
-        t2 = time.perf_counter()
-        return StepTime(loss.item(), t2 - t0, t2 - t1)
+        t2, c2 = time.perf_counter(), time.process_time()
+        return StepTime(loss.item(), t2 - t0, t2 - t1, c2 - c0)
 
     def bucket_counters(self) -> dict:
         """flexshard only: bucket name -> its placements and counters (a copy)."""
