@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     meta = machine(args.device)
     if _launched_by_torchrun():
+        torch.set_num_threads(1)
         dist.init_process_group(_backend(args.device))
         ws = dist.get_world_size()
         results = run_configs(_grid(args, [ws]), args.steps, args.warmup, args.device, True)

@@ -112,7 +112,9 @@ class Runner:
         mp = FsdpMixedPrecision(param_dtype=dtype)
         for block in self.model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard, mp_policy=mp)
-        fully_shard(self.model, mesh=mesh, reshard_after_forward=self.cfg.reshard, mp_policy=mp)
+        # the root as FSDP2 defaults it (None: kept unsharded for backward), as flexshard does
+        root_reshard = None if self.cfg.reshard else False
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp)
 
     def _optimizers(self, matrices: set) -> Optimizers:
         named = list(self.model.named_parameters())
