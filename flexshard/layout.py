@@ -33,6 +33,7 @@ class Region(NamedTuple):
     dtype: torch.dtype
     offsets: tuple  # byte offset of rank r's piece inside rank r's segment
     nbytes: tuple  # byte size of rank r's piece
+    rank_major: bool = True  # the placement's pieces, back to back, are the full tensor
 
 
 class BucketLayout(NamedTuple):
@@ -52,6 +53,8 @@ class BucketLayout(NamedTuple):
         ranks = [r for r in range(self.world_size) if self.regions[slot].nbytes[r]]
         if not ranks:
             return (0, 0)
+        if not self.regions[slot].rank_major:  # e.g. Shard(1): adjacent bytes, wrong order
+            return None
         start = self.piece_start(slot, ranks[0])
         end = start
         for r in ranks:
@@ -90,23 +93,89 @@ def _align(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+# Zero-copy chains. A rank-major parameter split over ranks a..b is a view of
+# the gathered buffer when its piece on a ENDS segment a, its pieces on a+1..b-1
+# fill their whole segments and its piece on b STARTS segment b (FSDP1's flat
+# parameter is one long chain). So each rank boundary carries at most one
+# chained parameter, and each segment reads
+#   [piece continuing from rank r-1][other pieces][padding][piece continuing to rank r+1].
+
+
+class _Chain(NamedTuple):
+    slot: int
+    first: int  # first rank with a non-empty piece
+    last: int  # last rank with a non-empty piece
+
+
+def _chain_candidates(slots: Sequence[SlotPlan], nbytes: list) -> list:
+    """Rank-major slots whose non-empty pieces sit on 2+ consecutive ranks, largest first."""
+    out = []
+    for i, slot in enumerate(slots):
+        ranks = [r for r, b in enumerate(nbytes[i]) if b]
+        if (len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
+                and slot.placement.rank_major(slot.shape)):
+            out.append(_Chain(i, ranks[0], ranks[-1]))
+    return sorted(out, key=lambda c: (-sum(nbytes[c.slot]), c.slot))
+
+
+def _pick_chains(candidates: Sequence[_Chain], nbytes: list, rejected: set) -> list:
+    """Greedily give each rank boundary to the largest candidate that crosses it.
+    A chain over 3+ ranks needs its middle ranks to hold nothing else."""
+    taken, picked = set(), []
+    for c in candidates:
+        bounds = set(range(c.first, c.last))
+        middle = range(c.first + 1, c.last)
+        crowded = any(nbytes[j][r] for r in middle for j in range(len(nbytes)) if j != c.slot)
+        if c.slot in rejected or bounds & taken or crowded:
+            continue
+        taken |= bounds
+        picked.append(c)
+    return picked
+
+
+def _segments(nbytes: list, sizes: list, chains: Sequence[_Chain], world_size: int) -> tuple:
+    """(offsets per slot per rank, segment bytes) with `chains` at segment ends."""
+    head = {c.first + k: c for c in chains for k in range(c.last - c.first)}  # piece ends segment
+    tail = {r: c for c in chains for r in range(c.first + 1, c.last + 1)}  # piece starts segment
+    offsets = [[0] * world_size for _ in nbytes]
+    need = []
+    for r in range(world_size):
+        cursor = nbytes[tail[r].slot][r] if r in tail else 0
+        for i in range(len(nbytes)):
+            if (r in tail and tail[r].slot == i) or (r in head and head[r].slot == i):
+                continue
+            cursor = offsets[i][r] = _align(cursor, sizes[i])
+            cursor += nbytes[i][r]
+        if r in head and head.get(r) != tail.get(r):
+            cursor = _align(cursor, sizes[head[r].slot]) + nbytes[head[r].slot][r]
+        need.append(cursor)
+    segment = _align(max(need, default=0), max(sizes, default=1))
+    for r, c in head.items():
+        offsets[c.slot][r] = segment - nbytes[c.slot][r]
+    return offsets, segment
+
+
 def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
                 world_size: int) -> BucketLayout:
-    """Pack each rank's pieces of `slots`, typed as `dtypes`, into its segment.
+    """Lay each rank's pieces of `slots`, typed as `dtypes`, into its segment.
 
     Each piece is aligned to its dtype's size and the segment to the largest,
-    so every typed view of the gathered buffer is aligned as well.
+    so every typed view of the gathered buffer is aligned as well. Where the
+    placements allow it, split parameters are chained across rank boundaries
+    so that they are views of the gathered buffer (no copy-out).
     """
-    cursor = [0] * world_size
-    regions = []
-    for slot, dtype in zip(slots, dtypes):
-        size = dtype.itemsize
-        offsets, nbytes = [], []
-        for r in range(world_size):
-            cursor[r] = _align(cursor[r], size)
-            offsets.append(cursor[r])
-            nbytes.append(math.prod(slot.local_shapes[r]) * size)
-            cursor[r] += nbytes[-1]
-        regions.append(Region(dtype, tuple(offsets), tuple(nbytes)))
-    widest = max((d.itemsize for d in dtypes), default=1)
-    return BucketLayout(tuple(regions), _align(max(cursor, default=0), widest), world_size)
+    sizes = [d.itemsize for d in dtypes]
+    nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
+              for s, d in zip(slots, dtypes)]
+    candidates, rejected = _chain_candidates(slots, nbytes), set()
+    while True:
+        chains = _pick_chains(candidates, nbytes, rejected)
+        offsets, segment = _segments(nbytes, sizes, chains, world_size)
+        short = [c.slot for c in chains for r in range(c.first + 1, c.last)
+                 if nbytes[c.slot][r] != segment]
+        if not short:
+            break
+        rejected.update(short)
+    regions = tuple(Region(d, tuple(o), tuple(b), s.placement.rank_major(s.shape))
+                    for s, d, o, b in zip(slots, dtypes, offsets, nbytes))
+    return BucketLayout(regions, segment, world_size)

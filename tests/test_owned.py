@@ -1,0 +1,108 @@
+"""Owned(rank): whole parameters on one rank, owners balanced by bytes, in the
+bucket's one all-gather and one reduce-scatter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexshard as fs
+from flexshard.layout import bind_placements
+from harness import expect_all_ranks_raise, run_world
+from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
+
+pytestmark = pytest.mark.world
+
+
+def test_pieces_shard_and_unshard():
+    full = torch.arange(12.0).view(3, 4)
+    owned = fs.Owned(1)
+    assert [owned.local_shape(full.shape, r, 3) for r in range(3)] == [
+        torch.Size((0, 4)), torch.Size((3, 4)), torch.Size((0, 4))]
+    pieces = [owned.shard(full, r, 3) for r in range(3)]
+    assert pieces[1].data_ptr() == full.data_ptr() and pieces[1].shape == full.shape  # a view
+    assert pieces[0].numel() == 0 and pieces[0].dim() == 2  # empty, still a matrix
+    joined = owned.unshard(pieces, full.shape)
+    assert torch.equal(joined, full) and joined.data_ptr() != full.data_ptr()
+    assert owned.rank_major(full.shape)
+
+
+def test_scalar_param():
+    scalar = torch.tensor(3.0)
+    owned = fs.Owned(0)
+    assert owned.local_shape(scalar.shape, 0, 2) == torch.Size(())
+    assert owned.local_shape(scalar.shape, 1, 2) == torch.Size((0,))
+    assert torch.equal(owned.unshard([owned.shard(scalar, r, 2) for r in range(2)], scalar.shape),
+                       scalar)
+
+
+def test_owners_balance_bytes_largest_first():
+    sizes = [5, 10, 2, 7, 6]  # largest first: 10->r0, 7->r1, 6->r1, 5->r0, 2->r1
+    entries = [(torch.Size((n, 3)), 4, fs.Owned()) for n in sizes]
+    owners = [p.rank for p in bind_placements(entries, 2)]
+    assert owners == [0, 0, 1, 1, 1]
+    assert bind_placements(entries, 2) == bind_placements(entries, 2)  # deterministic
+    pinned = [(torch.Size((9, 3)), 4, fs.Owned(0))] + entries[:1]
+    assert [p.rank for p in bind_placements(pinned, 2)] == [0, 1]  # pinned bytes count
+
+
+def test_construction_errors():
+    with pytest.raises(ValueError, match=r"Owned\(rank=-1\): rank must be >= 0"):
+        fs.Owned(-1)
+    with pytest.raises(TypeError, match=r"Owned\(rank='0'\): rank must be an int or None"):
+        fs.Owned("0")
+
+
+def _rank_outside_world():
+    fs.flex_shard(make_model(), buckets=[
+        fs.BucketSpec("layers.0.*", placement=fs.Owned(2), name="block0"),
+        fs.BucketSpec(["tok.*", "pos", "layers.1.*", "norm.*", "head.*"], name="rest")])
+
+
+def test_rank_outside_world_names_param_and_bucket():
+    expect_all_ranks_raise(
+        2, _rank_outside_world, ValueError,
+        r"parameter 'layers\.0\.norm1\.weight' in bucket 'block0': Owned\(rank=2\) is outside "
+        r"the world of 2 rank\(s\); use a rank in \[0, 1\] or Owned\(\)")
+
+
+@pytest.mark.parametrize("world,reshard", [(1, True), (2, True), (2, False), (3, True)])
+def test_parity(world, reshard):
+    results = check_parity(world, {"placement": fs.Owned(), "reshard_after_forward": reshard},
+                           count_comms=True)
+    if world > 1:
+        assert_one_collective_per_bucket(results)
+    for _, _, stats in results:  # every unsharded param is a view of the gathered bytes
+        assert all(counters["copy_out_bytes"] == 0 for _, _, counters, *_ in stats["buckets"])
+
+
+def test_parity_bf16_param_dtype():
+    mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    check_parity(2, {"placement": fs.Owned(), "mp_policy": mp}, param_dtype=torch.bfloat16)
+
+
+def _grads_land_on_owners():
+    import torch.distributed as dist
+
+    from flexshard.state import get_state
+    from models import batch, loss_fn
+
+    model = fs.flex_shard(make_model(), placement=fs.Owned())
+    x, y = batch(0, dist.get_rank())
+    loss_fn(model(x), y).backward()
+    out = []
+    for bucket in get_state(model).buckets:
+        for slot, param in zip(bucket.slots, bucket.params):
+            mine = slot.placement.rank == dist.get_rank()
+            out.append((slot.fqn, mine, tuple(param.shape), tuple(param.grad.shape)))
+    return out
+
+
+def test_gradients_reduce_onto_owners():
+    results = run_world(2, _grads_land_on_owners)
+    for rank_out in results:
+        for fqn, mine, shape, grad_shape in rank_out:
+            assert grad_shape == shape, fqn
+            assert (torch.Size(shape).numel() > 0) == mine, fqn
+    owned = [sum(mine for _, mine, _, _ in r) for r in results]
+    assert all(owned) and sum(owned) == len(results[0])  # every param has exactly one owner
