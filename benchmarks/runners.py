@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-import flexshard as fs
 from torch.distributed.fsdp import MixedPrecisionPolicy as FsdpMixedPrecision
 from torch.distributed.fsdp import fully_shard
+
+import flexshard as fs
+from flexshard.optim import split_for_muon
 
 from .fsdp_muon import MUON_DEFAULTS, GatheredMuon
 from .meters import local
@@ -118,13 +120,13 @@ class Runner:
 
     def _optimizers(self, matrices: set) -> Optimizers:
         named = list(self.model.named_parameters())
-        rest = [p for f, p in named if f not in matrices]
-        mats = [p for f, p in named if f in matrices]
-        if self.kind == "flexshard":  # owned matrices: whole on one rank, empty elsewhere
-            rest += [p for p in mats if p.numel() == 0]
-            mats = [p for p in mats if p.numel() > 0]
-            if any(p.ndim != 2 for p in mats):
-                raise ValueError("Muon needs Owned block matrices; got split pieces")
+        if self.kind == "flexshard" and matrices:
+            # whole Owned matrices on their owner, shards of the rest (empty pieces left out)
+            split = split_for_muon(self.model, lambda fqn, shape: fqn in matrices)
+            mats, rest = split.matrices, split.others
+        else:
+            rest = [p for f, p in named if f not in matrices]
+            mats = [p for f, p in named if f in matrices]
         muon_cls = GatheredMuon if self.kind == "fsdp2" else torch.optim.Muon
         muon = muon_cls(mats, **MUON_DEFAULTS) if mats else None
         return Optimizers(muon, torch.optim.AdamW(rest, **ADAMW) if rest else None)

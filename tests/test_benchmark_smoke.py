@@ -73,8 +73,13 @@ def _check_flexshard_traffic(run):
     assert colls["reduce_scatter_base"]["wire_bytes"] == counters["reduce_wire_bytes"]
 
 
-def test_world_size_2_side_by_side():
-    [result] = run_world(2, _run, [{}], timeout=240)[0]
+@pytest.fixture(scope="module")
+def ws2_results():
+    return run_world(2, _run, [{}, dict(placement="owned", optimizer="muon")], timeout=240)[0]
+
+
+def test_world_size_2_side_by_side(ws2_results):
+    result = ws2_results[0]
     _check_timing(result, ["fsdp2", "flexshard"])
     assert result["loss_gap_flexshard_fsdp2"] <= 1e-5
     runs = result["runners"]
@@ -101,3 +106,21 @@ def test_report_renders(ws1_results):
     text = markdown(results, meta)
     assert "### Headline" in text and "shard/fp32/reshard/odd" in text
     assert "World size 1 against the plain model" in text
+
+
+def test_world_size_2_muon_on_owned(ws2_results):
+    result = ws2_results[1]
+    _check_timing(result, ["fsdp2", "flexshard"])
+    assert result["loss_gap_flexshard_fsdp2"] <= 1e-5  # the same Muon math on whole matrices
+    runs = result["runners"]
+    _check_flexshard_traffic(runs["flexshard"])
+    assert runs["flexshard"]["optimizer_collectives"] == {}
+    assert runs["flexshard"]["optimizer_comm_debug_count"] == 0
+    # FSDP2 gathers each of the 4 blocks' 4 matrices for Newton-Schulz
+    fsdp_gathers = [c["count"] for k, c in runs["fsdp2"]["optimizer_collectives"].items()
+                    if "gather" in k]
+    assert sum(fsdp_gathers) == 16
+    assert runs["flexshard"]["flexshard_counters"]["copy_out_by_placements"] == {"Owned": 0}
+    for run in runs.values():
+        mem = run["memory"]
+        assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]
