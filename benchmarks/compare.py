@@ -237,7 +237,7 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--placements", nargs="+", default=None,
                    help="only these flexshard placements (shard ragged owned mixed); "
                         "naming one this checkout lacks is an error")
-    p.add_argument("--steps", type=int, default=8, help="timed (paired) steps per configuration")
+    p.add_argument("--steps", type=int, default=12, help="timed (paired) steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)))
