@@ -242,6 +242,7 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)))
     p.add_argument("--no-chart", action="store_true", help="skip the PNG (needs matplotlib)")
+    p.add_argument("--from-json", help="re-render the report of an earlier results.json; run nothing")
     return p.parse_args(argv)
 
 
@@ -265,6 +266,11 @@ def main(argv=None) -> int:
     from .report import write_outputs
 
     args = _parse(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        write_outputs(saved["results"], saved["meta"], args.out_dir, chart_png=not args.no_chart)
+        return 0
     meta = machine(args.device)
     if _launched_by_torchrun():
         torch.set_num_threads(1)
