@@ -55,6 +55,7 @@ def default_grid(world_sizes=(1, 2, 4)) -> list:
         dict(param_dtype="bf16"),
         dict(model="even"),
         dict(placement="ragged"),
+        dict(placement="ragged", model="even"),
         dict(placement="owned"),
         dict(placement="mixed"),
         dict(placement="mixed", param_dtype="bf16", reshard=False),
