@@ -250,8 +250,12 @@ def _chart_series(results, metric) -> dict:
 
 
 def _time_metric(r):
-    q = r["ratio"]["flexshard/fsdp2"]
+    q = r["ratio"]["cpu flexshard/fsdp2"]
     return q["median"], (q["median"] - q["min"], q["max"] - q["median"])
+
+
+def _wall_metric(r):
+    return r["ratio"]["flexshard/fsdp2"]["median"], None
 
 
 def _wire_metric(r):
@@ -278,7 +282,8 @@ def chart(results, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("step time (median, min–max)", _time_metric, TARGET_VS_FSDP2),
+    panels = [("step time: CPU time (bars: median, min–max), wall time (dots: median)",
+               _time_metric, TARGET_VS_FSDP2),
               ("bytes on the wire", _wire_metric, None),
               ("peak memory per rank", _memory_metric, None),
               ("local copy bytes over the plain model", _copies_metric, None)]
@@ -291,6 +296,9 @@ def chart(results, path: str) -> None:
             xs = [names.index(c) + (i - (len(series) - 1) / 2) * width for c in cfgs]
             yerr = None if errs[0] is None else list(zip(*errs))
             ax.bar(xs, values, width, yerr=yerr, capsize=2, label=f"world size {ws}")
+            if metric is _time_metric:
+                walls = _chart_series(results, _wall_metric)[ws][1]
+                ax.plot(xs, walls, "k.", markersize=5)
         ax.axhline(1.0, color="black", linewidth=0.8)
         if target:
             ax.axhline(target, color="green", linestyle="--", linewidth=0.8, label="target")
