@@ -18,6 +18,7 @@ from .layout import SlotPlan, bind_placements
 from .placements.contract import Placement
 from .placements.shard import Shard
 from .state import FlexShardState, attach_state, find_state, get_state
+from .state_dict import StateDictHooks
 
 
 class FlexShardModule:
@@ -57,6 +58,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
                            rank, world_size, comm or Comm())
     _build(module, state, specs, plans, named, mp_policy, reshard_after_forward, device)
     attach_state(module, state)
+    state.state_dict_hooks = StateDictHooks(module, state)
     cls = type(module)
     module.__class__ = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
     return module

@@ -83,8 +83,10 @@ class Bucket:
 
     @property
     def needs_hooks(self) -> bool:
-        """False at world size 1 without a cast: the sharded params are the full ones."""
-        return self.world_size > 1 or self.gather_layout != self.storage.layout
+        """False at world size 1 without a cast when every piece has the full
+        shape: the sharded params are the full ones."""
+        return (self.world_size > 1 or self.gather_layout != self.storage.layout
+                or any(s.local_shapes[0] != s.shape for s in self.slots))
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:

@@ -24,6 +24,7 @@ class FlexShardState:
     buckets: list = field(default_factory=list)  # Bucket, in BucketSpec order
     hooks: list = field(default_factory=list)  # ModuleHooks, one per running module
     aliases: list = field(default_factory=list)  # per bucket: per slot [(module, attr)]
+    state_dict_hooks: Any = None  # state_dict.StateDictHooks: module and optimizer hooks
 
 
 def attach_state(module: nn.Module, state: FlexShardState) -> None:

@@ -1,11 +1,282 @@
-"""Full (unsharded) state dicts of a wrapped module."""
+"""State dicts of a wrapped module and of its optimizers.
+
+`module.state_dict()` gives each sharded parameter as a value that carries the
+full shape and where this rank's piece lies in it (a DTensor for DTensor-like
+Shard(dim) chunks, else a `ShardedPieces`), so torch.distributed.checkpoint
+saves at N ranks and loads at M ranks with any placements. `load_state_dict`
+accepts those values, DTensors of any layout and full tensors, and copies this
+rank's piece into the sharded parameters in place (they view the bucket's
+storage and are never rebound).
+
+Optimizers: the first `step()` of an optimizer that updates a wrapped model's
+sharded parameters attaches state-dict hooks to it, so `optimizer.state_dict()`
+(and DCP's `get_state_dict(model, optimizer)`) wraps per-element state
+(AdamW's exp_avg/exp_avg_sq, SGD's and Muon's momentum_buffer) the same way.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+import weakref
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .state import get_state
+from .bucket import BucketState
+from .pieces import ShardedPieces, dtensor_shard, piece_boxes
+from .state import FlexShardState, get_state
+
+
+class SlotRef(NamedTuple):
+    """One sharded parameter: its bucket and slot index."""
+
+    bucket: object
+    index: int
+
+    @property
+    def slot(self):
+        return self.bucket.slots[self.index]
+
+
+def slot_refs(state: FlexShardState) -> dict:
+    """id(sharded param) -> SlotRef."""
+    return {id(p): SlotRef(b, i) for b in state.buckets for i, p in enumerate(b.params)}
+
+
+def named_slots(module: nn.Module, state: FlexShardState) -> dict:
+    """Every name (tied aliases included) of a sharded parameter -> SlotRef."""
+    for bucket in state.buckets:
+        _check_sharded(bucket)
+    refs = slot_refs(state)
+    return {name: refs[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
+            if id(p) in refs}
+
+
+# Sharded values: local piece <-> value with the full shape.
+
+
+def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's piece of the slot, or a tensor shaped like it) as
+    a value with the full shape that DCP saves and reshards."""
+    slot = ref.slot
+    if state.mesh is None:  # world size 1 without a process group: the piece is the tensor
+        return local
+    dshard = dtensor_shard(slot.placement, slot.shape, state.world_size)
+    if dshard is not None:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, state.mesh, [dshard], run_check=False,
+                                  shape=slot.shape, stride=_contiguous_stride(slot.shape))
+    boxes = piece_boxes(slot.placement, slot.shape, state.rank, state.world_size)
+    return ShardedPieces(local, slot.shape, boxes)
+
+
+def _contiguous_stride(shape) -> tuple:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def check_value_shape(key: str, value, ref: SlotRef, what: str = "load_state_dict") -> None:
+    """ValueError naming `key` when `value` is not a tensor of the full shape."""
+    slot = ref.slot
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: {key!r} is a {type(value).__name__}, expected a tensor of "
+                        f"shape {tuple(slot.shape)}")
+    if tuple(value.shape) != tuple(slot.shape):
+        raise ValueError(f"{what}: {key!r} has shape {tuple(value.shape)} but the parameter is "
+                         f"{tuple(slot.shape)}; load a checkpoint of the same model")
+
+
+def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a full-shape `value` (ShardedPieces, DTensor or a
+    full tensor). A DTensor of another layout is gathered (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    slot = ref.slot
+    local_shape = slot.local_shapes[state.rank]
+    if isinstance(value, ShardedPieces):
+        if value.boxes != piece_boxes(slot.placement, slot.shape, state.rank, state.world_size):
+            raise ValueError(f"{key!r} holds the pieces of another layout; load a sharded "
+                             "checkpoint with torch.distributed.checkpoint.load into "
+                             "model.state_dict(), or pass full tensors")
+        return value.local
+    if isinstance(value, DTensor):
+        dshard = dtensor_shard(slot.placement, slot.shape, state.world_size)
+        same = (dshard is not None and tuple(value.placements) == (dshard,)
+                and value.device_mesh == state.mesh)
+        if same and tuple(value.to_local().shape) == tuple(local_shape):
+            return value.to_local()
+        value = value.full_tensor()
+    if state.mesh is None:
+        return value
+    return slot.placement.shard(value, state.rank, state.world_size)
+
+
+# Module hooks: on every module that registers a sharded param (tied aliases
+# included), so the state dict of any submodule carries full shapes too.
+
+
+def _check_sharded(bucket) -> None:
+    if bucket.state != BucketState.SHARDED:
+        raise RuntimeError(f"bucket {bucket.name!r} is {bucket.state.value}: state dicts are "
+                           "only available outside forward and backward")
+
+
+class _OwnerHooks:
+    """State-dict hooks of one module for its sharded params (attr -> SlotRef)."""
+
+    def __init__(self, state: FlexShardState, refs: dict) -> None:
+        self.state, self.refs = state, refs
+
+    def state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
+        for attr, ref in self.refs.items():
+            key = prefix + attr
+            if key in state_dict:
+                _check_sharded(ref.bucket)
+                state_dict[key] = sharded_value(self.state, ref, state_dict[key].detach())
+
+    def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                 unexpected_keys, error_msgs) -> None:
+        present = {prefix + a: ref for a, ref in self.refs.items() if prefix + a in state_dict}
+        if present and local_metadata.get("assign_to_params_buffers", False):
+            raise NotImplementedError(
+                "load_state_dict(assign=True) would replace flexshard's sharded parameters, "
+                "which are views into their bucket's storage; call "
+                "load_state_dict(state_dict) without assign")
+        for key, ref in present.items():
+            _check_sharded(ref.bucket)
+            check_value_shape(key, state_dict[key], ref)
+        for key, ref in present.items():
+            state_dict[key] = local_value(self.state, ref, key, state_dict[key])
+
+
+def _owner_refs(state: FlexShardState) -> list:
+    """[(module, {attr: SlotRef})] for every module registering a sharded param."""
+    owners: dict = {}
+    for bucket, slot_aliases in zip(state.buckets, state.aliases):
+        for index, pairs in enumerate(slot_aliases):
+            for module, attr in pairs:
+                owners.setdefault(id(module), (module, {}))[1][attr] = SlotRef(bucket, index)
+    return list(owners.values())
+
+
+# Optimizer hooks.
+
+
+def _param_keys(optimizer: torch.optim.Optimizer, state_dict: dict) -> list:
+    """(key in state_dict["state"], param) pairs, matched by group order."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+    return list(zip(keys, params))
+
+
+class OptimizerHooks:
+    """Attaches state-dict hooks to each optimizer that steps a wrapped
+    model's sharded parameters (found through a global step pre-hook)."""
+
+    def __init__(self, state: FlexShardState, names: dict) -> None:
+        self._state = weakref.ref(state)
+        self._names = names  # id(sharded param) -> canonical FQN
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+        self.handle = register_optimizer_step_pre_hook(self._on_step)
+        self.optimizer_handles: list = []
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        if optimizer not in self._seen:
+            self.attach(optimizer)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook `optimizer` if it holds any of the model's sharded params (idempotent)."""
+        if optimizer in self._seen:
+            return
+        self._seen.add(optimizer)
+        state = self._state()
+        if state is None:
+            return
+        refs = slot_refs(state)
+        if any(id(p) in refs for g in optimizer.param_groups for p in g["params"]):
+            self.optimizer_handles += [
+                optimizer.register_state_dict_post_hook(self._state_dict_post_hook),
+                optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)]
+
+    def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
+        state = self._state()
+        if state is None:  # the model is gone
+            return state_dict
+        refs = slot_refs(state)
+        for key, param in _param_keys(optimizer, state_dict):
+            ref = refs.get(id(param))
+            if ref is not None and key in state_dict["state"]:
+                state_dict["state"][key] = {  # a new dict: the optimizer's own is live state
+                    name: self._wrap(state, ref, param, name, value)
+                    for name, value in state_dict["state"][key].items()}
+        return state_dict
+
+    def _wrap(self, state, ref: SlotRef, param, name: str, value):
+        if not isinstance(value, torch.Tensor) or name == "step":  # step: same on every rank
+            return value
+        if value.shape == param.shape:
+            return sharded_value(state, ref, value)
+        if value.dim() == 0:
+            return value
+        raise NotImplementedError(
+            f"optimizer state {name!r} of parameter {self._names[id(param)]!r} has shape "
+            f"{tuple(value.shape)}, not the sharded parameter's {tuple(param.shape)}; flexshard "
+            "reshards only per-element optimizer state (AdamW, SGD, Muon momentum)")
+
+    def _load_pre_hook(self, optimizer, state_dict: dict) -> dict:
+        state = self._state()
+        if state is None:
+            return state_dict
+        refs = slot_refs(state)
+        new_state = dict(state_dict["state"])
+        for key, param in _param_keys(optimizer, state_dict):
+            ref = refs.get(id(param))
+            if ref is not None and key in new_state:
+                fqn = self._names[id(param)]
+                new_state[key] = {name: self._unwrap(state, ref, param, f"{fqn}.{name}", value)
+                                  for name, value in new_state[key].items()}
+        state_dict["state"] = new_state
+        return state_dict
+
+    def _unwrap(self, state, ref: SlotRef, param, key: str, value):
+        if not isinstance(value, torch.Tensor) or key.endswith(".step"):
+            return value
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, (ShardedPieces, DTensor)):
+            check_value_shape(key, value, ref, "optimizer.load_state_dict")
+            return local_value(state, ref, key, value)
+        if value.shape == param.shape or value.dim() == 0:
+            return value  # already this rank's piece, or a scalar
+        check_value_shape(key, value, ref, "optimizer.load_state_dict")
+        return local_value(state, ref, key, value)  # a full tensor
+
+
+class StateDictHooks:
+    """The state-dict hooks of one wrapped model: on its root module, and on
+    each optimizer that steps its sharded parameters."""
+
+    def __init__(self, module: nn.Module, state: FlexShardState) -> None:
+        refs = slot_refs(state)
+        names = {id(p): name for name, p in module.named_parameters() if id(p) in refs}
+        self.optimizers = OptimizerHooks(state, names)
+        self.handles = [self.optimizers.handle]
+        for owner, owned in _owner_refs(state):
+            hooks = _OwnerHooks(state, owned)
+            self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
+                owner.register_state_dict_post_hook(functools.partial(hooks.state_dict_post)),
+                owner.register_load_state_dict_pre_hook(hooks.load_pre)]
+        weakref.finalize(module, self.optimizers.handle.remove)
+
+    def remove(self) -> None:
+        for handle in self.handles + self.optimizers.optimizer_handles:
+            handle.remove()
+
+
+# Full state dicts.
 
 
 def full_state_dict(module: nn.Module) -> dict:

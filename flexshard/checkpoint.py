@@ -1,0 +1,220 @@
+"""Atomic, resharding training checkpoints (torch.distributed.checkpoint underneath).
+
+Layout of a checkpoint directory::
+
+    ckpt/step_00000100/      one complete checkpoint: DCP's .metadata and data files
+    ckpt/step_00000200/
+    ckpt/.tmp-step_00000300/ a save in progress (or one that crashed): never loaded
+
+A save writes into the temp directory and renames it to its final name only
+after every rank has written and DCP's .metadata is on disk, so a crash at
+any point leaves the previous checkpoints as they were. A checkpoint taken on
+N ranks with one bucket plan loads on M ranks with another (see state_dict.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .state import get_state
+
+_STEP_DIR = "step_{:08d}"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp-"
+_METADATA = ".metadata"  # written last by DCP's FileSystemWriter
+
+
+def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int = 0, *,
+                    keep: Optional[int] = None) -> str:
+    """Save `model` (and `optimizer`) as `directory/step_<step>`, atomically.
+
+    Collective: every rank of the model's mesh calls it. Sharded parameters
+    and optimizer state are written by the ranks that hold them. With `keep`,
+    only the newest `keep` checkpoints are kept. Returns the checkpoint path.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    _check_save_args(directory, optimizer, step, keep)
+    state = get_state(model)
+    _check_writable(directory, state)
+    final = os.path.join(directory, _STEP_DIR.format(step))
+    tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))
+    if state.rank == 0:
+        _remove_leftovers(directory)
+    _barrier(state)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
+    with _single_process_quiet(state):
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
+                 process_group=state.group)
+    _barrier(state)  # every rank wrote its files and rank 0 the metadata
+    if state.rank == 0:
+        _publish(tmp, final)
+        if keep is not None:
+            _prune(directory, keep)
+    _barrier(state)
+    return final
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
+    """Load the newest complete checkpoint under `path` (or the checkpoint
+    `path` itself) into `model` (and `optimizer`), in place. Returns its step.
+
+    Collective. The checkpoint may come from any world size and placements;
+    keys and shapes are checked on every rank before any collective.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_checkpoint: path must be a str or os.PathLike, got {path!r}")
+    state = get_state(model)
+    ckpt = find_checkpoint(os.fspath(path))
+    metadata = dcp.FileSystemReader(ckpt).read_metadata()
+    model_sd, optim_sd = _state_dicts(model, optimizer)
+    _check_compatible(ckpt, metadata.state_dict_metadata, model_sd, optim_sd)
+    holder = {"model": model_sd, "optim": optim_sd, "step": -1}
+    with _single_process_quiet(state):
+        dcp.load(holder, checkpoint_id=ckpt, process_group=state.group)
+    if optimizer is None:
+        set_model_state_dict(model, model_sd)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return int(holder["step"])
+
+
+def find_checkpoint(path: str) -> str:
+    """`path` if it is a complete checkpoint, else its newest complete
+    `step_*` checkpoint. FileNotFoundError / ValueError saying what is wrong."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: not a directory; pass the "
+                                "directory given to save_checkpoint or one of its step_* dirs")
+    if os.path.exists(os.path.join(path, _METADATA)):
+        return path
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(path)
+                   if (m := _STEP_RE.match(name)))
+    for _, name in reversed(steps):
+        if os.path.exists(os.path.join(path, name, _METADATA)):
+            return os.path.join(path, name)
+    partial = [n for _, n in steps] + [n for n in os.listdir(path) if n.endswith(".distcp")]
+    if partial:
+        raise ValueError(f"checkpoint {path!r} is incomplete: {_METADATA} is missing from "
+                         f"{sorted(partial)} (a save that did not finish); load an earlier "
+                         "checkpoint")
+    raise FileNotFoundError(f"no checkpoint in {path!r}: it has no step_* directory with "
+                            f"a {_METADATA} file")
+
+
+def _state_dicts(model, optimizer) -> tuple:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model), {}
+    get_state(model).state_dict_hooks.optimizers.attach(optimizer)
+    return get_state_dict(model, optimizer)
+
+
+def _check_save_args(directory, optimizer, step, keep) -> None:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"save_checkpoint: directory must be a str or os.PathLike, "
+                        f"got {directory!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"save_checkpoint: optimizer must be a torch.optim.Optimizer or None, "
+                        f"got {type(optimizer).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"save_checkpoint: step must be an int >= 0, got {step!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"save_checkpoint: keep must be None or an int >= 1, got {keep!r}")
+
+
+def _check_writable(directory, state) -> None:
+    """Raise ValueError on every rank unless every rank can write `directory`."""
+    problem = ""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".probe-rank{state.rank}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        problem = f"{type(e).__name__}: {e}"
+    failed = torch.tensor([1.0 if problem else 0.0], device=state.buckets[0].storage.buffer.device)
+    if state.group is not None and state.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=state.group)
+    if failed.item():
+        raise ValueError(f"save_checkpoint: cannot write checkpoints to {os.fspath(directory)!r} "
+                         f"({problem or 'another rank could not write it'}); pass a directory "
+                         "every rank can write")
+
+
+def _check_compatible(ckpt: str, saved: dict, model_sd: dict, optim_sd: dict) -> None:
+    """ValueError naming the first key the checkpoint lacks or holds in another shape."""
+    wanted = {f"model.{k}": v for k, v in model_sd.items()}
+    for fqn, entries in optim_sd.get("state", {}).items():
+        wanted.update({f"optim.state.{fqn}.{name}": v for name, v in entries.items()})
+    for key, value in wanted.items():
+        if key not in saved:
+            raise ValueError(f"checkpoint {ckpt!r} has no {key!r}; it was saved from another "
+                             "model or without this optimizer")
+        size = getattr(saved[key], "size", None)
+        if size is not None and isinstance(value, torch.Tensor) and tuple(size) != value.shape:
+            raise ValueError(f"checkpoint {ckpt!r}: {key!r} has shape {tuple(size)} but the "
+                             f"model's is {tuple(value.shape)}; load it into the same model")
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rename the finished temp dir to its final name (replacing an older
+    checkpoint of the same step only once the new one is complete)."""
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(os.path.dirname(final), _TMP_PREFIX + "old-" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(directory: str) -> None:
+    """Remove what crashed saves left behind (their temp dirs)."""
+    for name in os.listdir(directory):
+        if name.startswith(_TMP_PREFIX):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _prune(directory: str, keep: int) -> None:
+    steps = sorted((int(m.group(1)), n) for n in os.listdir(directory) if (m := _STEP_RE.match(n)))
+    for _, name in steps[:-keep]:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(state):
+    """Without a process group DCP warns that it assumes one process: that is
+    the intent here (a model wrapped without torch.distributed)."""
+    with warnings.catch_warnings():
+        if state.group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(state) -> None:
+    if state.group is not None and state.world_size > 1:
+        dist.barrier(group=state.group)

@@ -1,0 +1,218 @@
+"""Where a rank's piece of a parameter lies in the full tensor, and the value
+DCP saves and loads for it.
+
+Any placement works, user-defined ones too: the piece's boxes are found by
+sharding an index tensor (first a meta tensor, whose views reveal a box for
+free, else real flat indices) and reading back which elements the piece holds.
+A box is a dense n-d block of the full tensor; most pieces are one box, an
+empty piece is none, a flat range that wraps rows is a few.
+
+The value: a DTensor when the piece is exactly DTensor's Shard(dim) chunk
+(then every DTensor tool, full-tensor gathers included, works on it), else a
+`ShardedPieces`, a tensor of the full shape that only holds this rank's boxes
+and speaks DCP's protocol (`__create_write_items__`, `__create_chunk_list__`,
+`__get_tensor_shard__`). Both are views of the local tensor, so DCP loads in
+place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .placements.contract import Placement
+from .placements.shard import Shard, chunk_bounds
+
+
+class Box(NamedTuple):
+    """A dense block of the full tensor held by one rank."""
+
+    offsets: tuple  # where the block starts in the full tensor, per dim
+    sizes: tuple  # its extent per dim
+    start: int  # where its elements start in the rank's flattened piece
+
+
+def piece_boxes(placement: Placement, shape: Sequence[int], rank: int,
+                world_size: int) -> tuple:
+    """The boxes of the full tensor that rank `rank`'s piece holds, in the
+    piece's (row-major) element order."""
+    shape = tuple(shape)
+    local = tuple(placement.local_shape(torch.Size(shape), rank, world_size))
+    if math.prod(local) == 0:
+        return ()
+    box = _view_box(placement, shape, rank, world_size)
+    boxes = (box,) if box is not None else _index_boxes(placement, shape, rank, world_size)
+    found = sum(math.prod(b.sizes) for b in boxes)
+    if found != math.prod(local):
+        raise ValueError(f"{placement!r}.shard() returned a piece of {found} elements for rank "
+                         f"{rank} of a {shape} tensor, but local_shape says "
+                         f"{local}; make shard() and local_shape() agree")
+    return boxes
+
+
+def _view_box(placement, shape, rank, world_size) -> Optional[Box]:
+    """The piece as one box when shard() returns a strided sub-block view
+    (found on the meta device, so nothing is allocated); else None."""
+    full = torch.empty(shape, device="meta")
+    try:
+        piece = placement.shard(full, rank, world_size)
+    except (RuntimeError, NotImplementedError):
+        return None  # a shard() that needs data: fall back to real indices
+    if piece is not full and piece._base is not full:
+        return None
+    if piece.dim() != full.dim():
+        return None
+    if any(n > 1 and s != fs for n, s, fs in zip(piece.shape, piece.stride(), full.stride())):
+        return None
+    offsets = _unravel(piece.storage_offset(), shape)
+    if any(o + n > d for o, n, d in zip(offsets, piece.shape, shape)):
+        return None
+    return Box(offsets, tuple(piece.shape), 0)
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> tuple:
+    out = []
+    for d in reversed(shape):
+        flat, rem = divmod(flat, d) if d else (flat, 0)
+        out.append(rem)
+    return tuple(reversed(out))
+
+
+def _index_boxes(placement, shape, rank, world_size) -> tuple:
+    """Boxes from the flat indices the piece holds: runs of consecutive
+    indices, each cut into row-major blocks."""
+    numel = math.prod(shape)
+    dtype = torch.int32 if numel < 2**31 else torch.int64
+    index = torch.arange(numel, dtype=dtype).view(shape)
+    flat = placement.shard(index, rank, world_size).reshape(-1).to(torch.int64)
+    breaks = (torch.nonzero(flat[1:] - flat[:-1] != 1).flatten() + 1).tolist()
+    boxes = []
+    for lo, hi in zip([0] + breaks, breaks + [flat.numel()]):
+        first = int(flat[lo])
+        boxes.extend(_range_boxes(first, first + hi - lo, shape, lo))
+    return tuple(boxes)
+
+
+def _range_boxes(a: int, b: int, shape: Sequence[int], start: int) -> list:
+    """Row-major blocks covering flat range [a, b) of a `shape` tensor; the
+    first element sits at `start` in the piece."""
+    if len(shape) == 0:
+        return [Box((), (), start)]
+    if len(shape) == 1:
+        return [Box((a,), (b - a,), start)]
+    inner = math.prod(shape[1:])
+
+    def in_row(row, lo, hi, at):
+        return [Box((row, *x.offsets), (1, *x.sizes), x.start)
+                for x in _range_boxes(lo, hi, shape[1:], at)]
+
+    (r0, rem0), (r1, rem1) = divmod(a, inner), divmod(b, inner)
+    if r0 == r1:
+        return in_row(r0, rem0, rem1, start)
+    boxes = []
+    if rem0:
+        boxes += in_row(r0, rem0, inner, start)
+        start, r0 = start + inner - rem0, r0 + 1
+    if r1 > r0:
+        boxes.append(Box((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:]), start))
+        start += (r1 - r0) * inner
+    if rem1:
+        boxes += in_row(r1, 0, rem1, start)
+    return boxes
+
+
+def box_views(local: torch.Tensor, boxes: Sequence[Box]) -> list:
+    """Each box's elements as a view of the (contiguous) local piece."""
+    if boxes and not local.is_contiguous():
+        raise AssertionError("a sharded piece must be contiguous to be viewed as boxes")
+    flat = local.reshape(-1)
+    return [flat[b.start:b.start + math.prod(b.sizes)].view(b.sizes) for b in boxes]
+
+
+class ShardedPieces(torch.Tensor):
+    """This rank's boxes of a tensor of the full shape, for DCP.
+
+    Holds no full tensor. DCP saves each box as one chunk and, on load, copies
+    the chunks that overlap each box straight into it (into the sharded
+    parameter or optimizer state it views). Any other tensor op is refused.
+    """
+
+    _local: torch.Tensor
+    _boxes: tuple
+    _views: list
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, shape: Sequence[int], boxes: Sequence[Box]):
+        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype,
+                                                  device=local.device, requires_grad=False)
+        out._local, out._boxes, out._views = local, tuple(boxes), box_views(local, boxes)
+        return out
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The rank's piece (the tensor the boxes view)."""
+        return self._local
+
+    @property
+    def boxes(self) -> tuple:
+        return self._boxes
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        boxes = [(b.offsets, b.sizes) for b in self._boxes]
+        return f"ShardedPieces(shape={tuple(self.shape)}, dtype={self.dtype}, boxes={boxes})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        if func is aten.detach.default:
+            return args[0]
+        if func is aten._to_copy.default:  # e.g. DSD's cpu offload: copy the pieces
+            src = args[0]
+            return ShardedPieces(func(src._local, **(kwargs or {})), src.shape, src._boxes)
+        raise NotImplementedError(
+            f"{func} on a ShardedPieces (one rank's pieces of a {tuple(args[0].shape)} tensor "
+            "for torch.distributed.checkpoint); use fs.full_state_dict(model) for full tensors")
+
+    # torch.distributed.checkpoint's protocol.
+
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        props = TensorProperties.create_from_tensor(self._local)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=_chunk(b), properties=props,
+                                                      size=self.shape))
+                for b in self._boxes]
+
+    def __create_chunk_list__(self) -> list:
+        return [_chunk(b) for b in self._boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for box, view in zip(self._boxes, self._views):
+            if torch.Size(box.offsets) == index.offset:
+                return view
+        raise AssertionError(f"{index.fqn!r}: DCP asked for a box at {tuple(index.offset)} that "
+                             "this rank does not hold")
+
+
+def _chunk(box: Box) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+
+
+def dtensor_shard(placement: Placement, shape: Sequence[int], world_size: int):
+    """DTensor's Shard(dim) when it gives every rank exactly this placement's
+    piece (flexshard's Shard follows torch.chunk, as DTensor does), else None."""
+    if not isinstance(placement, Shard) or len(shape) == 0:
+        return None
+    from torch.distributed.tensor import Shard as DShard
+
+    dim = placement.dim % len(shape)
+    for rank in range(world_size):
+        start, length = chunk_bounds(shape[dim], rank, world_size)
+        size, offset = DShard.local_shard_size_and_offset(shape[dim], world_size, rank)
+        if size != length or (length and offset != start):
+            return None
+    return DShard(dim)

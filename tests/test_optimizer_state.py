@@ -1,0 +1,157 @@
+"""Optimizer state through DCP's get_state_dict / set_state_dict: per-element
+state (AdamW, SGD momentum, Muon momentum) reshards like the parameters."""
+
+from __future__ import annotations
+
+import torch
+
+import flexshard as fs
+from ckpt_util import PLACEMENTS, LR, assert_rel_close, reference, train, wrapped
+from harness import expect_all_ranks_raise, run_world
+from reference import make_model
+
+
+def optim_state(model, optimizers) -> dict:
+    """fqn -> (bound placement, shape, {state name: this rank's tensor})."""
+    from flexshard.state import get_state
+
+    out = {}
+    for bucket in get_state(model).buckets:
+        for slot, p in zip(bucket.slots, bucket.params):
+            for opt in optimizers:
+                if p in opt.state:
+                    out[slot.fqn] = (slot.placement, slot.shape,
+                                     {k: v.clone() for k, v in opt.state[p].items()})
+    return out
+
+
+def assemble(per_rank: list) -> dict:
+    out = {}
+    for fqn, (placement, shape, st) in per_rank[0].items():
+        out[fqn] = {k: v if k == "step" else placement.unshard([r[fqn][2][k] for r in per_rank],
+                                                                shape)
+                    for k, v in st.items()}
+    return out
+
+
+def muon_and_sgd(placement_name, seed=0):
+    """Muon on the matrices, SGD with momentum on the rest."""
+    model = fs.flex_shard(make_model(seed), placement=PLACEMENTS[placement_name])
+    named = list(model.named_parameters())
+    muon = torch.optim.Muon([p for _, p in named if p.dim() == 2], lr=LR)
+    sgd = torch.optim.SGD([p for _, p in named if p.dim() != 2], lr=LR, momentum=0.9)
+    return model, [muon, sgd]
+
+
+def _save_muon(path):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from models import batch, loss_fn
+
+    model, opts = muon_and_sgd("owned")  # whole matrices: what Muon wants
+    for step in (0, 1):
+        x, y = batch(step, dist.get_rank())
+        loss_fn(model(x), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, opts)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return optim_state(model, opts)
+
+
+def _load_muon(path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opts = muon_and_sgd("ragged", seed=1)
+    model_sd, optim_sd = get_state_dict(model, opts)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opts, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return optim_state(model, opts)
+
+
+def test_muon_and_sgd_momentum_reshard(tmp_path):
+    saved = assemble(run_world(2, _save_muon, str(tmp_path)))
+    loaded = assemble(run_world(3, _load_muon, str(tmp_path)))
+    assert saved.keys() == loaded.keys()
+    kinds = {fqn: sorted(st) for fqn, st in saved.items()}
+    assert kinds["layers.0.up.weight"] == ["momentum_buffer"]  # Muon
+    assert kinds["layers.0.up.bias"] == ["momentum_buffer"]  # SGD
+    for fqn in saved:
+        for name in saved[fqn]:
+            assert torch.equal(saved[fqn][name], loaded[fqn][name]), f"{fqn}.{name}"
+
+
+def _full_optimizer_state():
+    """Full AdamW state from DSD (Shard(1)), then loaded as full tensors into
+    an uneven model: the same state, resharded."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+
+    model, opt = wrapped("shard1")
+    train(model, opt, [0, 1], dist.get_rank())
+    full = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=full)
+    other, other_opt = wrapped("uneven", seed=1)
+    set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=full)
+    exp_avg = {k: v["exp_avg"] for k, v in optim_sd["state"].items()}
+    return exp_avg, optim_state(model, [opt]), optim_state(other, [other_opt])
+
+
+def test_full_optimizer_state_dict():
+    out = run_world(2, _full_optimizer_state)
+    _, ref_state = reference([2, 2])
+    for fqn, exp_avg in out[0][0].items():
+        assert type(exp_avg) is torch.Tensor and exp_avg.shape == ref_state[fqn]["exp_avg"].shape
+        assert_rel_close(exp_avg, ref_state[fqn]["exp_avg"], 1e-5, fqn)
+    original, resharded = assemble([r[1] for r in out]), assemble([r[2] for r in out])
+    for fqn in original:
+        for name in original[fqn]:
+            assert torch.equal(original[fqn][name], resharded[fqn][name]), f"{fqn}.{name}"
+
+
+class RowScaled(torch.optim.SGD):
+    """Keeps a per-row statistic: state that is not shaped like the parameter."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["row"] = torch.ones(p.shape[0] if p.dim() else 1)
+        return super().step(closure)
+
+
+def _row_state():
+    import torch.distributed as dist
+
+    model = fs.flex_shard(make_model())
+    opt = RowScaled(model.parameters(), lr=LR)
+    train(model, opt, [0], dist.get_rank())
+    opt.state_dict()
+
+
+def test_state_not_shaped_like_the_param_is_refused():
+    expect_all_ranks_raise(2, _row_state, NotImplementedError,
+                           r"optimizer state 'row' of parameter 'pos' has shape \((6|5),\), not "
+                           r"the sharded parameter's \((6|5), 30\); flexshard reshards only "
+                           r"per-element")
+
+
+def _load_bad_optimizer_state():
+    import torch.distributed as dist
+
+    model, opt = wrapped("shard0")
+    train(model, opt, [0], dist.get_rank())
+    osd = opt.state_dict()
+    osd["state"][0]["exp_avg"] = torch.zeros(3)  # state 0 is model.parameters()[0]: pos
+    opt.load_state_dict(osd)
+
+
+def test_optimizer_state_of_another_shape():
+    expect_all_ranks_raise(2, _load_bad_optimizer_state, ValueError,
+                           r"optimizer\.load_state_dict: 'pos\.exp_avg' has shape \(3,\) but the "
+                           r"parameter is \(11, 30\)")
