@@ -124,3 +124,37 @@ def test_world_size_2_muon_on_owned(ws2_results):
     for run in runs.values():
         mem = run["memory"]
         assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]
+
+
+def test_command_line_writes_report(tmp_path):
+    """The CLI spawns its own world, writes results.json/.md, and re-renders from JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo}
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--world-sizes", "1", "--placements",
+           "shard", "--steps", "1", "--warmup", "0", "--no-chart", "--out-dir", str(tmp_path)]
+    subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True, timeout=300)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["meta"]["backend"] == "gloo" and saved["meta"]["torch"]
+    assert [r["status"] for r in saved["results"]] == ["ok"] * 4
+    assert {r["config"]["placement"] for r in saved["results"]} == {"shard"}
+    (tmp_path / "results.md").unlink()
+    subprocess.run([sys.executable, "-m", "benchmarks.compare", "--from-json",
+                    str(tmp_path / "results.json"), "--no-chart", "--out-dir", str(tmp_path)],
+                   cwd=repo, env=env, check=True, capture_output=True, timeout=120)
+    assert "### Headline" in (tmp_path / "results.md").read_text()
+
+
+def test_bad_configurations_are_refused():
+    from benchmarks.configs import Config
+
+    with pytest.raises(ValueError, match=r"Config.placement='rows'; use one of"):
+        Config(2, placement="rows")
+    with pytest.raises(ValueError, match=r"Muon needs whole matrices: placement 'shard'"):
+        Config(2, placement="shard", optimizer="muon")
+    with pytest.raises(ValueError, match=r"Config.world_size=0; use 1 or more"):
+        Config(0)
