@@ -154,7 +154,7 @@ def test_bad_configurations_are_refused():
 
     with pytest.raises(ValueError, match=r"Config.placement='rows'; use one of"):
         Config(2, placement="rows")
-    with pytest.raises(ValueError, match=r"Muon needs whole matrices: placement 'shard'"):
+    with pytest.raises(ValueError, match=r"Muon needs whole matrices on a rank: placement 'shard'"):
         Config(2, placement="shard", optimizer="muon")
     with pytest.raises(ValueError, match=r"Config.world_size=0; use 1 or more"):
         Config(0)
