@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -180,11 +181,19 @@ def run_configs(configs, steps: int, warmup: int, device: str = "auto",
     return results
 
 
+def _quiet() -> None:
+    """Silence the warnings every configuration repeats (they say nothing about the numbers)."""
+    for message in ("FSDP2-wrapped module", "Full backward hook is firing",
+                    r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"):
+        warnings.filterwarnings("ignore", message=message)
+
+
 def _backend(device: str) -> str:
     return "nccl" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "gloo"
 
 
 def _worker(rank: int, ws: int, port: int, configs, steps, warmup, device, out_path) -> None:
+    _quiet()
     torch.set_num_threads(1)
     if _backend(device) == "nccl":
         torch.cuda.set_device(rank)
@@ -273,6 +282,7 @@ def main(argv=None) -> int:
         return 0
     meta = machine(args.device)
     if _launched_by_torchrun():
+        _quiet()
         torch.set_num_threads(1)
         dist.init_process_group(_backend(args.device))
         ws = dist.get_world_size()
