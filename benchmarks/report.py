@@ -117,7 +117,7 @@ def _mem_cells(run: dict) -> list:
     m = run["memory"]
     peak = max(m["peak_bytes_per_rank"])
     by = m["peak_by_kind"]
-    return [_mb(peak), _mb(m["param_bytes"]), _mb(m["opt_state_bytes"]),
+    return [_mb(peak), _mb(m["param_bytes"]), _mb(m["grad_bytes"]), _mb(m["opt_state_bytes"]),
             _mb(by.get("unsharded", 0)), _mb(by.get("other", 0) + by.get("grad", 0))]
 
 
@@ -129,8 +129,8 @@ def memory_table(results) -> str:
         cells = [f"{a} / {b}" for a, b in zip(_mem_cells(f), _mem_cells(s))]
         rows.append([_ws(r), r["name"], cells[0], f"{ratio:.3f}", *cells[1:]])
     return _table(["ws", "configuration", "peak MB FSDP2 / flexshard", "peak ratio",
-                   "params MB", "optimizer state MB", "unsharded at peak MB",
-                   "grads+activations+buffers at peak MB"], rows)
+                   "params MB", "grads MB (after backward)", "optimizer state MB",
+                   "unsharded at peak MB", "grads+activations+buffers at peak MB"], rows)
 
 
 def muon_table(results) -> str:
