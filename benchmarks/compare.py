@@ -275,6 +275,8 @@ def main(argv=None) -> int:
     from .report import write_outputs
 
     args = _parse(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
