@@ -111,8 +111,9 @@ def _gather_ranks(value):
 
 
 def run_config(cfg: Config, mesh, device: torch.device, steps: int, warmup: int) -> dict:
-    """Both runners (and plain at world size 1) on one configuration; the
-    result is the same on every rank."""
+    """Both runners (and plain at world size 1) on one configuration. Times,
+    the loss gap and peak memory cover every rank; the other measures of each
+    runner are this rank's (compare.py reports rank 0's)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     base = {"name": cfg.name, "config": dataclasses.asdict(cfg),
             "oversubscribed": cfg.world_size > cpu_cores() and device.type == "cpu"}
