@@ -13,6 +13,7 @@ from .bucket import Bucket
 from .bucketing import assign_params, default_buckets, param_aliases, running_module
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
+from .fingerprint import check_ranks_agree
 from .hooks import ModuleHooks, install_params
 from .layout import SlotPlan, bind_placements
 from .placements.contract import Placement
@@ -56,6 +57,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     state = FlexShardState(mesh, mesh.get_group() if mesh is not None else None,
                            rank, world_size, comm or Comm())
+    check_ranks_agree(state, specs, plans, named, mp_policy, reshard_after_forward)
     _build(module, state, specs, plans, named, mp_policy, reshard_after_forward, device)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
@@ -89,7 +91,13 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
 
 
 def _check_specs(buckets) -> list:
+    if isinstance(buckets, (str, BucketSpec)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(f"buckets must be a list of fs.BucketSpec, got {buckets!r}; "
+                        "e.g. buckets=[fs.BucketSpec('layers.*')]")
     specs = list(buckets)
+    if not specs:
+        raise ValueError("buckets is empty; pass buckets=None for one bucket per block, "
+                         "or at least one fs.BucketSpec")
     for i, spec in enumerate(specs):
         if not isinstance(spec, BucketSpec):
             raise TypeError(f"buckets[{i}] is {type(spec).__name__}, not a fs.BucketSpec")

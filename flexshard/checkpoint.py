@@ -78,7 +78,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
         raise TypeError(f"load_checkpoint: path must be a str or os.PathLike, got {path!r}")
     state = get_state(model)
     ckpt = find_checkpoint(os.fspath(path))
-    metadata = dcp.FileSystemReader(ckpt).read_metadata()
+    metadata = _read_metadata(ckpt)
     model_sd, optim_sd = _state_dicts(model, optimizer)
     _check_compatible(ckpt, metadata.state_dict_metadata, model_sd, optim_sd)
     holder = {"model": model_sd, "optim": optim_sd, "step": -1}
@@ -89,6 +89,21 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     else:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return int(holder["step"])
+
+
+def _read_metadata(ckpt: str):
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.FileSystemReader(ckpt).read_metadata()
+    except (EOFError, OSError, ValueError, AttributeError, ImportError) as e:
+        raise ValueError(f"checkpoint {ckpt!r} is damaged: its {_METADATA} cannot be read "
+                         f"({type(e).__name__}: {e}); load an earlier step_* checkpoint") from e
+    except Exception as e:  # pickle.UnpicklingError and friends
+        if type(e).__module__ in ("pickle", "_pickle"):
+            raise ValueError(f"checkpoint {ckpt!r} is damaged: its {_METADATA} cannot be "
+                             f"unpickled ({e}); load an earlier step_* checkpoint") from e
+        raise
 
 
 def find_checkpoint(path: str) -> str:

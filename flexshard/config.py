@@ -44,6 +44,9 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             _check_float_dtype(field, getattr(self, field))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
+                            f"got {self.cast_forward_inputs!r}")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class BucketSpec:
     def __post_init__(self) -> None:
         patterns = (self.patterns,) if isinstance(self.patterns, str) else tuple(self.patterns)
         label = self.name or repr(self.patterns)
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise TypeError(f"BucketSpec {self.patterns!r}: name {self.name!r} is not a "
+                            "non-empty string; pass a str such as 'layers.0', or None")
         if not patterns:
             raise ValueError(
                 f"BucketSpec {label}: patterns is empty; give at least one fnmatch pattern "
@@ -81,6 +87,11 @@ class BucketSpec:
             raise TypeError(
                 f"BucketSpec {label}: placement {self.placement!r} is not a Placement "
                 "or a callable (fqn, param) -> Placement; use e.g. fs.Shard(0)"
+            )
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"BucketSpec {label}: reshard_after_forward must be a bool or None (inherit), "
+                f"got {self.reshard_after_forward!r}"
             )
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise TypeError(

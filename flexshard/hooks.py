@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from .bucket import Bucket
+from .bucket import Bucket, BucketState
 from .recompute import RecomputeRegion
 
 
@@ -41,7 +41,8 @@ class ModuleHooks:
         self.region = RecomputeRegion(self.buckets) if reshard else None
         self.handles = [
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
-            module.register_forward_hook(self.post_forward, with_kwargs=True, always_call=True),
+            module.register_forward_hook(self.post_forward, with_kwargs=True),
+            module.register_forward_hook(self.after_error, with_kwargs=True, always_call=True),
         ]
 
     def pre_forward(self, module, args, kwargs):
@@ -54,12 +55,24 @@ class ModuleHooks:
         return args, kwargs
 
     def post_forward(self, module, args, kwargs, output):
-        for bucket, aliases in zip(self.buckets, self.aliases):
-            install_params(aliases, bucket.params)
-            bucket.mark_resharded()
+        self._reshard()
         if self.region is not None:
             self.region.exit()
         return _cast_floating(output, self.mp.output_dtype)
+
+    def after_error(self, module, args, kwargs, output):
+        """Runs after every forward (always_call). When the forward or a pre-hook
+        raised, post_forward did not run: reshard and abort the checkpoint here so
+        the module stays usable. After post_forward it finds nothing to do."""
+        self._reshard()
+        if self.region is not None:
+            self.region.abort()
+
+    def _reshard(self) -> None:
+        for bucket, aliases in zip(self.buckets, self.aliases):
+            if bucket.state is not BucketState.SHARDED:
+                install_params(aliases, bucket.params)
+                bucket.mark_resharded()
 
     def remove(self) -> None:
         for h in self.handles:

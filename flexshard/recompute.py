@@ -6,7 +6,6 @@ backward re-runs the gather and nothing else of the block.
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import Optional, Sequence
 
@@ -53,16 +52,21 @@ class RecomputeRegion:
         next(self._gen)
 
     def exit(self) -> None:
-        """Close the checkpoint (in the post-forward hook), also after an exception."""
+        """Close the checkpoint after a forward that returned (post-forward hook)."""
         gen: Optional[object] = self._gen
         self._gen = None
         if gen is None:
-            return
-        if sys.exc_info()[0] is not None:
-            gen.close()
             return
         try:
             next(gen)
         except StopIteration:
             return
         raise AssertionError("checkpoint generator did not finish")
+
+    def abort(self) -> None:
+        """Close the checkpoint after a forward that raised: its dispatch mode and
+        saved-tensor hooks are popped. A no-op when exit() already closed it."""
+        gen: Optional[object] = self._gen
+        self._gen = None
+        if gen is not None:
+            gen.close()

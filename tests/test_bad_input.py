@@ -1,0 +1,198 @@
+"""The bad-input matrix: misuse of flex_shard, BucketSpec, placements and
+MixedPrecisionPolicy raises ValueError/TypeError (NotImplementedError for the
+valid but unsupported) before any collective, on every rank, with a message
+that names the parameter, bucket or field and says how to fix it."""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import flexshard as fs
+from harness import expect_all_ranks_raise, run_world
+from models import TinyGPT
+
+ROOT = ["tok.*", "pos", "norm.*", "head.*"]
+
+
+def _model():
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def _wrap(**kwargs):
+    return lambda comm: fs.flex_shard(_model(), comm=comm, **kwargs)
+
+
+def _twice(comm):
+    model = fs.flex_shard(_model())  # a valid first wrap, with its collectives
+    fs.flex_shard(model, comm=comm)
+
+
+def _submodule_first(comm):
+    model = _model()
+    fs.flex_shard(model.layers[0])  # a valid first wrap, with its collectives
+    fs.flex_shard(model, comm=comm)
+
+
+def _two_devices(comm):
+    model = _model()
+    model.head.to("meta")
+    fs.flex_shard(model, comm=comm)
+
+
+def _zero_dim(comm):
+    fs.flex_shard(nn.ParameterDict({"scale": nn.Parameter(torch.tensor(1.0))}), comm=comm)
+
+
+def _grad_sync_flag(comm):
+    fs.flex_shard(_model(), comm=comm).set_requires_gradient_sync(1)
+
+
+# name -> (misuse taking a Comm, exception, message regex). Each runs single-process
+# and, where it involves flex_shard, on both ranks of a 2-rank world.
+WRAP_CASES = {
+    "param in no bucket": (_wrap(buckets=[fs.BucketSpec("layers.*"), fs.BucketSpec(ROOT[1:])]),
+                           ValueError, r"parameter 'tok\.weight' matches no BucketSpec; add a pattern"),
+    "param in two buckets": (_wrap(buckets=[fs.BucketSpec("*", name="all"), fs.BucketSpec("layers.0.*")]),
+                             ValueError, r"parameter 'layers\.0\.norm1\.weight' matches several "
+                                         r"buckets \('all', 'layers\.0\.\*'\); make the patterns disjoint"),
+    "bucket matching nothing": (_wrap(buckets=[fs.BucketSpec("*"), fs.BucketSpec("blocks.*", name="b")]),
+                                ValueError, r"bucket 'b' \(patterns \['blocks\.\*'\]\) matches no parameter"),
+    "duplicate bucket names": (_wrap(buckets=[fs.BucketSpec("layers.*", name="x"), fs.BucketSpec(ROOT, name="x")]),
+                               ValueError, r"two buckets are named 'x'; give each BucketSpec a unique name"),
+    "buckets is a string": (_wrap(buckets="layers.*"), TypeError,
+                            r"buckets must be a list of fs\.BucketSpec, got 'layers\.\*'"),
+    "buckets is empty": (_wrap(buckets=[]), ValueError, r"buckets is empty; pass buckets=None"),
+    "bucket not a BucketSpec": (_wrap(buckets=[fs.BucketSpec(ROOT), "layers.*"]), TypeError,
+                                r"buckets\[1\] is str, not a fs\.BucketSpec"),
+    "Shard dim out of range": (_wrap(placement=fs.Shard(2)), ValueError,
+                               r"parameter 'layers\.0\.norm1\.weight' in bucket 'layers\.0': Shard\(dim=2\) "
+                               r"is out of range for shape \(30,\); use a dim in \[-1, 0\]"),
+    "Shard of a 0-dim param": (_zero_dim, ValueError, r"parameter 'scale' in bucket 'root': .*a 0-dim "
+                                                     r"tensor cannot be sharded"),
+    "placement not a Placement": (_wrap(placement="shard"), TypeError,
+                                  r"placement 'shard' is not a Placement or a callable"),
+    "placement callable returns other": (_wrap(placement=lambda fqn, p: 0), TypeError,
+                                         r"the placement callable of bucket 'layers\.0' returned 0 for "
+                                         r"parameter 'layers\.0\.norm1\.weight'; it must return a Placement"),
+    "mp_policy not a policy": (_wrap(mp_policy={"param_dtype": torch.bfloat16}), TypeError,
+                               r"mp_policy must be a fs\.MixedPrecisionPolicy"),
+    "reshard_after_forward not bool": (_wrap(reshard_after_forward="yes"), TypeError,
+                                       r"reshard_after_forward must be a bool, got 'yes'"),
+    "mesh not a DeviceMesh": (_wrap(mesh="cpu"), TypeError, r"mesh must be a DeviceMesh or None, got str"),
+    "flex_shard twice": (_twice, ValueError, r"FlexShardTinyGPT is already wrapped by flex_shard; call "
+                                             r"flex_shard once"),
+    "submodule wrapped first": (_submodule_first, ValueError,
+                                r"submodule 'layers\.0' is already wrapped by flex_shard"),
+    "not a Module": (lambda comm: fs.flex_shard(lambda x: x, comm=comm), TypeError,
+                     r"flex_shard expects an nn\.Module, got function"),
+    "no parameters": (lambda comm: fs.flex_shard(nn.ReLU(), comm=comm), ValueError,
+                      r"the module has no parameters to shard"),
+    "params on two devices": (_two_devices, ValueError, r"parameters live on several devices .*'head\.weight'"),
+}
+
+CONFIG_CASES = {
+    "empty patterns": (lambda: fs.BucketSpec([]), ValueError,
+                       r"BucketSpec \[\]: patterns is empty; give at least one fnmatch pattern"),
+    "pattern not a string": (lambda: fs.BucketSpec(["layers.*", 3]), TypeError,
+                             r"pattern 3 is not a non-empty string"),
+    "BucketSpec placement": (lambda: fs.BucketSpec("layers.*", placement=3), TypeError,
+                             r"BucketSpec 'layers\.\*': placement 3 is not a Placement"),
+    "BucketSpec mp_policy": (lambda: fs.BucketSpec("layers.*", mp_policy=torch.bfloat16), TypeError,
+                             r"BucketSpec 'layers\.\*': mp_policy must be a fs\.MixedPrecisionPolicy"),
+    "BucketSpec reshard": (lambda: fs.BucketSpec("layers.*", reshard_after_forward=1), TypeError,
+                           r"BucketSpec 'layers\.\*': reshard_after_forward must be a bool or None"),
+    "BucketSpec name": (lambda: fs.BucketSpec("layers.*", name=3), TypeError,
+                        r"BucketSpec 'layers\.\*': name 3 is not a non-empty string"),
+    "non-floating MP dtype": (lambda: fs.MixedPrecisionPolicy(param_dtype=torch.int32), ValueError,
+                              r"MixedPrecisionPolicy\.param_dtype=torch\.int32 is not a floating-point dtype"),
+    "MP dtype not a dtype": (lambda: fs.MixedPrecisionPolicy(reduce_dtype="bf16"), TypeError,
+                             r"MixedPrecisionPolicy\.reduce_dtype must be a torch\.dtype or None, got 'bf16'"),
+    "MP cast flag not bool": (lambda: fs.MixedPrecisionPolicy(cast_forward_inputs="yes"), TypeError,
+                              r"MixedPrecisionPolicy\.cast_forward_inputs must be a bool"),
+    "Shard dim not an int": (lambda: fs.Shard("0"), TypeError, r"Shard\(dim='0'\): dim must be an int"),
+    "incomplete Placement": (lambda: type("Half", (fs.Placement,), {"check": lambda *a: None})(), TypeError,
+                             r"Can't instantiate abstract class Half"),
+    "gradient sync flag": (lambda: _grad_sync_flag(None), TypeError,
+                           r"set_requires_gradient_sync expects a bool, got 1"),
+}
+
+
+class NoCollectives(fs.Comm):
+    """Fails the test if flex_shard issues any collective."""
+
+    def all_gather(self, *args, **kwargs):
+        raise AssertionError("a collective was issued before the error")
+
+    reduce_scatter = all_reduce = all_gather
+
+
+@pytest.mark.parametrize("name", sorted(WRAP_CASES))
+def test_wrap_misuse_raises(name):
+    misuse, exc, match = WRAP_CASES[name]
+    with pytest.raises(exc, match=match):
+        misuse(NoCollectives())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_CASES))
+def test_config_misuse_raises(name):
+    misuse, exc, match = CONFIG_CASES[name]
+    with pytest.raises(exc, match=match):
+        misuse()
+
+
+# ---- on every rank of a world, before any collective
+
+
+def _every_wrap_case():
+    """Run each misuse on this rank; returns {name: (type name, message)}."""
+    caught = {}
+    for name, (misuse, exc, _) in WRAP_CASES.items():
+        try:
+            misuse(NoCollectives())
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            caught[name] = (type(e).__name__, str(e))
+        else:
+            caught[name] = ("nothing", "")
+    return caught
+
+
+@pytest.mark.world
+def test_wrap_misuse_raises_on_every_rank_before_any_collective():
+    for caught in run_world(2, _every_wrap_case):
+        for name, (misuse, exc, match) in WRAP_CASES.items():
+            got, message = caught[name]
+            assert got == exc.__name__ and re.search(match, message), (name, got, message)
+
+
+def _two_dim_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    fs.flex_shard(_model(), mesh, comm=NoCollectives())
+
+
+def _dtensor_param():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model()
+    model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.detach(), mesh, [Replicate()]))
+    fs.flex_shard(model, mesh, comm=NoCollectives())
+
+
+@pytest.mark.world
+def test_mesh_not_one_dimensional():
+    expect_all_ranks_raise(2, _two_dim_mesh, ValueError,
+                           r"mesh must be 1-D, got a 2-D mesh of shape \(2, 1\); pass a 1-D slice "
+                           r"such as mesh\['dp'\]")
+
+
+@pytest.mark.world
+def test_dtensor_parameters():
+    expect_all_ranks_raise(2, _dtensor_param, NotImplementedError,
+                           r"parameter 'head\.weight' is a DTensor; flex_shard shards plain tensors")
