@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -10,14 +11,18 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .bucket import Bucket
-from .bucketing import assign_params, default_buckets, param_aliases, running_module
+from .bucketing import (assign_params, claimed_elsewhere, default_buckets, param_aliases,
+                        running_module, used_in_nested_runner)
 from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
 from .fingerprint import check_ranks_agree
-from .hooks import ModuleHooks, install_params
+from .hooks import ModuleHooks, RootHooks, install_params, reshard_explicitly, unshard_explicitly
 from .layout import SlotPlan, bind_placements
+from .materialize import apply_to_buckets, init_parameters
 from .placements.contract import Placement
 from .placements.shard import Shard
+from .prefetch import Prefetcher
+from .reduction import ReduceQueue
 from .state import FlexShardState, attach_state, find_state, get_state
 from .state_dict import StateDictHooks
 
@@ -32,6 +37,64 @@ class FlexShardModule:
             raise TypeError(f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}")
         for bucket in get_state(self).buckets:
             bucket.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """Whether every bucket frees its unsharded params after its module's
+        forward (and regathers them in backward); the root bucket included."""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        for bucket in get_state(self).buckets:
+            bucket.reshard_after_forward = reshard_after_forward
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many buckets ahead (in recorded execution order) to launch
+        gathers for, in forward and backward; 0 disables prefetching."""
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise TypeError(f"set_prefetch_depth expects an int, got {depth!r}")
+        if depth < 0:
+            raise ValueError(f"set_prefetch_depth expects depth >= 0, got {depth}; "
+                             "use 0 to disable prefetching")
+        state = get_state(self)
+        state.prefetcher.drop_all()
+        state.prefetcher.depth = depth
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module._apply (to_empty, to, cuda, ...): the buckets' storage moves
+        as one buffer each and the sharded params are re-viewed into it."""
+        state = find_state(self)
+        if state is None:
+            return super()._apply(fn, recurse)
+        apply_to_buckets(state, fn, lambda: super(FlexShardModule, self)._apply(fn, recurse))
+        return self
+
+    def init_parameters(self, init_fn=None) -> None:
+        """Initialise the sharded params after to_empty(), one module at a time:
+        each module's own params are materialised at full size, initialised by
+        `init_fn(module)` (default: its reset_parameters()), and this rank keeps
+        its piece. Called for every module in modules() order, so with every rank
+        seeded alike the values equal the unsharded model's after the same calls."""
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_parameters expects a callable init_fn(module), got {init_fn!r}")
+        init_parameters(self, get_state(self), init_fn)
+
+    def unshard(self, async_op: bool = False):
+        """Gather every bucket and install the unsharded params on the modules,
+        where they stay (forward uses them, no reshard after forward) until
+        reshard(). With async_op=True returns a handle: its wait() completes it
+        (the next forward waits by itself). Gradients still reach the shards."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"unshard expects async_op to be a bool, got {async_op!r}")
+        state = get_state(self)
+        entries = [(b, a) for b, a in zip(state.buckets, state.aliases) if b.needs_hooks]
+        return unshard_explicitly(entries, async_op)
+
+    def reshard(self) -> None:
+        """Undo unshard(): the modules hold their sharded params again (also
+        those a forward without a backward left unsharded)."""
+        state = get_state(self)
+        reshard_explicitly(list(zip(state.buckets, state.aliases)))
+        for hooks in state.hooks:
+            hooks.reshard_kept()
 
 
 def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
@@ -168,23 +231,55 @@ def _plan_slots(spec: BucketSpec, names, named, default, world_size) -> list:
             for fqn, pl in zip(names, bound)]
 
 
+def _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases) -> None:
+    """A tied/shared param whose other FQN another bucket claims stays correct (its
+    bucket runs on a module covering every use) but may be gathered far earlier."""
+    for slot, aliases in zip(slots, slot_aliases):
+        for fqn, label in claimed_elsewhere(aliases, specs, specs.index(spec)):
+            where = next((n for n, m in module.named_modules() if m is runner), "?") or "root"
+            warnings.warn(
+                f"parameter {slot.fqn!r} (bucket {spec.label!r}) is also registered as {fqn!r}, "
+                f"which bucket {label!r} matches; a parameter lives in one bucket, so "
+                f"{spec.label!r} runs on module {where!r} (covering both uses) and stays "
+                "unsharded through its forward. Put both FQNs in one BucketSpec to make "
+                "this explicit", stacklevel=4)
+
+
+def _mark_nested_use(module, by_runner: dict) -> None:
+    """Flag the buckets whose params another (nested) running module uses too."""
+    names = {id(m): n for n, m in module.named_modules()}
+    runners = [names[id(runner)] for runner, _ in by_runner.values()]
+    for runner, entries in by_runner.values():
+        for bucket, _, owners in entries:
+            bucket.used_in_nested_runner = used_in_nested_runner(owners, names[id(runner)], runners)
+
+
 def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> None:
     aliases = param_aliases(module)
+    state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
+    reduce_queue.listeners.append(state.prefetcher.end_backward)
     by_runner: dict = {}
     for spec, slots in zip(specs, plans):
         slot_aliases = [aliases[id(named[s.fqn])] for s in slots]
         runner = running_module(module, [fqn for a in slot_aliases for _, _, fqn in a])
+        _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases)
         bucket_reshard = (spec.reshard_after_forward if spec.reshard_after_forward is not None
                           else reshard and runner is not module)
         bucket = Bucket(spec.label, slots, [named[s.fqn].requires_grad for s in slots],
                         spec.mp_policy or mp_policy, bucket_reshard, state.group,
                         state.rank, state.world_size, state.comm, device)
         bucket.load_full(lambda fqn: named[fqn].detach())
+        bucket.reduce_queue = reduce_queue
         pairs = [[(m, a) for m, a, _ in a] for a in slot_aliases]
         install_params(pairs, bucket.params)
         state.buckets.append(bucket)
         state.aliases.append(pairs)
         if bucket.needs_hooks:
-            by_runner.setdefault(id(runner), (runner, []))[1].append((bucket, pairs))
+            owners = [fqn for a in slot_aliases for _, _, fqn in a]
+            by_runner.setdefault(id(runner), (runner, []))[1].append((bucket, pairs, owners))
+    _mark_nested_use(module, by_runner)
     for runner, entries in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, [b for b, _ in entries], [p for _, p in entries]))
+        state.hooks.append(ModuleHooks(runner, [e[0] for e in entries], [e[1] for e in entries],
+                                       state.prefetcher, state.buckets))
+    if by_runner:
+        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)

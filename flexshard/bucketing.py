@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from .config import BucketSpec
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def default_buckets(module: nn.Module) -> list:
@@ -57,15 +57,28 @@ def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
 
 
 def param_aliases(module: nn.Module) -> dict:
-    """id(param) -> [(owner module, attr, owner FQN)] for every place a parameter is registered."""
+    """id(param) -> [(owner module, attr, owner FQN)] for every place a parameter is
+    registered, a shared submodule under each of its paths (so the running module
+    covers every path that calls it)."""
     aliases: dict = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
             if p is not None:
-                entry = (mod, attr, mod_name)
-                if entry[:2] not in [(m, a) for m, a, _ in aliases.get(id(p), [])]:
-                    aliases.setdefault(id(p), []).append(entry)
+                aliases.setdefault(id(p), []).append((mod, attr, mod_name))
     return aliases
+
+
+def claimed_elsewhere(aliases: Sequence[tuple], specs: Sequence[BucketSpec], own: int) -> list:
+    """(alias FQN, bucket label) for each alias of a parameter of bucket `own`
+    whose FQN another bucket's patterns match (a tied or shared parameter
+    the user's buckets split)."""
+    out = []
+    for _, attr, owner in aliases:
+        fqn = f"{owner}.{attr}" if owner else attr
+        for i, spec in enumerate(specs):
+            if i != own and any(fnmatch.fnmatchcase(fqn, p) for p in spec.patterns):
+                out.append((fqn, spec.label))
+    return out
 
 
 def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:
@@ -79,6 +92,18 @@ def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:
         common.append(level[0])
     while True:
         mod = root.get_submodule(".".join(common))
-        if not common or not isinstance(mod, _CONTAINERS):
+        if not common or not isinstance(mod, CONTAINERS):
             return mod
         common.pop()
+
+
+def _within(fqn: str, ancestor: str) -> bool:
+    return not ancestor or fqn == ancestor or fqn.startswith(ancestor + ".")
+
+
+def used_in_nested_runner(owner_fqns: Sequence[str], runner: str, runners: Sequence[str]) -> bool:
+    """Whether a module registering one of a bucket's params (`owner_fqns`)
+    lies inside another running module nested in the bucket's own (`runner`):
+    a shared module or tied param used inside another bucket's forward."""
+    return any(other != runner and _within(other, runner) and _within(owner, other)
+               for owner in owner_fqns for other in runners)

@@ -2,6 +2,11 @@
 non-reentrant activation checkpoint whose selective policy recomputes only
 the bucket gathers (and free view ops). Every other op's output is saved, so
 backward re-runs the gather and nothing else of the block.
+
+The gather's collective itself is launched outside the checkpoint's dispatch
+modes (bucket._hidden_from_checkpoint), so a gather prefetched in one pass and
+issued on demand in the other replays the same ops; the policy sees only the
+views (and copy-outs) that turn the gather output into unsharded params.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Optional, Sequence
 
+import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     _checkpoint_without_reentrant_generator,
@@ -16,16 +22,22 @@ from torch.utils.checkpoint import (
 )
 
 
+def saved_tensors_hooked() -> bool:
+    """True inside a region whose saved tensors some hooks already handle
+    (an activation checkpoint, CPU offload): a nested region is not needed."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 class RecomputeRegion:
     """The checkpointed forward of one module whose buckets reshard after forward."""
 
     def __init__(self, buckets: Sequence) -> None:
-        self.buckets = [b for b in buckets if b.reshard_after_forward]
+        self.buckets = buckets  # every bucket of the model: a nested runner's gather recomputes too
         self.recomputing = False
         self._gen = None
 
     def policy(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        """Recompute what a resharding bucket's gather ran, and views; save the rest."""
+        """Recompute what any bucket's gather ran, and views; save the rest."""
         if any(b.gathering for b in self.buckets) or func.is_view:
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE

@@ -222,7 +222,7 @@ class OptimizerHooks:
         if value.dim() == 0:
             return value
         raise NotImplementedError(
-            f"optimizer state {name!r} of parameter {self._names[id(param)]!r} has shape "
+            f"optimizer state {name!r} of parameter {ref.slot.fqn!r} has shape "
             f"{tuple(value.shape)}, not the sharded parameter's {tuple(param.shape)}; flexshard "
             "reshards only per-element optimizer state (AdamW, SGD, Muon momentum)")
 
@@ -235,7 +235,7 @@ class OptimizerHooks:
         for key, param in _param_keys(optimizer, state_dict):
             ref = refs.get(id(param))
             if ref is not None and key in new_state:
-                fqn = self._names[id(param)]
+                fqn = ref.slot.fqn  # not by id(param): to_empty/.to make new param objects
                 new_state[key] = {name: self._unwrap(state, ref, param, f"{fqn}.{name}", value)
                                   for name, value in new_state[key].items()}
         state_dict["state"] = new_state

@@ -49,5 +49,14 @@ class BucketStorage:
     def __init__(self, layout: BucketLayout, slots, rank: int, device) -> None:
         self.layout = layout
         self.rank = rank
+        self.slots = slots
         self.buffer = torch.zeros(layout.segment_bytes, dtype=torch.uint8, device=device)
         self.views = segment_views(self.buffer, layout, slots, rank)
+
+    def replace_buffer(self, buffer: torch.Tensor) -> None:
+        """Hold `buffer` (same size, e.g. on another device) and view it afresh."""
+        if buffer.dtype != torch.uint8 or buffer.shape != self.buffer.shape:
+            raise AssertionError(f"a storage buffer must stay uint8 of shape "
+                                 f"{tuple(self.buffer.shape)}, got {buffer.dtype} {tuple(buffer.shape)}")
+        self.buffer = buffer
+        self.views = segment_views(buffer, self.layout, self.slots, self.rank)

@@ -1,0 +1,60 @@
+"""Gradient clipping over sharded gradients: one all-reduce for the global norm."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .state import get_state
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the sharded gradients of a flex_shard-ed `module` in place so their
+    global `norm_type` norm is at most `max_norm`; returns that norm (before
+    clipping), the same on every rank. Like torch.nn.utils.clip_grad_norm_ on
+    the unsharded model, with one all-reduce. norm_type: any p > 0 or inf."""
+    max_norm, norm_type = _check_clip_args(max_norm, norm_type)
+    state = get_state(module)
+    grads = [p.grad for b in state.buckets for p in b.params if p.grad is not None]
+    device = state.buckets[0].storage.buffer.device
+    total = _global_norm(grads, norm_type, device, state)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                           f"{total.item()}; pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _check_clip_args(max_norm, norm_type) -> tuple:
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"clip_grad_norm_: {name} must be a number, got {value!r}")
+    if max_norm < 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or float('inf'), got "
+                         f"{norm_type}; use 1, 2 or inf")
+    return float(max_norm), float(norm_type)
+
+
+def _global_norm(grads, norm_type: float, device, state) -> torch.Tensor:
+    """The norm over every rank's pieces: local p-th power sums (or max), one all-reduce."""
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                             for g in grads])
+    else:
+        norms = torch.zeros(1, device=device)
+    if math.isinf(norm_type):
+        local, op = norms.max().reshape(1), dist.ReduceOp.MAX
+    else:
+        local, op = norms.pow(norm_type).sum().reshape(1), dist.ReduceOp.SUM
+    if state.world_size > 1:
+        state.comm.all_reduce(local, state.group, op=op)
+    return local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)

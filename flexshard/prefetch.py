@@ -1,0 +1,72 @@
+"""Prefetch: launch the gathers of the buckets expected next, in execution order.
+
+Forward and backward each follow an ExecutionOrder recorded on their first
+pass. Each time a bucket unshards, the next `depth` buckets of that order get
+their all-gather launched asynchronously, so it flies while this bucket's
+module computes. At most `depth` prefetched gathers are alive at once: one
+the order no longer expects is dropped before a new one is launched, and
+whatever is left unused is dropped when the pass ends.
+"""
+
+from __future__ import annotations
+
+from .order import ExecutionOrder
+from .reduction import in_backward
+
+
+class Prefetcher:
+    """Execution orders of one model and the gathers launched ahead of use."""
+
+    def __init__(self, depth: int = 1) -> None:
+        self.depth = depth
+        self.forward = ExecutionOrder()
+        self.backward = ExecutionOrder()
+        self._launched: list = []  # buckets whose gather was prefetched, unconsumed
+        self._backward_pass = False  # a backward pass is being followed
+
+    def begin_forward(self) -> None:
+        """The root module's forward starts (not a recompute inside backward)."""
+        if not in_backward():
+            if self._backward_pass:  # a backward that raised never ended
+                self.end_backward()
+            self.forward.begin_pass()
+
+    def end_forward(self) -> None:
+        if not in_backward():
+            self.forward.end_pass()
+            self._drop(self._launched)
+
+    def unsharded(self, bucket) -> None:
+        """`bucket` was just unsharded: launch the gathers expected next."""
+        if bucket in self._launched:
+            self._launched.remove(bucket)
+        if in_backward():
+            self._follow_backward()
+            expected = self.backward.visit(bucket, self.depth)
+        else:
+            expected = self.forward.visit(bucket, self.depth)
+        self._drop([b for b in self._launched if b not in expected])
+        for b in expected[:self.depth]:
+            if b is not bucket and b.pinned is None and b.needs_hooks and b.start_gather():
+                self._launched.append(b)
+
+    def drop_all(self) -> None:
+        """Drop every prefetched gather (explicit reshard, device moves)."""
+        self._drop(self._launched)
+
+    def _follow_backward(self) -> None:
+        if not self._backward_pass:
+            self._backward_pass = True
+            self.backward.begin_pass()
+
+    def end_backward(self) -> None:
+        """The outermost backward pass ended (a ReduceQueue listener)."""
+        if self._backward_pass:
+            self.backward.end_pass()
+        self._drop(self._launched)
+        self._backward_pass = False
+
+    def _drop(self, buckets) -> None:
+        for b in list(buckets):
+            b.discard_gather()
+            self._launched.remove(b)

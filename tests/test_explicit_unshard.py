@@ -1,0 +1,156 @@
+"""Explicit control: module.unshard() / reshard() and set_reshard_after_forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexshard as fs
+from harness import expect_all_ranks_raise, run_world
+from models import batch, loss_fn
+from reference import make_model
+from training_helpers import CountingComm, check_against_reference, train
+
+STEPS = 3
+
+
+def unshard_step(async_op: bool):
+    """A step function: unshard, forward + backward on the held params, reshard."""
+    def step(model, i, x, y):
+        handle = model.unshard(async_op=async_op)
+        if async_op and i % 2 == 0:
+            handle.wait()  # odd steps leave the wait to the forward pre-hook
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        model.reshard()
+        return loss
+    return step
+
+
+def train_unsharded_explicitly(async_op: bool) -> tuple:
+    """Rank body: train with explicit unshard/reshard around each step."""
+    comm = CountingComm()
+    model = fs.flex_shard(make_model(), comm=comm)
+    comm.reset()  # flex_shard's check that the ranks agree is an all-reduce
+    losses = train(model, STEPS, unshard_step(async_op))
+    calls = dict(comm.calls)
+    return losses, fs.full_state_dict(model), calls
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_explicit_unshard_parity_and_one_gather_per_bucket(async_op):
+    results = run_world(2, train_unsharded_explicitly, async_op)
+    losses, full, calls = results[0]
+    check_against_reference(losses, full, 2, STEPS)
+    # Held params: one gather per bucket per step (none in forward, none in backward).
+    assert calls == {"all_gather": 3 * STEPS, "reduce_scatter": 3 * STEPS, "all_reduce": 0}
+
+
+def shapes_while_held() -> dict:
+    """Rank body: what modules hold before, during and after an explicit unshard."""
+    model = fs.flex_shard(make_model())
+    up = model.layers[0].up
+    before = tuple(up.weight.shape)
+    handle = model.unshard(async_op=True)
+    pending = tuple(up.weight.shape)
+    handle.wait()
+    held = tuple(up.weight.shape)
+    x, y = batch(0, torch.distributed.get_rank())
+    with torch.no_grad():
+        model(x)
+    after_forward = tuple(up.weight.shape)
+    model.reshard()
+    return {"before": before, "pending": pending, "held": held,
+            "after_forward": after_forward, "resharded": tuple(up.weight.shape)}
+
+
+def test_unshard_holds_full_params_until_reshard():
+    full = tuple(make_model().layers[0].up.weight.shape)
+    for facts in run_world(2, shapes_while_held):
+        assert facts["before"] == facts["pending"] == facts["resharded"] != full
+        assert facts["held"] == facts["after_forward"] == full
+
+
+def forward_without_backward() -> tuple:
+    """Rank body: a training forward never followed by backward, then reshard().
+    layers.1 calls layers.0's `up`, so bucket layers.0 (run by the root) keeps
+    its params on the modules for layers.1's recompute in a backward that never comes."""
+    from test_frozen_tied import shared_block_model
+
+    model = fs.flex_shard(shared_block_model())
+    x, _ = batch(0, torch.distributed.get_rank())
+    model(x)
+    kept = tuple(model.layers[0].up.weight.shape), tuple(model.head.weight.shape)
+    model.reshard()
+    model.to("cpu")  # allowed again: every bucket is sharded
+    return kept, tuple(model.layers[0].up.weight.shape)
+
+
+def test_reshard_after_forward_without_backward():
+    reference = make_model()
+    up, head = tuple(reference.layers[0].up.weight.shape), tuple(reference.head.weight.shape)
+    for (kept_up, kept_head), after in run_world(2, forward_without_backward):
+        assert kept_up == up and after != up
+        assert kept_head != head  # the root's own params reshard after forward as usual
+
+
+def toggled_reshard() -> tuple:
+    """Rank body: one step without, one with reshard-after-forward (root included)."""
+    comm = CountingComm()
+    model = fs.flex_shard(make_model(), comm=comm)
+    calls = []
+    for flag in (False, True):
+        model.set_reshard_after_forward(flag)
+        comm.reset()
+        losses = train(model, 1)
+        calls.append(dict(comm.calls))
+    return calls
+
+
+def test_set_reshard_after_forward():
+    for off, on in run_world(2, toggled_reshard):
+        assert off["all_gather"] == 3  # each bucket once, kept for backward
+        assert on["all_gather"] == 6  # every bucket (root too) regathers in backward
+        assert off["reduce_scatter"] == on["reduce_scatter"] == 3
+
+
+def toggled_parity() -> tuple:
+    model = fs.flex_shard(make_model())
+
+    def step(model, i, x, y):
+        model.set_reshard_after_forward(i % 2 == 0)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    return train(model, STEPS, step), fs.full_state_dict(model)
+
+
+def test_toggling_reshard_keeps_parity():
+    losses, full = run_world(2, toggled_parity)[0]
+    check_against_reference(losses, full, 2, STEPS)
+
+
+def step_while_held():
+    model = fs.flex_shard(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.unshard()
+    x, y = batch(0, torch.distributed.get_rank())
+    loss_fn(model(x), y).backward()
+    opt.step()
+    model(x)
+
+
+def bad_flag():
+    fs.flex_shard(make_model()).set_reshard_after_forward(1)
+
+
+def bad_async():
+    fs.flex_shard(make_model()).unshard(async_op="yes")
+
+
+def test_misuse_raises_on_every_rank():
+    expect_all_ranks_raise(2, step_while_held, RuntimeError,
+                           r"bucket 'root': its sharded params changed .* module.reshard\(\)")
+    expect_all_ranks_raise(2, bad_flag, TypeError, r"set_reshard_after_forward expects a bool, got 1")
+    expect_all_ranks_raise(2, bad_async, TypeError, r"async_op to be a bool, got 'yes'")

@@ -1,0 +1,211 @@
+"""Shared pieces of the training-feature tests: Comms that count or delay
+collectives, a short sharded training loop and the parity check against the
+single-process reference (tests/reference.py)."""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flexshard as fs
+from models import batch, loss_fn
+from reference import make_model, reference_run
+from test_parity import assert_rel_close
+
+LR = 1e-2
+MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+class CountingComm(fs.Comm):
+    """Counts collectives."""
+
+    def __init__(self) -> None:
+        self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+    def all_gather(self, output, input, group, async_op=False):
+        self.calls["all_gather"] += 1
+        return super().all_gather(output, input, group, async_op)
+
+    def reduce_scatter(self, output, input, group, async_op=False):
+        self.calls["reduce_scatter"] += 1
+        return super().reduce_scatter(output, input, group, async_op)
+
+    def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM):
+        self.calls["all_reduce"] += 1
+        return super().all_reduce(tensor, group, op)
+
+    def reset(self) -> None:
+        self.calls = dict.fromkeys(self.calls, 0)
+
+
+def settled(read, want, timeout: float = 5.0):
+    """read() once it equals `want`, or its last value after `timeout` seconds.
+
+    The comm backend's worker thread drops its reference to a finished
+    collective's tensors shortly after wait() returns (gloo here, NCCL's
+    watchdog likewise), so storage freed by flexshard may take a moment to
+    die. A leak never settles; a late release does."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while value != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+        value = read()
+    return value
+
+
+class UnshardedTracker:
+    """Weak references to the storage of every unsharded param any bucket makes
+    (the gather output when params are views of it, else each copy-out), so a
+    test can ask how many unsharded bytes are alive, per bucket."""
+
+    def __init__(self, model) -> None:
+        from flexshard.state import get_state
+
+        self.made: dict = {}  # bucket name -> [(weakref to storage, nbytes)]
+        for bucket in get_state(model).buckets:
+            bucket.gather_params = self._recording(bucket.name, bucket.gather_params)
+
+    def _recording(self, name, gather):
+        def gather_params(layout=None):
+            outs = gather(layout)
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in outs
+                        if t.numel()}
+            self.made.setdefault(name, []).extend(
+                (weakref.ref(s), s.nbytes()) for s in storages.values())
+            return outs
+        return gather_params
+
+    def live_bytes(self) -> dict:
+        """bucket name -> bytes of its unsharded storage still alive (0 omitted)."""
+        live = {name: sum(n for ref, n in refs if ref() is not None)
+                for name, refs in self.made.items()}
+        return {name: n for name, n in live.items() if n}
+
+    def forget_dead(self) -> None:
+        for name, refs in self.made.items():
+            refs[:] = [(r, n) for r, n in refs if r() is not None]
+
+
+class DelayedWork:
+    """A Work whose wait() returns no earlier than `delay` seconds after launch."""
+
+    def __init__(self, work, delay: float, comm: "DelayComm", kind: str) -> None:
+        self.work, self.kind, self.comm = work, kind, comm
+        self.done_at = time.monotonic() + delay
+        comm.in_flight.append(self)
+
+    def wait(self, timeout=None) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        time.sleep(max(0.0, self.done_at - time.monotonic()))
+        if self in self.comm.in_flight:
+            self.comm.in_flight.remove(self)
+        return True
+
+
+class DelayComm(CountingComm):
+    """Collectives that take at least `delay` seconds (an injected slow
+    network). `in_flight` holds the launched collectives not yet waited for."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay, self.in_flight = delay, []
+
+    def all_gather(self, output, input, group, async_op=False):
+        work = DelayedWork(super().all_gather(output, input, group, True), self.delay,
+                           self, "all_gather")
+        return work if async_op else work.wait() and None
+
+    def reduce_scatter(self, output, input, group, async_op=False):
+        work = DelayedWork(super().reduce_scatter(output, input, group, True), self.delay,
+                           self, "reduce_scatter")
+        return work if async_op else work.wait() and None
+
+    def flying(self, kind: str) -> int:
+        return sum(w.kind == kind for w in self.in_flight)
+
+
+class MatmulLog(TorchDispatchMode):
+    """Counts matmuls, and for each one what `probe()` said when it ran."""
+
+    def __init__(self, probe=lambda: None) -> None:
+        super().__init__()
+        self.probe, self.seen = probe, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in MATMULS:
+            self.seen.append(self.probe())
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+
+def train(model, steps: int, step_fn=None, opt=None, first_step: int = 0) -> list:
+    """AdamW steps of `model` on this rank's batches; per-step losses
+    averaged over ranks. `step_fn(model, step, x, y)` returns the loss after
+    running backward itself (default: one forward and backward)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x, y = batch(step, rank)
+        if step_fn is None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        else:
+            loss = step_fn(model, step, x, y)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def reference_train(model, world: int, steps: int, step_fn=None) -> tuple:
+    """Single-process AdamW on every rank's batch at once, for a model the
+    test built itself (reference_run builds a plain TinyGPT):
+    (losses, named params). `step_fn` as in train()."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for step in range(steps):
+            xs, ys = zip(*(batch(step, r) for r in range(world)))
+            x, y = torch.cat(xs), torch.cat(ys)
+            if step_fn is None:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            else:
+                loss = step_fn(model, step, x, y)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def check_against_reference(losses, full: dict, world: int, steps: int, model_kw=None,
+                            model=None, step_fn=None, rtol: float = 1e-5) -> None:
+    """Per-step losses and final full params match the single-process run of
+    `model` (default: reference_run's TinyGPT(**model_kw)), fp32."""
+    if model is None and step_fn is None:
+        ref_losses, ref_params, _ = reference_run(world, steps, lr=LR, model_kw=model_kw)
+    else:
+        model = model if model is not None else make_model(**(model_kw or {}))
+        ref_losses, ref_params = reference_train(model, world, steps, step_fn)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+    assert full.keys() == ref_params.keys()
+    for k in ref_params:
+        if ref_params[k].norm() == 0:  # a frozen zero-initialised param: stays exactly zero
+            assert torch.equal(full[k], ref_params[k]), k
+        else:
+            assert_rel_close(full[k], ref_params[k], rtol, k)
