@@ -256,10 +256,11 @@ class Bucket:
             if pending.work is not None:
                 pending.work.wait()
             outs = []
-            for i, slot in enumerate(self.slots):
-                full, copied = gathered_param(pending.gathered, layout, slot, i)
-                self.counters.copy_out_bytes += copied
-                outs.append(full)
+            with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
+                for i, slot in enumerate(self.slots):
+                    full, copied = gathered_param(pending.gathered, layout, slot, i)
+                    self.counters.copy_out_bytes += copied
+                    outs.append(full)
         finally:
             self.gathering = False
         return outs
