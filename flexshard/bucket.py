@@ -11,6 +11,7 @@ early (`start_gather`, prefetch) and consumed by the next unshard.
 from __future__ import annotations
 
 import enum
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
@@ -143,6 +144,7 @@ class Bucket:
         self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self._anchor: Optional[torch.Tensor] = None  # see _grad_anchor
         self._pinned_version = -1
+        self._zero_copy_of: dict = {}  # BucketLayout -> layout.keeps_views (a layout is immutable)
 
     @property
     def needs_hooks(self) -> bool:
@@ -256,14 +258,20 @@ class Bucket:
         try:
             if pending.work is not None:
                 pending.work.wait()
-            outs = []
-            for i, slot in enumerate(self.slots):
-                full, copied = gathered_param(pending.gathered, layout, slot, i)
-                self.counters.copy_out_bytes += copied
-                outs.append(full)
+            outs, view_ok = [], self._zero_copy(layout)
+            with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
+                for i, slot in enumerate(self.slots):
+                    full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
+                    self.counters.copy_out_bytes += copied
+                    outs.append(full)
         finally:
             self.gathering = False
         return outs
+
+    def _zero_copy(self, layout: BucketLayout) -> bool:
+        if layout not in self._zero_copy_of:
+            self._zero_copy_of[layout] = layout.keeps_views
+        return self._zero_copy_of[layout]
 
     def start_gather(self) -> bool:
         """Launch the bucket's gather without waiting (prefetch); the next
@@ -385,7 +393,11 @@ class Bucket:
         grads: list = [None] * len(self.slots)
         for j, i in enumerate(self.grad_slots):
             reg, slot = self.reduce_layout.regions[j], self.slots[i]
-            g = typed_view(out, reg.offsets[self.rank], reg.dtype, slot.local_shapes[self.rank])
+            shape = slot.local_shapes[self.rank]
+            if math.prod(shape) == 0:  # a view would pin the whole reduce output
+                grads[i] = torch.zeros(shape, dtype=slot.dtype, device=out.device)
+                continue
+            g = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
             grads[i] = g.to(slot.dtype)
         return grads
 

@@ -64,6 +64,16 @@ class BucketLayout(NamedTuple):
         return (start, end)
 
     @property
+    def keeps_views(self) -> bool:
+        """Whether the bucket hands out views of the gathered buffer. A view pins
+        the whole buffer, so when the params that need copies anyway exceed
+        1/16 of the bucket, copying everything out saves more memory than the
+        views save copies, and the bucket copies every param."""
+        copied = sum(sum(self.regions[i].nbytes) for i in range(len(self.regions))
+                     if self.gathered_range(i) is None)
+        return copied * 16 <= self.ideal_bytes
+
+    @property
     def ideal_bytes(self) -> int:
         """Bytes that must move: the sum of every rank's pieces."""
         return sum(sum(reg.nbytes) for reg in self.regions)

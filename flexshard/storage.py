@@ -32,10 +32,10 @@ def gathered_pieces(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan
 
 
 def gathered_param(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
-                   index: int) -> tuple:
-    """(unsharded tensor, copied bytes): a view when the pieces are contiguous,
-    else the placement joins them (a copy-out)."""
-    span: Optional[tuple] = layout.gathered_range(index)
+                   index: int, view_ok: bool = True) -> tuple:
+    """(unsharded tensor, copied bytes): a view when the pieces are contiguous
+    (and `view_ok`), else the placement joins them (a copy-out)."""
+    span: Optional[tuple] = layout.gathered_range(index) if view_ok else None
     dtype = layout.regions[index].dtype
     if span is not None:
         return typed_view(gathered, span[0], dtype, slot.shape), 0

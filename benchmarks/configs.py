@@ -1,0 +1,64 @@
+"""What one benchmark configuration is, and the default grid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLACEMENTS = ("shard", "ragged", "owned", "mixed")
+PARAM_DTYPES = ("fp32", "bf16")
+MODELS = ("odd", "even")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One side-by-side run: flexshard and FSDP2 (and plain at world size 1)."""
+
+    world_size: int
+    placement: str = "shard"  # flexshard's; FSDP2 can only Shard(0)
+    param_dtype: str = "fp32"
+    reshard: bool = True  # reshard_after_forward of the blocks
+    model: str = "odd"
+    optimizer: str = "adamw"  # "muon": Muon on block matrices, AdamW on the rest
+
+    def __post_init__(self) -> None:
+        for field, allowed in (("placement", PLACEMENTS), ("param_dtype", PARAM_DTYPES),
+                               ("model", MODELS), ("optimizer", OPTIMIZERS)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"Config.{field}={getattr(self, field)!r}; use one of {allowed}")
+        if self.world_size < 1:
+            raise ValueError(f"Config.world_size={self.world_size}; use 1 or more")
+        if self.optimizer == "muon" and self.placement not in ("owned", "mixed"):
+            raise ValueError(f"Muon needs whole matrices on a rank: placement {self.placement!r} "
+                             "splits them; use 'owned' or 'mixed'")
+
+    @property
+    def name(self) -> str:
+        parts = [self.placement, self.param_dtype, "reshard" if self.reshard else "keep",
+                 self.model]
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
+        return "/".join(parts)
+
+    @property
+    def needs(self) -> tuple:
+        """The flexshard placements this configuration uses, by class name."""
+        return {"shard": (), "ragged": ("RaggedShard",), "owned": ("Owned",),
+                "mixed": ("Owned", "RaggedShard")}[self.placement]
+
+
+def default_grid(world_sizes=(1, 2, 4)) -> list:
+    """One baseline (Shard, fp32, reshard, odd shapes) and one change at a time."""
+    variants = [
+        dict(),
+        dict(reshard=False),
+        dict(param_dtype="bf16"),
+        dict(model="even"),
+        dict(placement="ragged"),
+        dict(placement="ragged", model="even"),
+        dict(placement="owned"),
+        dict(placement="mixed"),
+        dict(placement="mixed", param_dtype="bf16", reshard=False),
+        dict(placement="mixed", optimizer="muon"),
+    ]
+    return [Config(ws, **v) for ws in world_sizes for v in variants]

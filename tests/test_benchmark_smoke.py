@@ -1,0 +1,160 @@
+"""A quick run of benchmarks/compare.py at world sizes 1 and 2: the report has
+its fields and its numbers are sane (no timing targets: those live in
+benchmarks/RESULTS.md)."""
+
+import math
+
+import pytest
+
+from harness import run_world
+
+pytestmark = pytest.mark.world
+
+
+def _run(variants):
+    import torch.distributed as dist
+
+    from benchmarks.compare import run_configs
+    from benchmarks.configs import Config
+
+    ws = dist.get_world_size()
+    return run_configs([Config(ws, **v) for v in variants], steps=2, warmup=1, device="cpu")
+
+
+def _model_bytes():
+    from benchmarks.model import build_model
+
+    return sum(p.numel() * p.element_size() for p in build_model("odd").parameters())
+
+
+def _check_timing(result, kinds):
+    assert result["status"] == "ok", result
+    assert set(result["step_time_s"]) == set(kinds)
+    for spread in [*result["step_time_s"].values(), *result["ratio"].values()]:
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf
+
+
+def _check_memory(run, model_bytes, ws):
+    mem = run["memory"]
+    assert len(mem["peak_bytes_per_rank"]) == ws
+    assert model_bytes / ws <= mem["param_bytes"] <= model_bytes * 1.1 / ws
+    assert mem["grad_bytes"] == mem["param_bytes"]  # fp32 grads, one per sharded param
+    assert mem["opt_state_bytes"] >= 2 * mem["param_bytes"]  # AdamW: two moments
+    assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]
+    assert sum(mem["peak_by_kind"].values()) == mem["peak_bytes"]
+
+
+@pytest.fixture(scope="module")
+def ws1_results():
+    return run_world(1, _run, [{}], timeout=240)[0]
+
+
+def test_world_size_1_against_plain(ws1_results):
+    [result] = ws1_results
+    _check_timing(result, ["fsdp2", "flexshard", "plain"])
+    assert result["loss_gap_flexshard_fsdp2"] <= 1e-5
+    runs = result["runners"]
+    for run in runs.values():
+        assert run["collectives"] == {} and run["comm_debug_count"] == 0
+        _check_memory(run, _model_bytes(), 1)
+    # without a cast, flexshard at world size 1 is the plain model: no copies of its own
+    assert runs["flexshard"]["copies"] == runs["plain"]["copies"] == result["plain_copies"]
+    assert runs["flexshard"]["memory"]["peak_bytes"] == runs["plain"]["memory"]["peak_bytes"]
+
+
+def _check_flexshard_traffic(run):
+    counters = run["flexshard_counters"]["total"]
+    colls = run["collectives"]
+    assert colls["allgather_base"]["count"] == counters["gathers"]
+    assert colls["reduce_scatter_base"]["count"] == counters["reduces"]
+    assert run["comm_debug_count"] == sum(c["count"] for c in colls.values())
+    # the dispatch-level byte count agrees with flexshard's own counters
+    assert colls["allgather_base"]["wire_bytes"] == counters["gather_wire_bytes"]
+    assert colls["reduce_scatter_base"]["wire_bytes"] == counters["reduce_wire_bytes"]
+
+
+@pytest.fixture(scope="module")
+def ws2_results():
+    return run_world(2, _run, [{}, dict(placement="owned", optimizer="muon")], timeout=240)[0]
+
+
+def test_world_size_2_side_by_side(ws2_results):
+    result = ws2_results[0]
+    _check_timing(result, ["fsdp2", "flexshard"])
+    assert result["loss_gap_flexshard_fsdp2"] <= 1e-5
+    runs = result["runners"]
+    _check_flexshard_traffic(runs["flexshard"])
+    blocks = 4
+    for run in runs.values():
+        _check_memory(run, _model_bytes(), 2)
+        assert run["comm_debug_count"] == sum(c["count"] for c in run["collectives"].values())
+        assert run["collectives"]["reduce_scatter_base"]["count"] == blocks + 1
+        for d in run["wire"].values():
+            assert 0 < d["ideal_bytes"] <= d["wire_bytes"]
+        assert run["optimizer_collectives"] == {}  # AdamW on shards
+    # both reduce every gradient once, in fp32: the same bytes had to move
+    assert runs["fsdp2"]["wire"]["reduce"]["ideal_bytes"] == _model_bytes()
+    assert runs["flexshard"]["wire"]["reduce"]["ideal_bytes"] == _model_bytes()
+
+
+def test_report_renders(ws1_results):
+    from benchmarks.report import markdown
+
+    results = ws1_results
+    meta = {"date": "today", "torch": "x", "backend": "gloo", "cpu_cores": 2,
+            "load_average_start": [0.0]}
+    text = markdown(results, meta)
+    assert "### Headline" in text and "shard/fp32/reshard/odd" in text
+    assert "World size 1 against the plain model" in text
+
+
+def test_world_size_2_muon_on_owned(ws2_results):
+    result = ws2_results[1]
+    _check_timing(result, ["fsdp2", "flexshard"])
+    assert result["loss_gap_flexshard_fsdp2"] <= 1e-5  # the same Muon math on whole matrices
+    runs = result["runners"]
+    _check_flexshard_traffic(runs["flexshard"])
+    assert runs["flexshard"]["optimizer_collectives"] == {}
+    assert runs["flexshard"]["optimizer_comm_debug_count"] == 0
+    # FSDP2 gathers each of the 4 blocks' 4 matrices for Newton-Schulz
+    fsdp_gathers = [c["count"] for k, c in runs["fsdp2"]["optimizer_collectives"].items()
+                    if "gather" in k]
+    assert sum(fsdp_gathers) == 16
+    assert runs["flexshard"]["flexshard_counters"]["copy_out_by_placements"] == {"Owned": 0}
+    for run in runs.values():
+        mem = run["memory"]
+        assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]
+
+
+def test_command_line_writes_report(tmp_path):
+    """The CLI spawns its own world, writes results.json/.md, and re-renders from JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo}
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--world-sizes", "1", "--placements",
+           "shard", "--steps", "1", "--warmup", "0", "--no-chart", "--out-dir", str(tmp_path)]
+    subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True, timeout=300)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["meta"]["backend"] == "gloo" and saved["meta"]["torch"]
+    assert [r["status"] for r in saved["results"]] == ["ok"] * 4
+    assert {r["config"]["placement"] for r in saved["results"]} == {"shard"}
+    (tmp_path / "results.md").unlink()
+    subprocess.run([sys.executable, "-m", "benchmarks.compare", "--from-json",
+                    str(tmp_path / "results.json"), "--no-chart", "--out-dir", str(tmp_path)],
+                   cwd=repo, env=env, check=True, capture_output=True, timeout=120)
+    assert "### Headline" in (tmp_path / "results.md").read_text()
+
+
+def test_bad_configurations_are_refused():
+    from benchmarks.configs import Config
+
+    with pytest.raises(ValueError, match=r"Config.placement='rows'; use one of"):
+        Config(2, placement="rows")
+    with pytest.raises(ValueError, match=r"Muon needs whole matrices on a rank: placement 'shard'"):
+        Config(2, placement="shard", optimizer="muon")
+    with pytest.raises(ValueError, match=r"Config.world_size=0; use 1 or more"):
+        Config(0)
