@@ -144,7 +144,8 @@ class Bucket:
         self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self._anchor: Optional[torch.Tensor] = None  # see _grad_anchor
         self._pinned_version = -1
-        self._zero_copy_of: dict = {}  # BucketLayout -> layout.keeps_views (a layout is immutable)
+        self._keeps_views = {lay: lay.keeps_views  # decided once, at wrap time
+                             for lay in (self.storage.layout, self.gather_layout)}
 
     @property
     def needs_hooks(self) -> bool:
@@ -258,7 +259,7 @@ class Bucket:
         try:
             if pending.work is not None:
                 pending.work.wait()
-            outs, view_ok = [], self._zero_copy(layout)
+            outs, view_ok = [], self._keeps_views[layout]
             with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
                 for i, slot in enumerate(self.slots):
                     full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
@@ -267,11 +268,6 @@ class Bucket:
         finally:
             self.gathering = False
         return outs
-
-    def _zero_copy(self, layout: BucketLayout) -> bool:
-        if layout not in self._zero_copy_of:
-            self._zero_copy_of[layout] = layout.keeps_views
-        return self._zero_copy_of[layout]
 
     def start_gather(self) -> bool:
         """Launch the bucket's gather without waiting (prefetch); the next

@@ -176,16 +176,11 @@ class OptimizerHooks:
     """Attaches state-dict hooks to each optimizer that steps a wrapped
     model's sharded parameters (found through a global step pre-hook)."""
 
-    def __init__(self, state: FlexShardState, names: dict) -> None:
-        self._state = weakref.ref(state)
-        self._names = names  # id(sharded param) -> canonical FQN
+    def __init__(self, state: FlexShardState) -> None:
+        self._state = weakref.ref(state)  # once the model is gone, every hook is a no-op
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self.handle = register_optimizer_step_pre_hook(self._on_step)
         self.optimizer_handles: list = []
-
-    def release(self) -> None:
-        """The model is gone: drop what the global hook holds (it stays a no-op)."""
-        self._names.clear()
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         if optimizer not in self._seen:
@@ -264,20 +259,17 @@ class StateDictHooks:
     each optimizer that steps its sharded parameters."""
 
     def __init__(self, module: nn.Module, state: FlexShardState) -> None:
-        refs = slot_refs(state)
-        names = {id(p): name for name, p in module.named_parameters() if id(p) in refs}
-        self.optimizers = OptimizerHooks(state, names)
+        self.optimizers = OptimizerHooks(state)
         self.handles = [self.optimizers.handle]
         for owner, owned in _owner_refs(state):
             hooks = _OwnerHooks(state, owned)
             self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
                 owner.register_state_dict_post_hook(functools.partial(hooks.state_dict_post)),
                 owner.register_load_state_dict_pre_hook(hooks.load_pre)]
-        # Not handle.remove(): a finalizer may run (GC) while torch iterates its global
-        # optimizer pre-hooks, and removing one then raises "OrderedDict mutated during
-        # iteration" in someone's optimizer.step(). The dead hook stays, a no-op
-        # (its weakref to the state is dead), holding nothing but an emptied dict.
-        weakref.finalize(module, self.optimizers.release)
+        # No finalizer removes the global hook: GC may run while torch iterates its
+        # global optimizer pre-hooks, and removing one then raises "OrderedDict mutated
+        # during iteration" in someone's optimizer.step(). Once the model is gone the
+        # hook stays, a no-op (its weakref to the state is dead).
 
     def remove(self) -> None:
         for handle in self.handles + self.optimizers.optimizer_handles:

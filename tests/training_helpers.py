@@ -155,17 +155,22 @@ def train(model, steps: int, step_fn=None, opt=None, first_step: int = 0) -> lis
     losses = []
     for step in range(first_step, first_step + steps):
         x, y = batch(step, rank)
-        if step_fn is None:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-        else:
-            loss = step_fn(model, step, x, y)
+        loss = _forward_backward(model, step, x, y, step_fn)
         opt.step()
         opt.zero_grad()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     return losses
+
+
+def _forward_backward(model, step, x, y, step_fn):
+    """The loss after backward: one forward and backward, or `step_fn`'s."""
+    if step_fn is not None:
+        return step_fn(model, step, x, y)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss
 
 
 def reference_train(model, world: int, steps: int, step_fn=None) -> tuple:
@@ -179,12 +184,7 @@ def reference_train(model, world: int, steps: int, step_fn=None) -> tuple:
         losses = []
         for step in range(steps):
             xs, ys = zip(*(batch(step, r) for r in range(world)))
-            x, y = torch.cat(xs), torch.cat(ys)
-            if step_fn is None:
-                loss = loss_fn(model(x), y)
-                loss.backward()
-            else:
-                loss = step_fn(model, step, x, y)
+            loss = _forward_backward(model, step, torch.cat(xs), torch.cat(ys), step_fn)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
