@@ -160,7 +160,7 @@ class Runner:
         """flexshard only: bucket name -> its placements and counters (a copy)."""
         if self.kind != "flexshard":
             return {}
-        from flexshard.state import get_state
+        from flexshard.runtime.state import get_state
         return {b.name: {"placements": sorted({type(s.placement).__name__ for s in b.slots}),
                          **vars(b.counters)}
                 for b in get_state(self.model).buckets}

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from flexshard.state import get_state
+from flexshard.runtime.state import get_state
 
 
 class Traffic(NamedTuple):

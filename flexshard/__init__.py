@@ -2,15 +2,16 @@
 
 from . import collectives, optim
 from .api import FlexShardModule, flex_shard
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.files import load_checkpoint, save_checkpoint
+from .checkpoint.pieces import ShardedPieces
+from .checkpoint.pretrained import PretrainedKeys, load_pretrained
+from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
-from .comm import Comm
 from .config import BucketSpec, MixedPrecisionPolicy
-from .pieces import ShardedPieces
 from .placements import Owned, Placement, RaggedShard, Shard, shard_sizes
-from .plan import BucketPlan, ShardingPlan, describe, plan_buckets
-from .pretrained import PretrainedKeys, load_pretrained
-from .state_dict import full_state_dict, load_full_state_dict
+from .planning.budget import plan_buckets
+from .planning.report import BucketPlan, ShardingPlan, describe
+from .runtime.comm import Comm
 
 __all__ = [
     "BucketPlan",

@@ -10,21 +10,33 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .bucket import Bucket
-from .bucketing import (assign_params, claimed_elsewhere, default_buckets, param_aliases,
-                        running_module, used_in_nested_runner)
-from .comm import Comm
+from .checkpoint.materialize import apply_to_buckets, init_parameters
+from .checkpoint.state_dict import StateDictHooks
 from .config import BucketSpec, MixedPrecisionPolicy
-from .fingerprint import check_ranks_agree
-from .hooks import ModuleHooks, RootHooks, install_params, reshard_explicitly, unshard_explicitly
-from .layout import SlotPlan, bind_placements
-from .materialize import apply_to_buckets, init_parameters
 from .placements.contract import Placement
 from .placements.shard import Shard
-from .prefetch import Prefetcher
-from .reduction import ReduceQueue
-from .state import FlexShardState, attach_state, find_state, get_state
-from .state_dict import StateDictHooks
+from .planning.assign import (
+    assign_params,
+    claimed_elsewhere,
+    default_buckets,
+    param_aliases,
+    running_module,
+    used_in_nested_runner,
+)
+from .planning.fingerprint import check_ranks_agree
+from .runtime.bucket import Bucket
+from .runtime.comm import Comm
+from .runtime.hooks import (
+    ModuleHooks,
+    RootHooks,
+    install_params,
+    reshard_explicitly,
+    unshard_explicitly,
+)
+from .runtime.layout import SlotPlan, bind_placements
+from .runtime.prefetch import Prefetcher
+from .runtime.reduction import ReduceQueue
+from .runtime.state import FlexShardState, attach_state, find_state, get_state
 
 
 class FlexShardModule:

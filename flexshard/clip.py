@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .state import get_state
+from .runtime.state import get_state
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,

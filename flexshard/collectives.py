@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from .runtime.comm import Comm
 
 
 class FullGrad(enum.Enum):

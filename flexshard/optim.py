@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from .state import get_state
+from .runtime.state import get_state
 
 MatrixFilter = Callable[[str, torch.Size], bool]
 

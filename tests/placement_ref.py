@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 import flexshard as fs
-from flexshard.state import get_state
+from flexshard.runtime.state import get_state
 import reference
 from models import TinyGPT, batch, loss_fn
 from test_parity import assert_rel_close

@@ -15,7 +15,7 @@ from test_parity import assert_rel_close
 def wrap_facts() -> dict:
     """Rank body: what wrapping does to the module."""
     import torch.distributed as dist
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()

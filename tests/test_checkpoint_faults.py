@@ -110,7 +110,7 @@ def test_rank_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path, m
 
 def test_truncated_metadata_is_refused_with_a_clear_error(tmp_path):
     """A damaged .metadata names the checkpoint instead of a bare unpickling error."""
-    import flexshard.checkpoint as ckpt_mod
+    import flexshard.checkpoint.files as ckpt_mod
 
     step = tmp_path / "step_3"
     step.mkdir()

@@ -28,7 +28,7 @@ def count_step(config: dict, microbatches: int = 1) -> list:
 
     rank = dist.get_rank()
     model = fs.flex_shard(make_model(), **config)
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     out = []
     for step in range(2):

@@ -15,7 +15,7 @@ SAVE_STEPS = 3  # steps trained at 4 ranks before the checkpoint
 
 def local_state(model, opt) -> dict:
     """fqn -> (bound placement, shape, local param, {state name: local tensor})."""
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     out = {}
     for bucket in get_state(model).buckets:

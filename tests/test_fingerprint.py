@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flexshard as fs
-from flexshard.fingerprint import (_FIELDS, BucketFingerprint, _describe, _field_digests,
+from flexshard.planning.fingerprint import (_FIELDS, BucketFingerprint, _describe, _field_digests,
                                    _first_difference, bucket_fingerprint, check_plans_agree)
-from flexshard.state import find_state
+from flexshard.runtime.state import find_state
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT
 
@@ -170,7 +170,7 @@ def test_mismatch_raises_on_every_rank_naming_bucket_and_field(body, match):
 
 
 def _plan(*shapes, name="b"):
-    from flexshard.layout import SlotPlan
+    from flexshard.runtime.layout import SlotPlan
 
     slots = [SlotPlan(f"w{i}", torch.Size(s), torch.float32, fs.Shard(0), (torch.Size(s),))
              for i, s in enumerate(shapes)]

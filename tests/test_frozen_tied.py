@@ -29,7 +29,7 @@ def frozen_model():
 def train_frozen() -> tuple:
     """Rank body: (bytes the last step reduced, trainable bytes, reduce-scatters per
     bucket in that step, whether frozen params got no grad)."""
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     model = frozen_model()
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

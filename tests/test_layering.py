@@ -1,5 +1,6 @@
-"""Imports run one way (STYLE.md): api -> hooks/recompute -> bucket ->
-storage/layout -> placements -> comm -> torch. Parsed, not imported."""
+"""Imports run one way (STYLE.md): api -> planning / checkpoint -> runtime ->
+config / placements -> runtime.comm -> torch. Parsed, not imported; every module of
+the package must sit in a layer, so a new file cannot dodge the check."""
 
 from __future__ import annotations
 
@@ -8,15 +9,24 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "flexshard"
 
-# Each module may not import (directly or not) any module of a higher layer.
+# Each module may not import (directly or not) any module of a later layer. A layer
+# entry ending in "." names every module under that package.
 LAYERS = [
-    {"comm"},
-    {"placements.contract", "placements.shard", "placements.owned", "placements.ragged"},
-    {"layout", "storage"},
-    {"bucket"},
-    {"hooks", "recompute"},
+    {"runtime.comm"},
+    {"placements", "placements."},
+    {"config"},
+    {"runtime.layout", "runtime.storage", "runtime.state", "runtime.order"},
+    {"runtime.reduction"},
+    {"runtime.bucket"},
+    {"runtime.prefetch", "runtime.reshard"},
+    {"runtime.hooks", "runtime"},
+    {"collectives", "clip", "optim"},
+    {"planning", "planning.", "checkpoint", "checkpoint."},
     {"api"},
+    {"", "integrations", "integrations."},
 ]
+# Wings beside each other never import each other.
+SIBLINGS = [("planning.", "checkpoint.")]
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -63,18 +73,43 @@ def _reachable(graph: dict, start: str) -> set:
     return seen
 
 
+def _layer_of(name: str) -> int:
+    hits = [i for i, layer in enumerate(LAYERS)
+            if name in layer or any(e.endswith(".") and name.startswith(e) for e in layer)]
+    if len(hits) != 1:
+        raise AssertionError(f"module {name!r} is in layers {hits}; put it in exactly one")
+    return hits[0]
+
+
+def test_every_module_has_a_layer():
+    graph = _graph()
+    assert len(graph) > 30  # the whole package was found
+    for name in graph:
+        _layer_of(name)
+
+
 def test_no_import_cycles():
     graph = _graph()
     # The parser sees the real edges (a check of the check).
-    assert {"bucket", "hooks", "placements.contract", "comm"} <= _reachable(graph, "api")
+    assert {"runtime.bucket", "runtime.hooks", "placements.contract",
+            "runtime.comm"} <= _reachable(graph, "api")
     for name in graph:
         assert name not in _reachable(graph, name), f"{name} imports itself through a cycle"
 
 
 def test_lower_layers_never_import_higher_ones():
     graph = _graph()
-    for level, layer in enumerate(LAYERS):
-        higher = set().union(*LAYERS[level + 1:])
-        for name in layer:
-            bad = _reachable(graph, name) & higher
-            assert not bad, f"{name} (layer {level}) reaches {sorted(bad)}"
+    for name in graph:
+        level = _layer_of(name)
+        bad = sorted(m for m in _reachable(graph, name) if _layer_of(m) > level)
+        assert not bad, f"{name} (layer {level}) reaches {bad}"
+
+
+def test_sibling_wings_stay_apart():
+    graph = _graph()
+    for a, b in SIBLINGS:
+        for x, y in ((a, b), (b, a)):
+            for name in graph:
+                if name.startswith(x):
+                    bad = sorted(m for m in graph[name] if m.startswith(y))
+                    assert not bad, f"{name} imports {bad} from a sibling wing"

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flexshard as fs
-from flexshard.layout import SlotPlan, bind_placements, plan_layout
-from flexshard.storage import gathered_param, segment_views
+from flexshard.runtime.layout import SlotPlan, bind_placements, plan_layout
+from flexshard.runtime.storage import gathered_param, segment_views
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.uint8]
 FAST = settings(max_examples=60, deadline=None)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
-from flexshard.state import get_state
+from flexshard.runtime.state import get_state
 from harness import run_world
 from models import TinyGPT, batch, loss_fn
 

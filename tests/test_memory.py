@@ -18,7 +18,7 @@ from training_helpers import UnshardedTracker, check_against_reference, settled,
 
 
 def _in_flight(model) -> list:
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     return [b.name for b in get_state(model).buckets if b.inflight is not None]
 
@@ -72,7 +72,7 @@ def eval_and_multi_forward() -> dict:
 
 
 def _modules_hold_sharded_params(model) -> bool:
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     sharded = {id(p) for b in get_state(model).buckets for p in b.params}
     return {id(p) for p in model.parameters()} == sharded
@@ -145,7 +145,7 @@ class Allocations(TorchDispatchMode):
 def fifty_steps() -> tuple:
     """Rank body: bytes created during each step that are still alive after it,
     and what the runtime's bookkeeping holds at the end."""
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     model = fs.flex_shard(make_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

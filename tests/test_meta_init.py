@@ -43,7 +43,7 @@ def sharded_meta_init(model_kw: dict) -> tuple:
     """Rank body: meta -> flex_shard -> to_empty -> init_parameters. Returns the
     full params, the bytes this rank allocated for storage, and the most param
     bytes the model registered at any point of the init."""
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     model = fs.flex_shard(meta_model(**model_kw))
     on_meta = all(p.is_meta for p in model.parameters())

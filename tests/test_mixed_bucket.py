@@ -9,8 +9,8 @@ import torch
 
 import flexshard as fs
 from flexshard.api import _plan_slots
-from flexshard.bucketing import assign_params, default_buckets
-from flexshard.layout import plan_layout
+from flexshard.planning.assign import assign_params, default_buckets
+from flexshard.runtime.layout import plan_layout
 from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
 
 pytestmark = pytest.mark.world

@@ -11,7 +11,7 @@ import torch
 
 import flexshard as fs
 from flexshard.optim import split_for_muon
-from flexshard.state import find_state
+from flexshard.runtime.state import find_state
 from harness import expect_all_ranks_raise, run_world
 from placement_ref import LR, assert_one_collective_per_bucket, check_parity, make_model
 

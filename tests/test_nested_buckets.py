@@ -21,7 +21,7 @@ def test_nested_buckets_parity():
 
 def nested_counts() -> tuple:
     import torch.distributed as dist
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
     from models import batch, loss_fn
     from reference import make_model
 

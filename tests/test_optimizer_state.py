@@ -13,7 +13,7 @@ from reference import make_model
 
 def optim_state(model, optimizers) -> dict:
     """fqn -> (bound placement, shape, {state name: this rank's tensor})."""
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     out = {}
     for bucket in get_state(model).buckets:

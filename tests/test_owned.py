@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexshard as fs
-from flexshard.layout import bind_placements
+from flexshard.runtime.layout import bind_placements
 from harness import expect_all_ranks_raise, run_world
 from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
 
@@ -84,7 +84,7 @@ def test_parity_bf16_param_dtype():
 def _grads_land_on_owners():
     import torch.distributed as dist
 
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
     from models import batch, loss_fn
 
     model = fs.flex_shard(make_model(), placement=fs.Owned())

@@ -44,7 +44,7 @@ def train_sharded(steps: int, config: dict, model_kw=None) -> tuple:
 
 def sharded_grads(model) -> dict:
     """fqn -> (bound placement, full shape, this rank's sharded grad)."""
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     return {s.fqn: (s.placement, s.shape, p.grad.clone()) for b in get_state(model).buckets
             for s, p in zip(b.slots, b.params)}

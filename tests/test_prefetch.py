@@ -18,7 +18,7 @@ BLOCKS = [fs.BucketSpec("layers.0.*", name="layers.0"), fs.BucketSpec("layers.1.
 
 
 def _counters(model) -> dict:
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     return {b.name: (b.counters.prefetches, b.counters.discarded_prefetches)
             for b in get_state(model).buckets}

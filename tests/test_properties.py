@@ -23,8 +23,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import flexshard as fs
-from flexshard.bucket import Bucket
-from flexshard.layout import SlotPlan, bind_placements
+from flexshard.runtime.bucket import Bucket
+from flexshard.runtime.layout import SlotPlan, bind_placements
 from harness import run_world
 
 SETTINGS = settings(max_examples=40, deadline=None)

@@ -12,9 +12,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import flexshard as fs
-from flexshard.bucket import BucketState
-from flexshard.recompute import RecomputeRegion
-from flexshard.state import get_state
+from flexshard.runtime.bucket import BucketState
+from flexshard.runtime.reshard import RecomputeRegion
+from flexshard.runtime.state import get_state
 from harness import run_world
 from models import TinyGPT, batch, loss_fn
 

@@ -34,7 +34,7 @@ class OpCounter(TorchDispatchMode):
 
 def record_unsharded(model) -> list:
     """Weak references to every unsharded param any bucket of `model` makes."""
-    from flexshard.state import get_state
+    from flexshard.runtime.state import get_state
 
     refs = []
     for bucket in get_state(model).buckets:

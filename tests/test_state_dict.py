@@ -11,7 +11,7 @@ import torch
 
 import flexshard as fs
 from ckpt_util import FlatRange, OnOneRank, wrapped
-from flexshard.pieces import piece_boxes
+from flexshard.checkpoint.pieces import piece_boxes
 from harness import expect_all_ranks_raise, run_world
 from reference import make_model
 

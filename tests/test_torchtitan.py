@@ -26,7 +26,7 @@ import flexshard as fs
 from flexshard.integrations.torchtitan import FlexShardConfig, llama_buckets, parallelize_llama
 from flexshard.integrations.torchtitan.trainer import (FlexShardTrainer, check_trainer_config,
                                                        clip_before_step)
-from flexshard.state import get_state
+from flexshard.runtime.state import get_state
 from harness import run_world
 
 STEPS = 3

@@ -63,7 +63,7 @@ class UnshardedTracker:
     test can ask how many unsharded bytes are alive, per bucket."""
 
     def __init__(self, model) -> None:
-        from flexshard.state import get_state
+        from flexshard.runtime.state import get_state
 
         self.made: dict = {}  # bucket name -> [(weakref to storage, nbytes)]
         for bucket in get_state(model).buckets:

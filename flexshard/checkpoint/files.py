@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .state import get_state
+from ..runtime.state import get_state
 
 _STEP_DIR = "step_{:08d}"
 _STEP_RE = re.compile(r"^step_(\d+)$")

@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from ..config import MixedPrecisionPolicy
 from .comm import Comm
-from .config import MixedPrecisionPolicy
 from .layout import BucketLayout, SlotPlan, plan_layout
 from .reduction import ReduceQueue, deliver_anchor
 from .storage import BucketStorage, gathered_param, typed_view

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .placements.contract import Placement
+from ..placements.contract import Placement
 
 
 class SlotPlan(NamedTuple):

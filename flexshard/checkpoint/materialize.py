@@ -16,8 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .bucket import BucketState
-from .hooks import install_params
+from ..runtime.bucket import BucketState
+from ..runtime.hooks import install_params
 
 
 def apply_to_buckets(state, fn, apply_rest: Callable) -> None:

@@ -17,8 +17,8 @@ from typing import Callable, Mapping, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
+from ..runtime.state import get_state
 from .pieces import box_views, piece_boxes
-from .state import get_state
 from .state_dict import named_slots
 
 

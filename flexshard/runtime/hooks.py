@@ -10,8 +10,8 @@ from torch.utils._pytree import tree_map
 
 from .bucket import Bucket, BucketState
 from .prefetch import Prefetcher
-from .recompute import RecomputeRegion, saved_tensors_hooked
 from .reduction import in_backward
+from .reshard import RecomputeRegion, saved_tensors_hooked
 
 
 def _cast_floating(tree, dtype):

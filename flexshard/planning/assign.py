@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch.nn as nn
 
-from .config import BucketSpec
+from ..config import BucketSpec
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 

@@ -23,7 +23,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from ..runtime.comm import Comm
 
 _WORDS = 2  # 62-bit words per digest
 _ABSENT = -1  # digest of a bucket a rank does not have

@@ -21,12 +21,15 @@ import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .placements.contract import Placement
-from .placements.shard import Shard, chunk_bounds
+from ..placements.contract import Placement
+from ..placements.shard import Shard, chunk_bounds
 
 
 class Box(NamedTuple):

@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .bucket import BucketState
+from ..runtime.bucket import BucketState
+from ..runtime.state import FlexShardState, get_state
 from .pieces import ShardedPieces, dtensor_shard, piece_boxes
-from .state import FlexShardState, get_state
 
 
 class SlotRef(NamedTuple):
