@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -15,25 +14,12 @@ from .checkpoint.state_dict import StateDictHooks
 from .config import BucketSpec, MixedPrecisionPolicy
 from .placements.contract import Placement
 from .placements.shard import Shard
-from .planning.assign import (
-    assign_params,
-    claimed_elsewhere,
-    default_buckets,
-    param_aliases,
-    running_module,
-    used_in_nested_runner,
-)
+from .planning.assign import default_buckets
 from .planning.fingerprint import check_ranks_agree
+from .planning.plan import WrapPlan, plan_wrap
 from .runtime.bucket import Bucket
 from .runtime.comm import Comm
-from .runtime.hooks import (
-    ModuleHooks,
-    RootHooks,
-    install_params,
-    reshard_explicitly,
-    unshard_explicitly,
-)
-from .runtime.layout import SlotPlan, bind_placements
+from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
@@ -108,14 +94,13 @@ class FlexShardModule:
         if not isinstance(async_op, bool):
             raise TypeError(f"unshard expects async_op to be a bool, got {async_op!r}")
         state = get_state(self)
-        entries = [(b, a) for b, a in zip(state.buckets, state.aliases) if b.needs_hooks]
-        return unshard_explicitly(entries, async_op)
+        return unshard_explicitly([b for b in state.buckets if b.needs_hooks], async_op)
 
     def reshard(self) -> None:
         """Undo unshard(): the modules hold their sharded params again (also
         those a forward without a backward left unsharded)."""
         state = get_state(self)
-        reshard_explicitly(list(zip(state.buckets, state.aliases)))
+        reshard_explicitly(state.buckets)
         for hooks in state.hooks:
             hooks.reshard_kept()
 
@@ -135,16 +120,15 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     specs = default_buckets(module) if buckets is None else _check_specs(buckets)
     named = dict(module.named_parameters())
     _check_params(named)
-    members = assign_params(list(named), specs)
     rank, world_size = _rank_and_world(mesh)
-    plans = [_plan_slots(spec, names, named, placement, world_size)
-             for spec, names in zip(specs, members)]
+    plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
+                     world_size)
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     state = FlexShardState(mesh, mesh.get_group() if mesh is not None else None,
                            rank, world_size, comm or Comm())
-    check_ranks_agree(state, specs, plans, named, mp_policy, reshard_after_forward)
-    _build(module, state, specs, plans, named, mp_policy, reshard_after_forward, device)
+    check_ranks_agree(state, plan)
+    _build(module, state, plan, named, device)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
     cls = type(module)
@@ -232,77 +216,30 @@ def _default_mesh(device: torch.device, world_size: int) -> Optional[DeviceMesh]
     return init_device_mesh(device_type, (world_size,))
 
 
-def _plan_slots(spec: BucketSpec, names, named, default, world_size) -> list:
-    choice = spec.placement if spec.placement is not None else default
-    entries = []
-    for fqn in names:
-        param = named[fqn]
-        placement = choice if isinstance(choice, Placement) else choice(fqn, param)
-        if not isinstance(placement, Placement):
-            raise TypeError(f"the placement callable of bucket {spec.label!r} returned "
-                            f"{placement!r} for parameter {fqn!r}; it must return a Placement "
-                            "such as fs.Shard(0)")
-        try:
-            placement.check(param.shape, world_size)
-        except ValueError as e:
-            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}") from None
-        entries.append((param.shape, param.dtype.itemsize, placement))
-    bound = bind_placements(entries, world_size)
-    return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
-                     tuple(pl.local_shape(named[fqn].shape, r, world_size)
-                           for r in range(world_size)))
-            for fqn, pl in zip(names, bound)]
+def _new_prefetcher() -> Prefetcher:
+    # A bucket held by module.unshard() or without hooks is never prefetched.
+    return Prefetcher(launch=lambda b: b.held is None and b.needs_hooks and b.start_gather(),
+                      discard=Bucket.discard_gather)
 
 
-def _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases) -> None:
-    """A tied/shared param whose other FQN another bucket claims stays correct (its
-    bucket runs on a module covering every use) but may be gathered far earlier."""
-    for slot, aliases in zip(slots, slot_aliases):
-        for fqn, label in claimed_elsewhere(aliases, specs, specs.index(spec)):
-            where = next((n for n, m in module.named_modules() if m is runner), "?") or "root"
-            warnings.warn(
-                f"parameter {slot.fqn!r} (bucket {spec.label!r}) is also registered as {fqn!r}, "
-                f"which bucket {label!r} matches; a parameter lives in one bucket, so "
-                f"{spec.label!r} runs on module {where!r} (covering both uses) and stays "
-                "unsharded through its forward. Put both FQNs in one BucketSpec to make "
-                "this explicit", stacklevel=4)
-
-
-def _mark_nested_use(module, by_runner: dict) -> None:
-    """Flag the buckets whose params another (nested) running module uses too."""
-    names = {id(m): n for n, m in module.named_modules()}
-    runners = [names[id(runner)] for runner, _ in by_runner.values()]
-    for runner, entries in by_runner.values():
-        for bucket, _, owners in entries:
-            bucket.used_in_nested_runner = used_in_nested_runner(owners, names[id(runner)], runners)
-
-
-def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> None:
-    aliases = param_aliases(module)
-    state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
+def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
+    """The runtime of `plan`: buckets filled with this rank's pieces and installed
+    on their modules, forward hooks on each running module and on the root."""
+    state.prefetcher, reduce_queue = _new_prefetcher(), ReduceQueue()
     reduce_queue.listeners.append(state.prefetcher.end_backward)
     by_runner: dict = {}
-    for spec, slots in zip(specs, plans):
-        slot_aliases = [aliases[id(named[s.fqn])] for s in slots]
-        runner = running_module(module, [fqn for a in slot_aliases for _, _, fqn in a])
-        _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases)
-        bucket_reshard = (spec.reshard_after_forward if spec.reshard_after_forward is not None
-                          else reshard and runner is not module)
-        bucket = Bucket(spec.label, slots, [named[s.fqn].requires_grad for s in slots],
-                        spec.mp_policy or mp_policy, bucket_reshard, state.group,
-                        state.rank, state.world_size, state.comm, device)
+    for planned in plan.buckets:
+        bucket = Bucket(planned.spec.label, planned.slots, planned.trainable, planned.mp_policy,
+                        planned.reshard_after_forward, state.group, state.rank,
+                        state.world_size, state.comm, device)
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.reduce_queue = reduce_queue
-        pairs = [[(m, a) for m, a, _ in a] for a in slot_aliases]
-        install_params(pairs, bucket.params)
+        bucket.used_in_nested_runner = planned.used_in_nested_runner
+        bucket.attach(planned.aliases)
         state.buckets.append(bucket)
-        state.aliases.append(pairs)
-        if bucket.needs_hooks:
-            owners = [fqn for a in slot_aliases for _, _, fqn in a]
-            by_runner.setdefault(id(runner), (runner, []))[1].append((bucket, pairs, owners))
-    _mark_nested_use(module, by_runner)
-    for runner, entries in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, [e[0] for e in entries], [e[1] for e in entries],
-                                       state.prefetcher, state.buckets))
+        if planned.needs_hooks:
+            by_runner.setdefault(id(planned.runner), (planned.runner, []))[1].append(bucket)
+    for runner, buckets in by_runner.values():
+        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, state.buckets))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)

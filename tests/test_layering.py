@@ -17,6 +17,7 @@ LAYERS = [
     {"config"},
     {"runtime.layout", "runtime.storage", "runtime.state", "runtime.order"},
     {"runtime.reduction"},
+    {"runtime.delivery"},
     {"runtime.bucket"},
     {"runtime.prefetch", "runtime.reshard"},
     {"runtime.hooks", "runtime"},

@@ -17,28 +17,27 @@ import torch
 import torch.nn as nn
 
 from ..runtime.bucket import BucketState
-from ..runtime.hooks import install_params
 
 
 def apply_to_buckets(state, fn, apply_rest: Callable) -> None:
     """nn.Module._apply for a wrapped module: `apply_rest` (the plain _apply)
     moves everything but the sharded params, each bucket moves its storage."""
     for bucket in state.buckets:
-        if bucket.state is not BucketState.SHARDED or bucket.pinned is not None:
+        if bucket.state is not BucketState.SHARDED or bucket.held is not None:
             raise RuntimeError(
                 f"cannot move or convert the module while bucket {bucket.name!r} is "
                 f"{bucket.state.value}; call module.reshard() and finish backward first")
         bucket.check_apply(fn)
     state.prefetcher.drop_all()
-    for aliases in state.aliases:
-        install_params(aliases, [None] * len(aliases))
+    for bucket in state.buckets:  # unregistered, so apply_rest skips them: storage moves below
+        bucket.install([None] * len(bucket.slots))
     try:
         apply_rest()
         for bucket in state.buckets:
             bucket.apply_to_storage(fn)
     finally:
-        for bucket, aliases in zip(state.buckets, state.aliases):
-            install_params(aliases, bucket.params)
+        for bucket in state.buckets:
+            bucket.install_sharded()
 
 
 def init_parameters(module: nn.Module, state, init_fn: Optional[Callable] = None) -> None:

@@ -155,8 +155,8 @@ class _OwnerHooks:
 def _owner_refs(state: FlexShardState) -> list:
     """[(module, {attr: SlotRef})] for every module registering a sharded param."""
     owners: dict = {}
-    for bucket, slot_aliases in zip(state.buckets, state.aliases):
-        for index, pairs in enumerate(slot_aliases):
+    for bucket in state.buckets:
+        for index, pairs in enumerate(bucket.aliases):
             for module, attr in pairs:
                 owners.setdefault(id(module), (module, {}))[1][attr] = SlotRef(bucket, index)
     return list(owners.values())

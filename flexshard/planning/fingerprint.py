@@ -73,14 +73,13 @@ def bucket_fingerprint(name: str, slots: Sequence, trainable: Sequence[bool],
     )
 
 
-def check_ranks_agree(state, specs, plans, named, mp_policy, reshard_after_forward) -> None:
+def check_ranks_agree(state, plan) -> None:
     """flex_shard's check, after planning and before building any bucket: raise
-    on every rank if the ranks planned different buckets (`plans`: SlotPlans per spec)."""
-    plan = [bucket_fingerprint(spec.label, slots, [named[s.fqn].requires_grad for s in slots],
-                               reshard_after_forward if spec.reshard_after_forward is None
-                               else spec.reshard_after_forward, spec.mp_policy or mp_policy)
-            for spec, slots in zip(specs, plans)]
-    check_plans_agree(plan, state.comm, state.group, state.rank, state.world_size,
+    on every rank if the ranks planned different buckets (`plan`: plan.WrapPlan)."""
+    prints = [bucket_fingerprint(b.spec.label, b.slots, b.trainable, b.reshard_after_forward,
+                                 b.mp_policy)
+              for b in plan.buckets]
+    check_plans_agree(prints, state.comm, state.group, state.rank, state.world_size,
                       _mesh_device(state.mesh))
 
 

@@ -3,8 +3,8 @@ and the one reduce-scatter that hands back their gradients.
 
 States: SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED. Unsharded parameters
 are made by `_Unshard`, an autograd Function whose backward launches the
-bucket's gradient reduction; the model's ReduceQueue finishes it and
-accumulates the sharded gradients into `.grad`. A gather may be launched
+bucket's gradient reduction; the model's ReduceQueue finishes it and the
+bucket's GradRoute (delivery.py) hands the sharded gradients to `.grad`. A gather may be launched
 early (`start_gather`, prefetch) and consumed by the next unshard.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -24,7 +25,8 @@ from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispat
 from ..config import MixedPrecisionPolicy
 from .comm import Comm
 from .layout import BucketLayout, SlotPlan, plan_layout
-from .reduction import ReduceQueue, deliver_anchor
+from .delivery import GradRoute, anchor_grad
+from .reduction import ReduceQueue
 from .storage import BucketStorage, gathered_param, typed_view
 
 
@@ -103,6 +105,13 @@ def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
     return slot.dtype
 
 
+def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int) -> bool:
+    """False at world size 1 without a cast when every piece has the full
+    shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
+    return (world_size > 1 or any(_gather_dtype(s, mp) != s.dtype for s in slots)
+            or any(s.local_shapes[0] != s.shape for s in slots))
+
+
 def _reduce_dtype(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy) -> torch.dtype:
     if mp.reduce_dtype is not None:
         return mp.reduce_dtype
@@ -139,11 +148,12 @@ class Bucket:
         self.counters = BucketCounters()
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
-        self.pinned: Optional[list] = None  # unsharded params held by module.unshard()
+        self.aliases: tuple = ()  # per slot: every (module, attr) registering it (see attach)
+        self.held: Optional[list] = None  # unsharded params held by module.unshard()
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
-        self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
-        self._anchor: Optional[torch.Tensor] = None  # see _grad_anchor
-        self._pinned_version = -1
+        self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
+        self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
+        self._held_version = -1
         self._keeps_views = {lay: lay.keeps_views  # decided once, at wrap time
                              for lay in (self.storage.layout, self.gather_layout)}
 
@@ -151,8 +161,7 @@ class Bucket:
     def needs_hooks(self) -> bool:
         """False at world size 1 without a cast when every piece has the full
         shape: the sharded params are the full ones."""
-        return (self.world_size > 1 or self.gather_layout != self.storage.layout
-                or any(s.local_shapes[0] != s.shape for s in self.slots))
+        return hooks_needed(self.slots, self.mp, self.world_size)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:
@@ -181,7 +190,7 @@ class Bucket:
         self.params = [_moved_param(p, v, fn) for p, v in zip(self.params, self.storage.views)]
         if self.pending_grads is not None:
             self.pending_grads = fn(self.pending_grads)
-        self._anchor = None
+        self.grad_route.clear()  # its _Deliver node takes the old params
 
     def load_full(self, fqn_to_tensor) -> None:
         """Copy this rank's piece of each full tensor into the sharded storage."""
@@ -196,24 +205,29 @@ class Bucket:
         self._check_requires_grad()
         self.state = BucketState.UNSHARDING
         try:
+            # _grad_anchor() may renew the route: it runs before forward reads its Delivery.
             outs = _Unshard.apply(self, self._grad_anchor())
         finally:
             self.state = BucketState.SHARDED
         self.state = BucketState.UNSHARDED
         return list(outs)
 
-    def pin(self, outs: list) -> None:
-        """Hold `outs` as the unsharded params until unpin (module.unshard())."""
+    def hold(self, outs: list) -> None:
+        """module.unshard(): install `outs` as the unsharded params and keep them
+        (this reference keeps the gather output alive) until release()."""
         self.assert_state(BucketState.UNSHARDED)
-        self.pinned, self._pinned_version = outs, self.storage.buffer._version
+        self.held, self._held_version = outs, self.storage.buffer._version
+        self.install(outs)
 
-    def unpin(self) -> None:
-        self.pinned = None
+    def release(self) -> None:
+        """module.reshard(): the sharded params back on the modules."""
+        self.install_sharded()
+        self.held = None
         self.mark_resharded()
 
-    def check_pinned(self) -> None:
-        """Refuse to run a forward on pinned params the shards no longer match."""
-        if self.pinned is not None and self._pinned_version != self.storage.buffer._version:
+    def check_held(self) -> None:
+        """Refuse to run a forward on held params the shards no longer match."""
+        if self.held is not None and self._held_version != self.storage.buffer._version:
             raise RuntimeError(
                 f"bucket {self.name!r}: its sharded params changed (an optimizer step?) while "
                 "module.unshard() held them unsharded; call module.reshard() before changing "
@@ -228,20 +242,34 @@ class Bucket:
                     f"{param.requires_grad} after flex_shard; the bucket's gradient layout is "
                     "fixed at wrap time, so set requires_grad before calling flex_shard")
 
+    # The modules registering the params (tied aliases included).
+
+    def attach(self, aliases: Sequence[Sequence[tuple]]) -> None:
+        """Take each slot's (module, attr) aliases and install the sharded params there."""
+        self.aliases = tuple(tuple(a) for a in aliases)
+        self.install_sharded()
+
+    def install(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
+        """Point every alias of each slot at the given tensor (None unregisters)."""
+        for slot_aliases, tensor in zip(self.aliases, tensors):
+            for module, attr in slot_aliases:
+                # Straight into _parameters: setattr would refuse the unsharded
+                # params, plain tensors (autograd outputs), in a Parameter's place.
+                module._parameters[attr] = tensor
+
+    def install_sharded(self) -> None:
+        """Put the sharded params back on the modules."""
+        self.install(self.params)
+
     def new_anchor(self) -> None:
         """Start a new route for this bucket's grads into autograd (at the
-        start of each forward under grad; see reduction.py)."""
-        self._anchor = None
-        if self.grad_slots and torch.is_grad_enabled():
-            self._anchor = deliver_anchor(self.reduce_queue, self.params)
+        start of each forward; see delivery.py)."""
+        self.grad_route.renew(self.reduce_queue, self.params, bool(self.grad_slots))
 
     def _grad_anchor(self) -> torch.Tensor:
         """The input tying the unsharded params to this bucket's reduction."""
-        if self._anchor is None or self._anchor[1].device != self.storage.buffer.device:
-            self.new_anchor()
-        if self._anchor is None:
-            return torch.empty(0, device=self.storage.buffer.device)
-        return self._anchor[1]
+        return self.grad_route.anchor_for_unshard(self.reduce_queue, self.params,
+                                                  bool(self.grad_slots), self.storage.buffer.device)
 
     def mark_resharded(self) -> None:
         self.assert_state(BucketState.UNSHARDED, BucketState.SHARDED)
@@ -322,12 +350,6 @@ class Bucket:
                        slot.local_shapes[self.rank]).copy_(view)
             self.counters.copy_in_bytes += reg.nbytes[self.rank]
         return send
-
-    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> list:
-        """One reduce-scatter (mean over ranks) of the unsharded grads, waited
-        for; returns sharded grads per slot (None for frozen slots and no-sync passes)."""
-        pending = self.start_reduce(grads)
-        return [None] * len(self.slots) if pending is None else self.finish_reduce(pending)
 
     def start_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
         """Pack the unsharded grads and launch their reduce-scatter without
@@ -411,17 +433,14 @@ def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
     return param
 
 
-def grads_anchor(bucket: Bucket) -> torch.Tensor:
-    """A defined (empty) grad for the anchor, so its _Deliver node runs."""
-    return torch.empty(0, device=bucket.storage.buffer.device)
-
-
 class _Unshard(torch.autograd.Function):
     """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
 
     @staticmethod
     def forward(ctx, bucket: Bucket, anchor: torch.Tensor):
-        ctx.bucket, ctx.delivery = bucket, bucket._anchor[0] if bucket._anchor else None
+        # The route's Delivery of this forward (None under no_grad): a later forward's
+        # new route must not receive this graph's grads.
+        ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
         ctx.set_materialize_grads(False)
         outs = bucket.gather_params()
         trainable = set(bucket.grad_slots)
@@ -439,5 +458,6 @@ class _Unshard(torch.autograd.Function):
         bucket.reduce_queue.make_room()
         pending = bucket.start_reduce(grads)
         if pending is not None and ctx.delivery is not None:
-            bucket.reduce_queue.push(bucket, pending, ctx.delivery)
-        return None, grads_anchor(bucket)
+            ctx.delivery.expect(bucket.reduce_queue, pending.work,
+                                partial(bucket.finish_reduce, pending))
+        return None, anchor_grad(bucket.storage.buffer.device)

@@ -26,19 +26,12 @@ def _cast_floating(tree, dtype):
     return tree_map(cast, tree)
 
 
-def install_params(aliases: Sequence[Sequence[tuple]], tensors: Sequence[torch.Tensor]) -> None:
-    """Point every (module, attr) alias of each slot at the given tensor."""
-    for slot_aliases, tensor in zip(aliases, tensors):
-        for module, attr in slot_aliases:
-            module._parameters[attr] = tensor
-
-
 class ModuleHooks:
     """Unshard `buckets` before `module`'s forward and reshard them after."""
 
-    def __init__(self, module: nn.Module, buckets: Sequence[Bucket], aliases: Sequence,
+    def __init__(self, module: nn.Module, buckets: Sequence[Bucket],
                  prefetcher: Prefetcher, all_buckets: Sequence[Bucket]) -> None:
-        self.module, self.buckets, self.aliases = module, list(buckets), list(aliases)
+        self.module, self.buckets = module, list(buckets)
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)
         self.mp = self.buckets[0].mp
@@ -47,7 +40,8 @@ class ModuleHooks:
         self.handles = [
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
             module.register_forward_hook(self.post_forward, with_kwargs=True),
-            module.register_forward_hook(self.after_error, with_kwargs=True, always_call=True),
+            module.register_forward_hook(self.after_forward_always, with_kwargs=True,
+                                         always_call=True),
         ]
 
     def pre_forward(self, module, args, kwargs):
@@ -55,17 +49,17 @@ class ModuleHooks:
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         for bucket in self.buckets:
-            if bucket.pin_handle is not None:  # module.unshard(async_op=True) not waited yet
-                bucket.pin_handle.wait()
+            if bucket.hold_handle is not None:  # module.unshard(async_op=True) not waited yet
+                bucket.hold_handle.wait()
         if in_backward():  # a recompute: the pass must end by resharding what it gathers
             self.queue.watch_backward()
         if self._wants_region():
             self.region.enter(module, args, kwargs)
-        for bucket, aliases in zip(self.buckets, self.aliases):
-            if bucket.pinned is not None:  # module.unshard() holds it unsharded
-                bucket.check_pinned()
+        for bucket in self.buckets:
+            if bucket.held is not None:  # module.unshard() holds it unsharded
+                bucket.check_held()
                 continue
-            install_params(aliases, bucket.unshard())
+            bucket.install(bucket.unshard())
             self.prefetcher.unsharded(bucket)
         return args, kwargs
 
@@ -74,26 +68,27 @@ class ModuleHooks:
         forward and nobody else handles saved tensors: no region under no_grad,
         inside backward (a recompute is running) or inside another checkpoint
         (the user's activation checkpointing regathers when it recomputes)."""
-        reshard = any(b.reshard_after_forward and b.pinned is None for b in self.buckets)
+        reshard = any(b.reshard_after_forward and b.held is None for b in self.buckets)
         return (reshard and torch.is_grad_enabled() and not in_backward()
                 and not saved_tensors_hooked())
 
     def post_forward(self, module, args, kwargs, output):
         self._post_ran = True
         keep = torch.is_grad_enabled() and not in_backward()
-        for bucket, aliases in zip(self.buckets, self.aliases):
-            if bucket.pinned is not None or (keep and bucket.used_in_nested_runner
-                                             and not bucket.reshard_after_forward):
+        for bucket in self.buckets:
+            if bucket.held is not None or (keep and bucket.used_in_nested_runner
+                                           and not bucket.reshard_after_forward):
                 continue  # kept unsharded until backward ends (see reshard_kept)
-            install_params(aliases, bucket.params)
+            bucket.install_sharded()
             bucket.mark_resharded()
         self.region.exit()
         return _cast_floating(output, self.mp.output_dtype)
 
-    def after_error(self, module, args, kwargs, output):
-        """Runs after every forward (always_call). When the forward or a pre-hook
-        raised, post_forward did not run: reshard and abort the checkpoint here so
-        the module stays usable. After post_forward it does nothing."""
+    def after_forward_always(self, module, args, kwargs, output):
+        """Runs after every forward, also one that raised (always_call). After a
+        normal forward post_forward already ran and this does nothing; when the
+        forward or a pre-hook raised, post_forward did not run: reshard and abort
+        the checkpoint here so the module stays usable."""
         if self._post_ran:
             return
         self._post_ran = True
@@ -109,15 +104,11 @@ class ModuleHooks:
         self._reshard()
 
     def _reshard(self) -> None:
-        """Sharded params back on the modules for every unsharded, unpinned bucket."""
-        for bucket, aliases in zip(self.buckets, self.aliases):
-            if bucket.pinned is None and bucket.state is BucketState.UNSHARDED:
-                install_params(aliases, bucket.params)
+        """Sharded params back on the modules for every unsharded bucket not held."""
+        for bucket in self.buckets:
+            if bucket.held is None and bucket.state is BucketState.UNSHARDED:
+                bucket.install_sharded()
                 bucket.mark_resharded()
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 class RootHooks:
@@ -135,61 +126,56 @@ class RootHooks:
     def pre_forward(self, module, args):
         if not in_backward():
             self.queue.abandon_backward()
-            for bucket in self.buckets:  # first in forward, so last in backward
+            # Made before anything else of this forward, the routes' _Deliver nodes
+            # run last in backward (delivery.py).
+            for bucket in self.buckets:
                 bucket.new_anchor()
         self.prefetcher.begin_forward()
 
     def post_forward(self, module, args, output):
         self.prefetcher.end_forward()
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
 
 class UnshardHandle:
     """What module.unshard(async_op=True) returns: wait() finishes the gathers
     and installs the unsharded params, which stay until module.reshard()."""
 
-    def __init__(self, entries: Sequence[tuple]) -> None:
-        self._entries = list(entries)  # (bucket, aliases), gathers launched
-        for bucket, _ in self._entries:
-            bucket.pin_handle = self
+    def __init__(self, buckets: Sequence[Bucket]) -> None:
+        self._buckets = list(buckets)  # gathers launched, not yet held
+        for bucket in self._buckets:
+            bucket.hold_handle = self
 
     def wait(self) -> None:
         """Block until every bucket is unsharded and installed (idempotent)."""
-        entries, self._entries = self._entries, []
-        for bucket, aliases in entries:
-            bucket.pin_handle = None
+        buckets, self._buckets = self._buckets, []
+        for bucket in buckets:
+            bucket.hold_handle = None
             with torch.enable_grad():  # so forwards run under grad reach the reduction
                 outs = bucket.unshard()
-            bucket.pin(outs)
-            install_params(aliases, outs)
+            bucket.hold(outs)
 
 
-def unshard_explicitly(entries: Sequence[tuple], async_op: bool):
-    """Launch the gathers of every (bucket, aliases) entry; see UnshardHandle."""
-    entries = [(b, a) for b, a in entries if b.pinned is None and b.pin_handle is None]
-    for bucket, _ in entries:
+def unshard_explicitly(buckets: Sequence[Bucket], async_op: bool):
+    """Launch the gathers of `buckets` (module.unshard()); see UnshardHandle."""
+    buckets = [b for b in buckets if b.held is None and b.hold_handle is None]
+    for bucket in buckets:
         if bucket.state is not BucketState.SHARDED:
             raise RuntimeError(f"module.unshard() called while bucket {bucket.name!r} is "
                                f"{bucket.state.value} (inside its forward?); call it between steps")
-    for bucket, _ in entries:
+    for bucket in buckets:
         bucket.start_gather()
-    handle = UnshardHandle(entries)
+    handle = UnshardHandle(buckets)
     if async_op:
         return handle
     handle.wait()
     return None
 
 
-def reshard_explicitly(entries: Sequence[tuple]) -> None:
+def reshard_explicitly(buckets: Sequence[Bucket]) -> None:
     """Undo unshard_explicitly: sharded params back on the modules."""
-    for bucket, aliases in entries:
-        if bucket.pin_handle is not None:
-            bucket.pin_handle.wait()
-    for bucket, aliases in entries:
-        if bucket.pinned is None:
-            continue
-        install_params(aliases, bucket.params)
-        bucket.unpin()
+    for bucket in buckets:
+        if bucket.hold_handle is not None:
+            bucket.hold_handle.wait()
+    for bucket in buckets:
+        if bucket.held is not None:
+            bucket.release()

@@ -6,9 +6,14 @@ their all-gather launched asynchronously, so it flies while this bucket's
 module computes. At most `depth` prefetched gathers are alive at once: one
 the order no longer expects is dropped before a new one is launched, and
 whatever is left unused is dropped when the pass ends.
+
+The prefetcher sees buckets only as keys: the owner passes the two callables
+that launch and drop a bucket's gather.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from .order import ExecutionOrder
 from .reduction import in_backward
@@ -17,8 +22,11 @@ from .reduction import in_backward
 class Prefetcher:
     """Execution orders of one model and the gathers launched ahead of use."""
 
-    def __init__(self, depth: int = 1) -> None:
+    def __init__(self, launch: Callable[[object], bool], discard: Callable[[object], None],
+                 depth: int = 1) -> None:
         self.depth = depth
+        self._launch = launch  # launch(bucket): start its gather; False if nothing was launched
+        self._discard = discard  # discard(bucket): drop its unconsumed gather
         self.forward = ExecutionOrder()
         self.backward = ExecutionOrder()
         self._launched: list = []  # buckets whose gather was prefetched, unconsumed
@@ -47,7 +55,7 @@ class Prefetcher:
             expected = self.forward.visit(bucket, self.depth)
         self._drop([b for b in self._launched if b not in expected])
         for b in expected[:self.depth]:
-            if b is not bucket and b.pinned is None and b.needs_hooks and b.start_gather():
+            if b is not bucket and self._launch(b):
                 self._launched.append(b)
 
     def drop_all(self) -> None:
@@ -68,5 +76,5 @@ class Prefetcher:
 
     def _drop(self, buckets) -> None:
         for b in list(buckets):
-            b.discard_gather()
+            self._discard(b)
             self._launched.remove(b)

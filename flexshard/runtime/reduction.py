@@ -2,25 +2,18 @@
 
 A bucket's backward launches its reduce-scatter and returns at once, so the
 collective overlaps the backward of the buckets before it. The queue keeps at
-most `max_in_flight` reductions launched; the oldest is finished (waited for,
-averaged, kept on its Delivery) to make room.
-
-Delivery into `.grad` is autograd's own: each forward starts with one
-`_Deliver` node per bucket, taking the sharded params as inputs and giving the
-empty *anchor* that the bucket's `_Unshard` takes as input. Created first in
-forward, these nodes have the lowest sequence numbers, so autograd's engine
-runs them after the block computations that are ready with them, i.e. at the
-end of backward; their backward returns the reduced sharded grads and
-AccumulateGrad puts them into `.grad` (post-accumulate-grad hooks included).
-Other parts of the runtime add end-of-backward work to `listeners`, which run
-when the outermost watched pass ends (a reentrant checkpoint runs a nested
-backward pass inside the outer one).
+most `max_in_flight` reductions launched; the oldest is finished (its
+`finish` callable waits, averages and hands the sharded grads on, see
+delivery.py) to make room. The queue knows launched collectives and callables
+only, never buckets. Other parts of the runtime add end-of-backward work to
+`listeners`, which run when the outermost watched pass ends (a reentrant
+checkpoint runs a nested backward pass inside the outer one).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import Callable
 
 import torch
 
@@ -36,7 +29,9 @@ class ReduceQueue:
     def __init__(self, max_in_flight: int = 1) -> None:
         self.max_in_flight = max_in_flight
         self.listeners: list = []  # called when a backward pass ends, after the reductions
-        self._pending: deque = deque()  # (bucket, PendingReduce)
+        # (work, finish), launched, not yet finished; `finish` holds the reduce
+        # output alive until it has been read.
+        self._pending: deque = deque()
         self._watched: list = []  # graph tasks with our end-of-backward callback, outermost first
 
     def __len__(self) -> int:
@@ -47,6 +42,7 @@ class ReduceQueue:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self._watched:
             self._watched.append(task)
+            # Runs when this graph task's engine has run every node, _Deliver included.
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._backward_ended(task))
 
@@ -58,9 +54,9 @@ class ReduceQueue:
         if not (self._watched or self._pending):
             return
         while self._pending:
-            _, pending, _ = self._pending.popleft()
-            if pending.work is not None:
-                pending.work.wait()
+            work, _ = self._pending.popleft()
+            if work is not None:
+                work.wait()
         self._watched.clear()
         for listener in self.listeners:
             listener()
@@ -70,16 +66,18 @@ class ReduceQueue:
         while len(self._pending) >= max(self.max_in_flight, 1):
             self._finish_oldest()
 
-    def push(self, bucket, pending, delivery) -> None:
-        """Track a launched reduction; it is finished by backward's end at the latest."""
-        self._pending.append((bucket, pending, delivery))
+    def push(self, work, finish: Callable[[], None]) -> None:
+        """Track a launched reduction: `work` is its collective (dist.Work, or
+        None), `finish()` completes it (waits, hands the grads on). It is
+        finished by backward's end at the latest."""
+        self._pending.append((work, finish))
         if self.max_in_flight == 0 or not in_backward():
             self.finish_all()
         else:
             self.watch_backward()
 
     def finish_all(self) -> None:
-        """Deliver every launched reduction's sharded grads into .grad."""
+        """Finish every launched reduction, in launch order."""
         while self._pending:
             self._finish_oldest()
 
@@ -92,45 +90,6 @@ class ReduceQueue:
                 listener()
 
     def _finish_oldest(self) -> None:
-        bucket, pending, delivery = self._pending.popleft()
-        delivery.add(bucket.finish_reduce(pending))
+        _, finish = self._pending.popleft()
+        finish()
 
-
-class Delivery:
-    """The sharded grads one forward's reductions of one bucket produced, until
-    its _Deliver node hands them to autograd."""
-
-    def __init__(self) -> None:
-        self.grads: Optional[list] = None
-
-    def add(self, grads: list) -> None:
-        if self.grads is None:
-            self.grads = list(grads)
-            return
-        self.grads = [a if b is None else b if a is None else a + b
-                      for a, b in zip(self.grads, grads)]
-
-    def take(self) -> list:
-        grads, self.grads = self.grads, None
-        return grads
-
-
-class _Deliver(torch.autograd.Function):
-    """Forward: sharded params -> an empty anchor. Backward: the reduced sharded grads."""
-
-    @staticmethod
-    def forward(ctx, queue: ReduceQueue, delivery: Delivery, *params: torch.Tensor):
-        ctx.queue, ctx.delivery, ctx.count = queue, delivery, len(params)
-        return params[0].new_empty(0) if params else torch.empty(0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.queue.finish_all()
-        grads = ctx.delivery.take() or [None] * ctx.count
-        return (None, None, *grads)
-
-
-def deliver_anchor(queue: ReduceQueue, params) -> tuple:
-    """(Delivery, anchor): a new route from a bucket's reductions into its params' .grad."""
-    delivery = Delivery()
-    return delivery, _Deliver.apply(queue, delivery, *params)

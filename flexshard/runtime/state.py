@@ -23,7 +23,6 @@ class FlexShardState:
     comm: Comm
     buckets: list = field(default_factory=list)  # Bucket, in BucketSpec order
     hooks: list = field(default_factory=list)  # ModuleHooks, one per running module
-    aliases: list = field(default_factory=list)  # per bucket: per slot [(module, attr)]
     prefetcher: Any = None  # Prefetcher: execution orders and gathers launched ahead
     root_hooks: Any = None  # RootHooks: where the wrapped module's forward starts and ends
     state_dict_hooks: Any = None  # state_dict.StateDictHooks: module and optimizer hooks

@@ -1,0 +1,134 @@
+"""The wrap plan: everything flex_shard decides about a model before building
+its buckets, in one pass (`plan_wrap`).
+
+Per bucket: its BucketSpec, its slots (placements checked and bound), every
+(module, attr) registering each param, the module whose forward runs it, and
+its resolved flags. api.py checks that the ranks agree on it
+(fingerprint.py) and builds the runtime from it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple, Sequence
+
+import torch.nn as nn
+
+from ..config import BucketSpec, MixedPrecisionPolicy
+from ..placements.contract import Placement
+from ..runtime.bucket import hooks_needed
+from ..runtime.layout import SlotPlan, bind_placements
+from .assign import (
+    assign_params,
+    claimed_elsewhere,
+    param_aliases,
+    running_module,
+    used_in_nested_runner,
+)
+
+
+class PlannedBucket(NamedTuple):
+    """One bucket as flex_shard will build it."""
+
+    spec: BucketSpec
+    slots: tuple  # SlotPlan per param, placement bound
+    trainable: tuple  # requires_grad per slot
+    aliases: tuple  # per slot: every (module, attr) registering the param
+    runner: nn.Module  # the module whose forward unshards the bucket
+    mp_policy: MixedPrecisionPolicy  # the spec's, else flex_shard's
+    reshard_after_forward: bool  # the spec's, else flex_shard's (never on the root module)
+    needs_hooks: bool  # False when the sharded params are the full ones (runtime.bucket)
+    used_in_nested_runner: bool  # a param is used inside another hooked bucket's runner
+
+
+class WrapPlan(NamedTuple):
+    """Every bucket of a model, in BucketSpec order."""
+
+    buckets: tuple  # PlannedBucket
+
+
+def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], placement,
+              mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
+              world_size: int) -> WrapPlan:
+    """Assign `named` (module.named_parameters()) to `specs`, bind placements
+    (`placement` unless a spec names its own) and find each bucket's modules.
+    Raises on parameters that match no or several specs and on placements
+    that cannot split their parameter; warns on tied params the specs split."""
+    members = assign_params(list(named), specs)
+    slots = [plan_slots(spec, names, named, placement, world_size)
+             for spec, names in zip(specs, members)]
+    registered = param_aliases(module)
+    # Per bucket, per slot: [(module, attr, module FQN)] of every registration.
+    aliases = [[registered[id(named[s.fqn])] for s in bucket] for bucket in slots]
+    owners = [[fqn for a in bucket for _, _, fqn in a] for bucket in aliases]
+    runners = [running_module(module, fqns) for fqns in owners]
+    for spec, bucket, bucket_aliases, runner in zip(specs, slots, aliases, runners):
+        _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
+    mps = [spec.mp_policy or mp_policy for spec in specs]
+    hooked = [hooks_needed(bucket, mp, world_size) for bucket, mp in zip(slots, mps)]
+    nested = _nested_use(module, runners, owners, hooked)
+    return WrapPlan(tuple(
+        PlannedBucket(
+            spec=spec, slots=tuple(bucket),
+            trainable=tuple(named[s.fqn].requires_grad for s in bucket),
+            aliases=tuple(tuple((m, attr) for m, attr, _ in a) for a in bucket_aliases),
+            runner=runner, mp_policy=mp,
+            reshard_after_forward=_reshard(spec, reshard_after_forward, runner is module),
+            needs_hooks=needs, used_in_nested_runner=nest)
+        for spec, bucket, bucket_aliases, runner, mp, needs, nest
+        in zip(specs, slots, aliases, runners, mps, hooked, nested)))
+
+
+def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
+               world_size: int) -> list:
+    """The SlotPlans of one bucket's params (`names`), placements checked and bound."""
+    choice = spec.placement if spec.placement is not None else default
+    entries = []
+    for fqn in names:
+        param = named[fqn]
+        placement = choice if isinstance(choice, Placement) else choice(fqn, param)
+        if not isinstance(placement, Placement):
+            raise TypeError(f"the placement callable of bucket {spec.label!r} returned "
+                            f"{placement!r} for parameter {fqn!r}; it must return a Placement "
+                            "such as fs.Shard(0)")
+        try:
+            placement.check(param.shape, world_size)
+        except ValueError as e:
+            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}") from None
+        entries.append((param.shape, param.dtype.itemsize, placement))
+    bound = bind_placements(entries, world_size)
+    return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
+                     tuple(pl.local_shape(named[fqn].shape, r, world_size)
+                           for r in range(world_size)))
+            for fqn, pl in zip(names, bound)]
+
+
+def _reshard(spec: BucketSpec, default: bool, on_root: bool) -> bool:
+    """The spec's reshard_after_forward, else flex_shard's; by default never for
+    the bucket the root module runs: backward needs its params at once."""
+    if spec.reshard_after_forward is not None:
+        return spec.reshard_after_forward
+    return default and not on_root
+
+
+def _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases) -> None:
+    """A tied/shared param whose other FQN another bucket claims stays correct (its
+    bucket runs on a module covering every use) but may be gathered far earlier."""
+    for slot, aliases in zip(slots, slot_aliases):
+        for fqn, label in claimed_elsewhere(aliases, specs, specs.index(spec)):
+            where = next((n for n, m in module.named_modules() if m is runner), "?") or "root"
+            warnings.warn(
+                f"parameter {slot.fqn!r} (bucket {spec.label!r}) is also registered as {fqn!r}, "
+                f"which bucket {label!r} matches; a parameter lives in one bucket, so "
+                f"{spec.label!r} runs on module {where!r} (covering both uses) and stays "
+                "unsharded through its forward. Put both FQNs in one BucketSpec to make "
+                "this explicit", stacklevel=4)  # flex_shard's caller
+
+
+def _nested_use(module: nn.Module, runners: list, owners: list, hooked: list) -> list:
+    """Per bucket: whether it is hooked and a module registering one of its params
+    (`owners`) lies inside another hooked bucket's (nested) running module."""
+    names = {id(m): n for n, m in module.named_modules()}
+    hooked_runners = [names[id(r)] for r, h in zip(runners, hooked) if h]
+    return [h and used_in_nested_runner(fqns, names[id(r)], hooked_runners)
+            for r, fqns, h in zip(runners, owners, hooked)]
