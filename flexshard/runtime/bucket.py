@@ -216,6 +216,7 @@ class Bucket:
         """module.unshard(): install `outs` as the unsharded params and keep them
         (this reference keeps the gather output alive) until release()."""
         self.assert_state(BucketState.UNSHARDED)
+        # The sharded params are views of the buffer: an in-place step bumps this version.
         self.held, self._held_version = outs, self.storage.buffer._version
         self.install(outs)
 

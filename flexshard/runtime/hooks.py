@@ -33,7 +33,7 @@ class ModuleHooks:
                  prefetcher: Prefetcher, all_buckets: Sequence[Bucket]) -> None:
         self.module, self.buckets = module, list(buckets)
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
-        self.queue.listeners.append(self.reshard_kept)
+        self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
         self.mp = self.buckets[0].mp
         self.region = RecomputeRegion(all_buckets)
         self._post_ran = True  # post_forward ran since the last pre_forward
@@ -119,6 +119,8 @@ class RootHooks:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
         self.buckets = [b for b in buckets if b.needs_hooks]
         self.handles = [
+            # prepend: before the ModuleHooks of the root's own bucket, which must
+            # unshard with this forward's new grad route.
             module.register_forward_pre_hook(self.pre_forward, prepend=True),
             module.register_forward_hook(self.post_forward, always_call=True),
         ]

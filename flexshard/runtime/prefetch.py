@@ -46,7 +46,7 @@ class Prefetcher:
 
     def unsharded(self, bucket) -> None:
         """`bucket` was just unsharded: launch the gathers expected next."""
-        if bucket in self._launched:
+        if bucket in self._launched:  # its unshard just consumed the prefetched gather
             self._launched.remove(bucket)
         if in_backward():
             self._follow_backward()
