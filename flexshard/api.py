@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional, Sequence
 
@@ -147,9 +148,13 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     _build(module, state, specs, plans, named, mp_policy, reshard_after_forward, device)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
-    cls = type(module)
-    module.__class__ = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
+    module.__class__ = _wrapped_class(type(module))
     return module
+
+
+@functools.cache  # one class per original class, as FSDP2 does, not one per call
+def _wrapped_class(cls: type) -> type:
+    return type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
 
 
 def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> None:

@@ -172,19 +172,41 @@ def _param_keys(optimizer: torch.optim.Optimizer, state_dict: dict) -> list:
     return list(zip(keys, params))
 
 
+class _StepPreHook:
+    """The one global optimizer step pre-hook of the process: it hands each
+    stepping optimizer to every live wrapped model's OptimizerHooks.
+
+    Registered once, on first use, and never removed: removing a global hook
+    while torch iterates them (a model collected mid-step) would raise
+    "OrderedDict mutated during iteration" in someone's optimizer.step(). The
+    models are held weakly, so a collected model simply leaves the set."""
+
+    def __init__(self) -> None:
+        self._models: weakref.WeakSet = weakref.WeakSet()
+        self.handle = None
+
+    def add(self, hooks: "OptimizerHooks") -> None:
+        if self.handle is None:
+            self.handle = register_optimizer_step_pre_hook(self._on_step)
+        self._models.add(hooks)
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        for hooks in list(self._models):  # a snapshot: GC may shrink the set meanwhile
+            hooks.attach(optimizer)
+
+
+_STEP_PRE_HOOK = _StepPreHook()  # per process, like torch's own global hook registry
+
+
 class OptimizerHooks:
     """Attaches state-dict hooks to each optimizer that steps a wrapped
-    model's sharded parameters (found through a global step pre-hook)."""
+    model's sharded parameters (found through the process's step pre-hook)."""
 
     def __init__(self, state: FlexShardState) -> None:
         self._state = weakref.ref(state)  # once the model is gone, every hook is a no-op
         self._seen: weakref.WeakSet = weakref.WeakSet()
-        self.handle = register_optimizer_step_pre_hook(self._on_step)
         self.optimizer_handles: list = []
-
-    def _on_step(self, optimizer, args, kwargs) -> None:
-        if optimizer not in self._seen:
-            self.attach(optimizer)
+        _STEP_PRE_HOOK.add(self)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Hook `optimizer` if it holds any of the model's sharded params (idempotent)."""
@@ -260,16 +282,12 @@ class StateDictHooks:
 
     def __init__(self, module: nn.Module, state: FlexShardState) -> None:
         self.optimizers = OptimizerHooks(state)
-        self.handles = [self.optimizers.handle]
+        self.handles: list = []
         for owner, owned in _owner_refs(state):
             hooks = _OwnerHooks(state, owned)
             self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
                 owner.register_state_dict_post_hook(functools.partial(hooks.state_dict_post)),
                 owner.register_load_state_dict_pre_hook(hooks.load_pre)]
-        # No finalizer removes the global hook: GC may run while torch iterates its
-        # global optimizer pre-hooks, and removing one then raises "OrderedDict mutated
-        # during iteration" in someone's optimizer.step(). Once the model is gone the
-        # hook stays, a no-op (its weakref to the state is dead).
 
     def remove(self) -> None:
         for handle in self.handles + self.optimizers.optimizer_handles:
