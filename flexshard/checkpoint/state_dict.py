@@ -309,17 +309,45 @@ def full_state_dict(module: nn.Module) -> dict:
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
-    """Load full tensors (keyed by FQN) into the sharded parameters; no collective."""
+    """Load full tensors (keyed by FQN) into the sharded parameters; no collective.
+    A tied parameter loads from any of its names; the state dict of the
+    unwrapped model, which holds every name of it, is accepted when those
+    tensors are equal."""
     state = get_state(module)
-    expected = {s.fqn: s.shape for b in state.buckets for s in b.slots}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
+    names = names_by_slot(module, state)
+    present = {fqn: [n for n in aliases if n in state_dict] for fqn, aliases in names.items()}
+    missing = sorted(fqn for fqn, found in present.items() if not found)
+    unexpected = sorted(set(state_dict) - {n for aliases in names.values() for n in aliases})
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
-                       f"{unexpected}; the state dict must hold exactly the module's parameters")
-    for fqn, shape in expected.items():
-        if tuple(state_dict[fqn].shape) != tuple(shape):
-            raise ValueError(f"load_full_state_dict: {fqn!r} has shape "
-                             f"{tuple(state_dict[fqn].shape)} but the parameter is {tuple(shape)}")
+                       f"{unexpected}; the state dict must hold exactly the module's parameters "
+                       "(a tied parameter under one or more of its names)")
+    shapes = {s.fqn: s.shape for b in state.buckets for s in b.slots}
+    for fqn, found in present.items():
+        for key in found:
+            if tuple(state_dict[key].shape) != tuple(shapes[fqn]):
+                raise ValueError(f"load_full_state_dict: {key!r} has shape "
+                                 f"{tuple(state_dict[key].shape)} but the parameter is "
+                                 f"{tuple(shapes[fqn])}")
+        check_tied_values(found, state_dict.__getitem__, "load_full_state_dict")
     for bucket in state.buckets:
-        bucket.load_full(lambda fqn: state_dict[fqn])
+        bucket.load_full(lambda fqn: state_dict[present[fqn][0]])
+
+
+def names_by_slot(module: nn.Module, state: FlexShardState) -> dict:
+    """slot FQN -> every name of that sharded param (tied aliases included)."""
+    out: dict = {}
+    for name, ref in named_slots(module, state).items():
+        out.setdefault(ref.slot.fqn, []).append(name)
+    return out
+
+
+def check_tied_values(keys: list, read, what: str) -> None:
+    """ValueError naming two keys of one tied parameter whose tensors differ
+    (`read(key)` gives a key's tensor, or the part of it this rank reads)."""
+    first = read(keys[0]) if len(keys) > 1 else None
+    for key in keys[1:]:
+        if not torch.equal(read(key), first):
+            raise ValueError(f"{what}: {keys[0]!r} and {key!r} name one tied parameter but "
+                             "hold different values; tie the weights before saving, or keep "
+                             "only one of the keys")
