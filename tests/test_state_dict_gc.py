@@ -9,21 +9,22 @@ leaves the weak set mid-step) breaks nobody's optimizer.step().
 import gc
 
 import torch
-from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import flexshard as fs
+from flexshard.compat import global_optimizer_pre_hooks
 from flexshard.checkpoint.pieces import ShardedPieces
 from flexshard.runtime.state import get_state
 
 
 def test_wrapping_ten_models_adds_at_most_one_global_hook():
     fs.flex_shard(torch.nn.Linear(3, 2))  # the process's hook exists from here on
-    before = len(_global_optimizer_pre_hooks)
+    before = len(global_optimizer_pre_hooks)
     models = [fs.flex_shard(torch.nn.Linear(3, 2)) for _ in range(10)]
-    assert len(_global_optimizer_pre_hooks) == before
+    assert len(global_optimizer_pre_hooks) == before
     del models
     gc.collect()
-    assert len(_global_optimizer_pre_hooks) == before
+    assert len(global_optimizer_pre_hooks) == before
 
 
 def test_the_one_hook_serves_every_live_model():
@@ -53,7 +54,7 @@ def test_model_collected_during_an_optimizer_step():
     try:
         doomed.append(fs.flex_shard(torch.nn.Linear(3, 2)))
         survivor = fs.flex_shard(torch.nn.Linear(3, 2))
-        count = len(_global_optimizer_pre_hooks)
+        count = len(global_optimizer_pre_hooks)
         opt = torch.optim.SGD(survivor.parameters(), lr=0.1)
         survivor(torch.ones(1, 3)).sum().backward()
         before = survivor.weight.detach().clone()
@@ -61,6 +62,6 @@ def test_model_collected_during_an_optimizer_step():
     finally:
         handle.remove()
     assert not doomed
-    assert len(_global_optimizer_pre_hooks) == count - 1  # only the test's own hook left
+    assert len(global_optimizer_pre_hooks) == count - 1  # only the test's own hook left
     torch.testing.assert_close(survivor.weight, before - 0.1 * survivor.weight.grad)
     opt.step()

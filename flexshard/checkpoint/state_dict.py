@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..compat import ASSIGN_METADATA_KEY
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from .pieces import ShardedPieces, dtensor_shard, piece_boxes
@@ -140,7 +141,7 @@ class _OwnerHooks:
     def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                  unexpected_keys, error_msgs) -> None:
         present = {prefix + a: ref for a, ref in self.refs.items() if prefix + a in state_dict}
-        if present and local_metadata.get("assign_to_params_buffers", False):
+        if present and local_metadata.get(ASSIGN_METADATA_KEY, False):
             raise NotImplementedError(
                 "load_state_dict(assign=True) would replace flexshard's sharded parameters, "
                 "which are views into their bucket's storage; call "

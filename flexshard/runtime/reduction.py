@@ -24,10 +24,12 @@ from typing import Optional
 
 import torch
 
+from ..compat import current_graph_task_id, queue_callback
+
 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 class ReduceQueue:
@@ -44,10 +46,10 @@ class ReduceQueue:
 
     def watch_backward(self) -> None:
         """Inside backward: make sure this pass ends by finishing the queue."""
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task != -1 and task not in self._watched:
             self._watched.append(task)
-            torch.autograd.Variable._execution_engine.queue_callback(
+            queue_callback(
                 lambda: self._backward_ended(task))
 
     def abandon_backward(self) -> None:
