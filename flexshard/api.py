@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -131,9 +133,13 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     _build(module, state, plan, named, device)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
-    cls = type(module)
-    module.__class__ = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
+    module.__class__ = _wrapped_class(type(module))
     return module
+
+
+@functools.cache  # one class per original class, as FSDP2 does, not one per call
+def _wrapped_class(cls: type) -> type:
+    return type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
 
 
 def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> None:

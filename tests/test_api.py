@@ -142,3 +142,12 @@ def test_single_process_without_process_group():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for k, p in model.named_parameters():
         assert_rel_close(p.detach(), ref_params[k], 1e-5, k)
+
+
+def test_one_wrapped_class_per_original_class():
+    a, b = fs.flex_shard(torch.nn.Linear(3, 2)), fs.flex_shard(torch.nn.Linear(4, 2))
+    c = fs.flex_shard(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    assert type(a) is type(b)  # cached, as FSDP2 does: not one new class per call
+    assert type(a).__name__ == "FlexShardLinear" and type(a).__mro__[1:3] == (fs.FlexShardModule,
+                                                                               torch.nn.Linear)
+    assert type(c) is not type(a) and isinstance(c, torch.nn.Sequential)

@@ -46,7 +46,8 @@ def test_reshard_after_forward(world):
     for counts, buckets in run_world(world, count_step, {}):
         gathers, reduces, other = counts[0]
         # Every bucket gathers in forward; each resharding one (all but the root's) once more.
-        assert gathers == 2 * buckets - 1 <= 2 * buckets
+        assert buckets == 3  # two blocks and the root: so the count below is not the no-reshard one
+        assert gathers == 2 * buckets - 1
         assert reduces == buckets
         assert other == 0
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..compat import make_wrapper_subclass
 from ..placements.contract import Placement
 from ..placements.shard import Shard, chunk_bounds
 
@@ -151,8 +152,8 @@ class ShardedPieces(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, shape: Sequence[int], boxes: Sequence[Box]):
-        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype,
-                                                  device=local.device, requires_grad=False)
+        out = make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype,
+                                    device=local.device, requires_grad=False)
         out._local, out._boxes, out._views = local, tuple(boxes), box_views(local, boxes)
         return out
 

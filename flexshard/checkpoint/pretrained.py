@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 from typing import Callable, Mapping, NamedTuple, Optional
 
@@ -19,7 +20,7 @@ import torch.nn as nn
 
 from ..runtime.state import get_state
 from .pieces import box_views, piece_boxes
-from .state_dict import named_slots
+from .state_dict import check_tied_values, named_slots
 
 
 class PretrainedKeys(NamedTuple):
@@ -37,8 +38,10 @@ def load_pretrained(model: nn.Module, source, *, key_map: Optional[Callable] = N
 
     `source`: a mapping FQN -> full tensor (a state dict), or a path to a
     .safetensors file, a directory of them, or a list of such files.
-    `key_map(name) -> source key` renames (return None to skip a name); tied
-    parameters load from whichever of their names the source has. With
+    `key_map(name) -> source key` renames (return None to skip a name). A tied
+    parameter loads from any of its names the source has; where it has several
+    (a Hugging Face checkpoint of a model with tied embeddings) their tensors
+    must be equal (ValueError naming both otherwise), and all count as used. With
     `strict`, every parameter and persistent buffer must be found (ValueError
     naming them otherwise); unused source keys are returned, never an error.
     """
@@ -53,17 +56,20 @@ def load_pretrained(model: nn.Module, source, *, key_map: Optional[Callable] = N
                              f"{' ...' if len(missing) > 5 else ''} ({len(missing)} missing); "
                              "pass key_map to rename, or strict=False")
         _check_shapes(reader, params, buffers, state)
+        for keys, ref in params:
+            _check_tied(reader, keys, tuple(ref.slot.shape))
         with torch.no_grad():
-            for key, ref in params:
-                _load_piece(reader, key, ref, state)
+            for keys, ref in params:
+                _load_piece(reader, keys[0], ref, state)
             for key, buf in buffers:
                 buf.copy_(reader.read(key, None))
-        used = {key for key, _ in params} | {key for key, _ in buffers}
+        used = {key for keys, _ in params for key in keys} | {key for key, _ in buffers}
         return PretrainedKeys(missing, sorted(set(reader.keys()) - used))
 
 
 def _match(model, state, reader, key_map) -> tuple:
-    """([(source key, SlotRef)], [(source key, buffer)], missing names)."""
+    """([(source keys, SlotRef)], [(source key, buffer)], missing names); a
+    tied parameter's source keys are all its names the source holds."""
     keys = set(reader.keys())
     names_of: dict = {}
     for name, ref in named_slots(model, state).items():
@@ -72,7 +78,7 @@ def _match(model, state, reader, key_map) -> tuple:
     for ref, names in names_of.values():
         found = [k for k in (key_map(n) for n in names) if k is not None and k in keys]
         if found:
-            params.append((found[0], ref))
+            params.append((list(dict.fromkeys(found)), ref))  # key_map may merge names
         else:
             missing.append(names[0])
     buffers = []
@@ -95,15 +101,33 @@ def _persistent_buffers(model: nn.Module) -> list:
 
 
 def _check_shapes(reader, params, buffers, state) -> None:
-    for key, ref in params:
-        if reader.shape(key) != tuple(ref.slot.shape):
-            raise ValueError(f"load_pretrained: source tensor {key!r} has shape "
-                             f"{reader.shape(key)} but parameter {ref.slot.fqn!r} is "
-                             f"{tuple(ref.slot.shape)}; check key_map")
+    for keys, ref in params:
+        for key in keys:
+            if reader.shape(key) != tuple(ref.slot.shape):
+                raise ValueError(f"load_pretrained: source tensor {key!r} has shape "
+                                 f"{reader.shape(key)} but parameter {ref.slot.fqn!r} is "
+                                 f"{tuple(ref.slot.shape)}; check key_map")
     for key, buf in buffers:
         if reader.shape(key) != tuple(buf.shape):
             raise ValueError(f"load_pretrained: source tensor {key!r} has shape "
                              f"{reader.shape(key)} but the buffer is {tuple(buf.shape)}")
+
+
+_TIED_CHECK_ELEMENTS = 1 << 22  # rows compared at once: bounded memory for big embeddings
+
+
+def _check_tied(reader, keys: list, shape: tuple) -> None:
+    """The source's tensors for one tied parameter are equal. Every rank compares
+    them whole (so all ranks raise alike), a block of rows at a time."""
+    if len(keys) < 2:
+        return
+    if not shape:
+        check_tied_values(keys, lambda key: reader.read(key, None), "load_pretrained")
+        return
+    step = max(1, _TIED_CHECK_ELEMENTS // max(1, math.prod(shape[1:])))
+    for start in range(0, shape[0], step):
+        rows = (slice(start, min(start + step, shape[0])),)
+        check_tied_values(keys, lambda key: reader.read(key, rows), "load_pretrained")
 
 
 def _load_piece(reader, key: str, ref, state) -> None:

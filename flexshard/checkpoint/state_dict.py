@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..compat import ASSIGN_METADATA_KEY
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from .pieces import ShardedPieces, dtensor_shard, piece_boxes
@@ -140,7 +141,7 @@ class _OwnerHooks:
     def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                  unexpected_keys, error_msgs) -> None:
         present = {prefix + a: ref for a, ref in self.refs.items() if prefix + a in state_dict}
-        if present and local_metadata.get("assign_to_params_buffers", False):
+        if present and local_metadata.get(ASSIGN_METADATA_KEY, False):
             raise NotImplementedError(
                 "load_state_dict(assign=True) would replace flexshard's sharded parameters, "
                 "which are views into their bucket's storage; call "
@@ -172,19 +173,41 @@ def _param_keys(optimizer: torch.optim.Optimizer, state_dict: dict) -> list:
     return list(zip(keys, params))
 
 
+class _StepPreHook:
+    """The one global optimizer step pre-hook of the process: it hands each
+    stepping optimizer to every live wrapped model's OptimizerHooks.
+
+    Registered once, on first use, and never removed: removing a global hook
+    while torch iterates them (a model collected mid-step) would raise
+    "OrderedDict mutated during iteration" in someone's optimizer.step(). The
+    models are held weakly, so a collected model simply leaves the set."""
+
+    def __init__(self) -> None:
+        self._models: weakref.WeakSet = weakref.WeakSet()
+        self.handle = None
+
+    def add(self, hooks: "OptimizerHooks") -> None:
+        if self.handle is None:
+            self.handle = register_optimizer_step_pre_hook(self._on_step)
+        self._models.add(hooks)
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        for hooks in list(self._models):  # a snapshot: GC may shrink the set meanwhile
+            hooks.attach(optimizer)
+
+
+_STEP_PRE_HOOK = _StepPreHook()  # per process, like torch's own global hook registry
+
+
 class OptimizerHooks:
     """Attaches state-dict hooks to each optimizer that steps a wrapped
-    model's sharded parameters (found through a global step pre-hook)."""
+    model's sharded parameters (found through the process's step pre-hook)."""
 
     def __init__(self, state: FlexShardState) -> None:
         self._state = weakref.ref(state)  # once the model is gone, every hook is a no-op
         self._seen: weakref.WeakSet = weakref.WeakSet()
-        self.handle = register_optimizer_step_pre_hook(self._on_step)
         self.optimizer_handles: list = []
-
-    def _on_step(self, optimizer, args, kwargs) -> None:
-        if optimizer not in self._seen:
-            self.attach(optimizer)
+        _STEP_PRE_HOOK.add(self)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Hook `optimizer` if it holds any of the model's sharded params (idempotent)."""
@@ -260,16 +283,12 @@ class StateDictHooks:
 
     def __init__(self, module: nn.Module, state: FlexShardState) -> None:
         self.optimizers = OptimizerHooks(state)
-        self.handles = [self.optimizers.handle]
+        self.handles: list = []
         for owner, owned in _owner_refs(state):
             hooks = _OwnerHooks(state, owned)
             self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
                 owner.register_state_dict_post_hook(functools.partial(hooks.state_dict_post)),
                 owner.register_load_state_dict_pre_hook(hooks.load_pre)]
-        # No finalizer removes the global hook: GC may run while torch iterates its
-        # global optimizer pre-hooks, and removing one then raises "OrderedDict mutated
-        # during iteration" in someone's optimizer.step(). Once the model is gone the
-        # hook stays, a no-op (its weakref to the state is dead).
 
     def remove(self) -> None:
         for handle in self.handles + self.optimizers.optimizer_handles:
@@ -291,17 +310,45 @@ def full_state_dict(module: nn.Module) -> dict:
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
-    """Load full tensors (keyed by FQN) into the sharded parameters; no collective."""
+    """Load full tensors (keyed by FQN) into the sharded parameters; no collective.
+    A tied parameter loads from any of its names; the state dict of the
+    unwrapped model, which holds every name of it, is accepted when those
+    tensors are equal."""
     state = get_state(module)
-    expected = {s.fqn: s.shape for b in state.buckets for s in b.slots}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
+    names = names_by_slot(module, state)
+    present = {fqn: [n for n in aliases if n in state_dict] for fqn, aliases in names.items()}
+    missing = sorted(fqn for fqn, found in present.items() if not found)
+    unexpected = sorted(set(state_dict) - {n for aliases in names.values() for n in aliases})
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
-                       f"{unexpected}; the state dict must hold exactly the module's parameters")
-    for fqn, shape in expected.items():
-        if tuple(state_dict[fqn].shape) != tuple(shape):
-            raise ValueError(f"load_full_state_dict: {fqn!r} has shape "
-                             f"{tuple(state_dict[fqn].shape)} but the parameter is {tuple(shape)}")
+                       f"{unexpected}; the state dict must hold exactly the module's parameters "
+                       "(a tied parameter under one or more of its names)")
+    shapes = {s.fqn: s.shape for b in state.buckets for s in b.slots}
+    for fqn, found in present.items():
+        for key in found:
+            if tuple(state_dict[key].shape) != tuple(shapes[fqn]):
+                raise ValueError(f"load_full_state_dict: {key!r} has shape "
+                                 f"{tuple(state_dict[key].shape)} but the parameter is "
+                                 f"{tuple(shapes[fqn])}")
+        check_tied_values(found, state_dict.__getitem__, "load_full_state_dict")
     for bucket in state.buckets:
-        bucket.load_full(lambda fqn: state_dict[fqn])
+        bucket.load_full(lambda fqn: state_dict[present[fqn][0]])
+
+
+def names_by_slot(module: nn.Module, state: FlexShardState) -> dict:
+    """slot FQN -> every name of that sharded param (tied aliases included)."""
+    out: dict = {}
+    for name, ref in named_slots(module, state).items():
+        out.setdefault(ref.slot.fqn, []).append(name)
+    return out
+
+
+def check_tied_values(keys: list, read, what: str) -> None:
+    """ValueError naming two keys of one tied parameter whose tensors differ
+    (`read(key)` gives a key's tensor, or the part of it this rank reads)."""
+    first = read(keys[0]) if len(keys) > 1 else None
+    for key in keys[1:]:
+        if not torch.equal(read(key), first):
+            raise ValueError(f"{what}: {keys[0]!r} and {key!r} name one tied parameter but "
+                             "hold different values; tie the weights before saving, or keep "
+                             "only one of the keys")

@@ -19,9 +19,10 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import _pop_mode, _push_mode
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from ..compat import POST_ACCUMULATE_GRAD_HOOKS, SAC_MODES as _SAC_MODES, get_dispatch_stack_at
+from ..compat import len_torch_dispatch_stack, pop_mode as _pop_mode, push_mode as _push_mode
+from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy
 from .comm import Comm
 from .layout import BucketLayout, SlotPlan, plan_layout
@@ -52,9 +53,6 @@ class PendingReduce(NamedTuple):
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
 
 
-_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-
-
 @contextmanager
 def _hidden_from_checkpoint():
     """Run a gather's ops outside selective-checkpoint dispatch modes.
@@ -64,8 +62,8 @@ def _hidden_from_checkpoint():
     early (prefetch) in one and on demand in the other, so launching never shows
     to those modes; other dispatch modes (CommDebugMode, user modes) still see it.
     """
-    depth = torch._C._len_torch_dispatch_stack()
-    stack = [torch._C._get_dispatch_stack_at(i) for i in range(depth)]
+    depth = len_torch_dispatch_stack()
+    stack = [get_dispatch_stack_at(i) for i in range(depth)]
     if not any(isinstance(m, _SAC_MODES) for m in stack):
         yield
         return
@@ -217,7 +215,7 @@ class Bucket:
         (this reference keeps the gather output alive) until release()."""
         self.assert_state(BucketState.UNSHARDED)
         # The sharded params are views of the buffer: an in-place step bumps this version.
-        self.held, self._held_version = outs, self.storage.buffer._version
+        self.held, self._held_version = outs, tensor_version(self.storage.buffer)
         self.install(outs)
 
     def release(self) -> None:
@@ -228,7 +226,7 @@ class Bucket:
 
     def check_held(self) -> None:
         """Refuse to run a forward on held params the shards no longer match."""
-        if self.held is not None and self._held_version != self.storage.buffer._version:
+        if self.held is not None and self._held_version != tensor_version(self.storage.buffer):
             raise RuntimeError(
                 f"bucket {self.name!r}: its sharded params changed (an optimizer step?) while "
                 "module.unshard() held them unsharded; call module.reshard() before changing "
@@ -320,14 +318,14 @@ class Bucket:
         pending = self.inflight
         if pending is None or pending.layout != layout:
             return None
-        if pending.version != self.storage.buffer._version:  # params written since launch
+        if pending.version != tensor_version(self.storage.buffer):  # params written since launch
             self.discard_gather()
             return None
         self.inflight = None
         return pending
 
     def _launch(self, layout: BucketLayout, async_op: bool) -> PendingGather:
-        version = self.storage.buffer._version
+        version = tensor_version(self.storage.buffer)
         with torch.no_grad(), _hidden_from_checkpoint():
             send = self._gather_input(layout)
             work = None
@@ -428,9 +426,9 @@ def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
     param = nn.Parameter(view, requires_grad=old.requires_grad)
     if old.grad is not None:
         param.grad = fn(old.grad)
-    hooks = getattr(old, "_post_accumulate_grad_hooks", None)
+    hooks = getattr(old, POST_ACCUMULATE_GRAD_HOOKS, None)
     if hooks:
-        param._post_accumulate_grad_hooks = hooks
+        setattr(param, POST_ACCUMULATE_GRAD_HOOKS, hooks)
     return param
 
 

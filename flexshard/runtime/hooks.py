@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
+from ..compat import tree_map
 from .bucket import Bucket, BucketState
 from .prefetch import Prefetcher
 from .reduction import in_backward

@@ -1,11 +1,18 @@
 """Prefetch: launch the gathers of the buckets expected next, in execution order.
 
-Forward and backward each follow an ExecutionOrder recorded on their first
-pass. Each time a bucket unshards, the next `depth` buckets of that order get
-their all-gather launched asynchronously, so it flies while this bucket's
-module computes. At most `depth` prefetched gathers are alive at once: one
-the order no longer expects is dropped before a new one is launched, and
-whatever is left unused is dropped when the pass ends.
+Forward and backward each follow an ExecutionOrder, re-recorded by any pass
+that changes it. Each time a bucket unshards, the next `depth` buckets of
+that order get their all-gather launched asynchronously, so it flies while
+this bucket's module computes. At most `depth` prefetched gathers are alive
+at once: one the order no longer expects is dropped before a new one is
+launched, and whatever is left unused is dropped when the pass ends.
+
+When a pass deviates from the recorded order, nothing more is launched in
+it, and the gathers already in flight are kept until the pass ends: a bucket
+that still comes later consumes its own, so no bucket gathers twice for one
+use; one that never comes costs one unused gather. Every rank takes the same
+decisions as long as every rank runs the same modules in the same order,
+which the collectives need anyway.
 
 The prefetcher sees buckets only as keys: the owner passes the two callables
 that launch and drop a bucket's gather.
@@ -50,9 +57,10 @@ class Prefetcher:
             self._launched.remove(bucket)
         if in_backward():
             self._follow_backward()
-            expected = self.backward.visit(bucket, self.depth)
-        else:
-            expected = self.forward.visit(bucket, self.depth)
+        order = self.backward if in_backward() else self.forward
+        expected = order.visit(bucket, self.depth)
+        if order.deviated:
+            return  # launch nothing more this pass; what flies may still be used
         self._drop([b for b in self._launched if b not in expected])
         for b in expected[:self.depth]:
             if b is not bucket and self._launch(b):

@@ -17,10 +17,12 @@ from typing import Callable
 
 import torch
 
+from ..compat import current_graph_task_id, queue_callback
+
 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 class ReduceQueue:
@@ -39,11 +41,11 @@ class ReduceQueue:
 
     def watch_backward(self) -> None:
         """Inside backward: make sure this pass ends by finishing the queue."""
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task != -1 and task not in self._watched:
             self._watched.append(task)
             # Runs when this graph task's engine has run every node, _Deliver included.
-            torch.autograd.Variable._execution_engine.queue_callback(
+            queue_callback(
                 lambda: self._backward_ended(task))
 
     def abandon_backward(self) -> None:

@@ -14,18 +14,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Optional, Sequence
 
-import torch
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    _checkpoint_without_reentrant_generator,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ..compat import checkpoint_without_reentrant_generator, top_saved_tensors_default_hooks
 
 
 def saved_tensors_hooked() -> bool:
     """True inside a region whose saved tensors some hooks already handle
     (an activation checkpoint, CPU offload): a nested region is not needed."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    return top_saved_tensors_default_hooks(False) is not None
 
 
 class RecomputeRegion:
@@ -63,7 +60,7 @@ class RecomputeRegion:
         """Start the checkpoint (in the pre-forward hook); a no-op while recomputing."""
         if self.recomputing:
             return
-        self._gen = _checkpoint_without_reentrant_generator(
+        self._gen = checkpoint_without_reentrant_generator(
             module, True, self._contexts, "default", False, True, *args, **kwargs)
         next(self._gen)
 

@@ -1,0 +1,136 @@
+"""Every private torch API flexshard relies on, resolved in one place.
+
+flexshard leans on a few torch internals (non-reentrant checkpoint's
+generator, the dispatch-mode stack, autograd's graph-task id, ...). Each is
+looked up here when flexshard is imported, so a torch that renamed or removed
+one fails at import with an ImportError naming the symbol and what flexshard
+uses it for, never mid-training. A torch outside the releases flexshard was
+written for warns once. tests/test_compat.py checks that each symbol resolves
+and still behaves as flexshard expects; nothing else in flexshard touches a
+private torch name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+
+TORCH_RANGE = ((2, 13), (2, 14))  # [first, past-last) torch releases flexshard was written for
+
+
+def _release(version: str) -> tuple:
+    """(major, minor) of a torch version string such as '2.13.0+cpu'."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _range_text() -> str:
+    (a, b), (c, d) = TORCH_RANGE
+    return f"torch>={a}.{b},<{c}.{d}"
+
+
+def check_torch_version(version: str = torch.__version__) -> bool:
+    """Warn (once per call site) when `version` is outside TORCH_RANGE; True when inside."""
+    inside = TORCH_RANGE[0] <= _release(version) < TORCH_RANGE[1]
+    if not inside:
+        warnings.warn(f"flexshard was written for {_range_text()} and torch is {version}; "
+                      "its private torch APIs (flexshard/compat.py) resolved, but their "
+                      "behaviour may have changed: run flexshard's tests/test_compat.py",
+                      stacklevel=2)
+    return inside
+
+
+def resolve(path: str, used_for: str):
+    """The object at `path` ("module:attr.attr"), or ImportError naming it."""
+    module_name, _, attrs = path.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for attr in attrs.split("."):
+            obj = getattr(obj, attr)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"flexshard needs torch's private {path} ({used_for}), which torch "
+                          f"{torch.__version__} does not have ({e}); flexshard was written for "
+                          f"{_range_text()}: install such a torch, or port flexshard/compat.py"
+                          ) from None
+    return obj
+
+
+def _tensor_attr(attr: str, used_for: str) -> str:
+    """`attr` when tensors have it, else ImportError naming it."""
+    resolve(f"torch._C:TensorBase.{attr}", used_for)
+    return attr
+
+
+check_torch_version()
+
+# Activation checkpointing (runtime/reshard.py): the generator behind
+# torch.utils.checkpoint's non-reentrant checkpoint, driven from forward hooks.
+# Called as (fn, preserve_rng_state, context_fn, determinism_check, debug, *args).
+checkpoint_without_reentrant_generator = resolve(
+    "torch.utils.checkpoint:_checkpoint_without_reentrant_generator",
+    "to open an activation checkpoint in a pre-forward hook and close it in the post hook")
+# The saved-tensors hooks on top of the stack, None when none are active.
+top_saved_tensors_default_hooks = resolve(
+    "torch._C._autograd:_top_saved_tensors_default_hooks",
+    "to skip the recompute region inside a user's activation checkpoint")
+# Selective checkpointing's dispatch modes (forward and recompute).
+SAC_MODES = (
+    resolve("torch.utils.checkpoint:_CachingTorchDispatchMode",
+            "to hide bucket gathers from selective activation checkpointing"),
+    resolve("torch.utils.checkpoint:_CachedTorchDispatchMode",
+            "to hide bucket gathers from selective activation checkpointing"),
+)
+
+# The dispatch-mode stack (runtime/bucket.py: gathers launched outside SAC's modes).
+len_torch_dispatch_stack = resolve("torch._C:_len_torch_dispatch_stack",
+                                   "to read the dispatch-mode stack")
+get_dispatch_stack_at = resolve("torch._C:_get_dispatch_stack_at",
+                                "to read the dispatch-mode stack")
+push_mode = resolve("torch.utils._python_dispatch:_push_mode", "to rebuild the dispatch-mode stack")
+pop_mode = resolve("torch.utils._python_dispatch:_pop_mode", "to rebuild the dispatch-mode stack")
+
+# Autograd's engine (runtime/reduction.py): -1 outside backward, else the running
+# graph task; callbacks queued on the engine run when that backward pass ends.
+current_graph_task_id = resolve("torch._C:_current_graph_task_id",
+                                "to tell forward from a recompute inside backward")
+queue_callback = resolve("torch.autograd:Variable._execution_engine.queue_callback",
+                         "to finish gradient reductions when a backward pass ends")
+
+# Tensors.
+tree_map = resolve("torch.utils._pytree:tree_map", "to cast forward inputs and outputs")
+make_wrapper_subclass = resolve(  # checkpoint/pieces.py: ShardedPieces holds no full tensor
+    "torch:Tensor._make_wrapper_subclass", "to build ShardedPieces for DCP")
+# A tensor's version counter, shared by views: bumped by every in-place write.
+VERSION = _tensor_attr("_version", "to notice writes to the sharded params since a gather launched")
+# The hooks register_post_accumulate_grad_hook added, carried to a re-created param.
+POST_ACCUMULATE_GRAD_HOOKS = _tensor_attr("_post_accumulate_grad_hooks",
+                                          "to keep post-accumulate-grad hooks across to()/to_empty()")
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """`tensor`'s version counter (shared with its views and base)."""
+    return getattr(tensor, VERSION)
+
+
+# Optimizers: torch's global step pre-hooks (an OrderedDict it iterates on every step).
+global_optimizer_pre_hooks = resolve("torch.optim.optimizer:_global_optimizer_pre_hooks",
+                                     "to count flexshard's one global optimizer hook")
+
+# nn.Module.load_state_dict(assign=True) sets this key in the local_metadata
+# its load_state_dict pre-hooks receive.
+ASSIGN_METADATA_KEY = "assign_to_params_buffers"
+
+# torch.distributed.checkpoint's protocol for tensors that are not DTensors
+# (checkpoint/pieces.py ShardedPieces implements it); DCP calls these from
+# planner_helpers._create_write_items, _create_chunk_list and utils.find_tensor_shard.
+DCP_PROTOCOL = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
+DCP_CALLERS = (
+    resolve("torch.distributed.checkpoint.planner_helpers:_create_write_items",
+            "DCP's save planner, which calls ShardedPieces.__create_write_items__"),
+    resolve("torch.distributed.checkpoint.planner_helpers:_create_chunk_list",
+            "DCP's load planner, which calls ShardedPieces.__create_chunk_list__"),
+    resolve("torch.distributed.checkpoint.utils:find_tensor_shard",
+            "DCP's loader, which calls ShardedPieces.__get_tensor_shard__"),
+)

@@ -1,0 +1,228 @@
+"""flexshard/compat.py: each private torch API flexshard uses resolves and
+behaves as flexshard expects; nothing else in flexshard names a private torch API."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import pathlib
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from flexshard import compat
+from flexshard.checkpoint.pieces import ShardedPieces, piece_boxes
+from flexshard.placements.shard import Shard
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "flexshard"
+
+
+class Recorder(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _stack() -> list:
+    return [compat.get_dispatch_stack_at(i) for i in range(compat.len_torch_dispatch_stack())]
+
+
+def test_torch_version_is_in_range_and_outside_warns():
+    assert compat.check_torch_version()
+    with pytest.warns(UserWarning, match=r"flexshard was written for torch>=2\.13,<2\.14 and "
+                                         r"torch is 3\.1\.0"):
+        assert not compat.check_torch_version("3.1.0")
+    assert compat.check_torch_version("2.13.1+cu126")
+
+
+def test_a_missing_symbol_fails_naming_it():
+    with pytest.raises(ImportError, match=r"torch's private torch._C:_no_such_thing \(for a "
+                                          r"test\), which torch .* does not have"):
+        compat.resolve("torch._C:_no_such_thing", "for a test")
+
+
+def test_checkpoint_generator_takes_six_positional_arguments_and_recomputes():
+    names = list(inspect.signature(compat.checkpoint_without_reentrant_generator).parameters)
+    # reshard.py passes these six positionally: a reordering must fail here.
+    assert names[:6] == ["fn", "preserve_rng_state", "context_fn", "determinism_check",
+                         "debug", "early_stop"]
+    torch.manual_seed(0)
+    lin, x = nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True)
+    calls = []
+
+    def block(t):
+        calls.append("forward")
+        return lin(t)
+
+    def contexts():
+        calls.append("contexts")
+        return contextlib.nullcontext(), contextlib.nullcontext()
+
+    gen = compat.checkpoint_without_reentrant_generator(block, True, contexts, "default",
+                                                        False, True, x)
+    next(gen)  # the checkpoint is open: the module's forward runs inside it
+    assert compat.top_saved_tensors_default_hooks(False) is not None
+    out = block(x)
+    with pytest.raises(StopIteration):
+        next(gen)
+    assert compat.top_saved_tensors_default_hooks(False) is None
+    out.tanh().sum().backward()
+    assert calls == ["contexts", "forward", "forward"]  # backward re-ran the forward
+    want = torch.autograd.grad(lin(x).tanh().sum(), x)[0]
+    torch.testing.assert_close(x.grad, want)
+
+
+def test_top_saved_tensors_default_hooks():
+    assert compat.top_saved_tensors_default_hooks(False) is None
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert compat.top_saved_tensors_default_hooks(False) is not None
+
+
+def test_selective_checkpoint_modes_are_on_the_dispatch_stack():
+    seen = []
+
+    def block(x):
+        seen.append([type(m) for m in _stack() if isinstance(m, compat.SAC_MODES)])
+        return x.sin().sin()
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(block, x, use_reentrant=False, context_fn=lambda:
+                     create_selective_checkpoint_contexts(lambda *a, **k:
+                                                          CheckpointPolicy.MUST_SAVE))
+    out.sum().backward()
+    # forward caches, the recompute in backward replays: one mode each.
+    assert seen == [[compat.SAC_MODES[0]], [compat.SAC_MODES[1]]]
+
+
+def test_dispatch_stack_reads():
+    before = compat.len_torch_dispatch_stack()
+    with Recorder() as mode:
+        assert compat.len_torch_dispatch_stack() == before + 1
+        assert compat.get_dispatch_stack_at(before) is mode
+    assert compat.len_torch_dispatch_stack() == before
+
+
+def test_push_and_pop_mode():
+    before = _stack()
+    mode = Recorder()
+    compat.push_mode(mode)
+    try:
+        assert _stack() == before + [mode]
+    finally:
+        assert compat.pop_mode() is mode
+    assert _stack() == before
+
+
+def test_current_graph_task_id_and_queue_callback():
+    assert compat.current_graph_task_id() == -1
+    w = torch.ones(2, requires_grad=True)
+    events = []
+
+    def hook(grad):
+        events.append(("task", compat.current_graph_task_id()))
+        compat.queue_callback(lambda: events.append(("callback", w.grad is not None)))
+        return grad
+
+    y = w * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    (_, task), callback = events
+    assert task != -1
+    assert callback == ("callback", True)  # ran once the pass ended, after AccumulateGrad
+    assert compat.current_graph_task_id() == -1
+
+
+def test_tree_map():
+    out = compat.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t,
+                          ((torch.ones(1), "a"), {"k": [torch.ones(1)]}))
+    assert out[0][1] == "a" and torch.equal(out[1]["k"][0], torch.full((1,), 2.0))
+
+
+def test_make_wrapper_subclass_holds_no_full_tensor():
+    local = torch.arange(6.0).reshape(2, 3)
+    boxes = piece_boxes(Shard(0), (4, 3), 0, 2)
+    pieces = ShardedPieces(local, (4, 3), boxes)
+    assert pieces.shape == (4, 3) and pieces.dtype == local.dtype
+    assert pieces.local is local
+    with pytest.raises(NotImplementedError, match="on a ShardedPieces"):
+        pieces + 1
+
+
+def test_tensor_version_counts_in_place_writes_shared_with_views():
+    base = torch.zeros(4)
+    view = base[:2]
+    before = compat.tensor_version(base)
+    view.add_(1)
+    assert compat.tensor_version(base) == compat.tensor_version(view) > before
+
+
+def test_post_accumulate_grad_hooks_carry_to_a_new_param():
+    old = nn.Parameter(torch.ones(2))
+    fired = []
+    old.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    hooks = getattr(old, compat.POST_ACCUMULATE_GRAD_HOOKS)
+    assert len(hooks) == 1
+    new = nn.Parameter(torch.ones(2))
+    setattr(new, compat.POST_ACCUMULATE_GRAD_HOOKS, hooks)
+    (new * 3).sum().backward()
+    assert len(fired) == 1 and torch.equal(fired[0], torch.full((2,), 3.0))
+
+
+def test_global_optimizer_pre_hooks():
+    before = len(compat.global_optimizer_pre_hooks)
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
+    assert len(compat.global_optimizer_pre_hooks) == before + 1
+    handle.remove()
+    assert len(compat.global_optimizer_pre_hooks) == before
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_assign_metadata_key(assign):
+    module, seen = nn.Linear(2, 2), []
+    module.register_load_state_dict_pre_hook(
+        lambda m, sd, prefix, meta, *rest: seen.append(meta.get(compat.ASSIGN_METADATA_KEY, False)))
+    module.load_state_dict(nn.Linear(2, 2).state_dict(), assign=assign)
+    assert seen == [assign]
+
+
+def test_dcp_calls_the_protocol():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    create_write_items, create_chunk_list, find_tensor_shard = compat.DCP_CALLERS
+    local = torch.arange(6.0).reshape(2, 3)
+    pieces = ShardedPieces(local, (4, 3), piece_boxes(Shard(0), (4, 3), 1, 2))
+    assert all(hasattr(pieces, name) for name in compat.DCP_PROTOCOL)
+    items = create_write_items("w", pieces)
+    assert [tuple(i.index.offset) for i in items] == [(2, 0)]
+    assert create_chunk_list(pieces) == pieces.__create_chunk_list__()
+    shard = find_tensor_shard(pieces, MetadataIndex("w", torch.Size([2, 0])))
+    assert shard.data_ptr() == local.data_ptr()
+
+
+def _private_torch_names(path: pathlib.Path) -> list:
+    """(line, text) of each private torch name `path` imports or reads."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".") + [a.name for a in node.names]
+            out += [(node.lineno, p) for p in parts if p.startswith("_") and not p.endswith("__")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.endswith("__"):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id == "torch":
+                out.append((node.lineno, node.attr))
+    return out
+
+
+def test_only_compat_names_private_torch_apis():
+    found = {str(p.relative_to(PKG)): _private_torch_names(p) for p in PKG.rglob("*.py")
+             if p.name != "compat.py"}
+    assert {k: v for k, v in found.items() if v} == {}, "route them through flexshard/compat.py"
+    assert _private_torch_names(PKG / "compat.py") == []  # compat names them as strings
