@@ -36,6 +36,7 @@ from .runtime.hooks import (
 from .runtime.layout import SlotPlan, bind_placements
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
+from .runtime.reshard import SavedParams
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
 
 
@@ -301,8 +302,9 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
             owners = [fqn for a in slot_aliases for _, _, fqn in a]
             by_runner.setdefault(id(runner), (runner, []))[1].append((bucket, pairs, owners))
     _mark_nested_use(module, by_runner)
+    saved = SavedParams(state.prefetcher, reduce_queue, state.buckets)
     for runner, entries in by_runner.values():
         state.hooks.append(ModuleHooks(runner, [e[0] for e in entries], [e[1] for e in entries],
-                                       state.prefetcher, state.buckets))
+                                       state.prefetcher, saved))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import enum
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import _pop_mode, _push_mode
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from ..config import MixedPrecisionPolicy
 from .comm import Comm
@@ -48,37 +45,6 @@ class PendingReduce(NamedTuple):
 
     work: Any  # dist.Work, or None at world size 1
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
-
-
-_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-
-
-@contextmanager
-def _hidden_from_checkpoint():
-    """Run a gather's ops outside selective-checkpoint dispatch modes.
-
-    Selective activation checkpointing replays ops by (op, call index), so the
-    forward and the recompute must issue the same ops. A gather may be launched
-    early (prefetch) in one and on demand in the other, so launching never shows
-    to those modes; other dispatch modes (CommDebugMode, user modes) still see it.
-    """
-    depth = torch._C._len_torch_dispatch_stack()
-    stack = [torch._C._get_dispatch_stack_at(i) for i in range(depth)]
-    if not any(isinstance(m, _SAC_MODES) for m in stack):
-        yield
-        return
-    for _ in stack:
-        _pop_mode()
-    kept = [m for m in stack if not isinstance(m, _SAC_MODES)]
-    for m in kept:
-        _push_mode(m)
-    try:
-        yield
-    finally:
-        for _ in kept:
-            _pop_mode()
-        for m in stack:
-            _push_mode(m)
 
 
 @dataclass
@@ -132,7 +98,10 @@ class Bucket:
                                          [reduce_dtype] * len(self.grad_slots), world_size)
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
-        self.gathering = False  # true while the gather runs: the recompute policy reads it
+        self.regathered: Optional[list] = None  # backward's unsharded params (reshard.py)
+        self.saved_in_forward: Optional[bool] = None  # autograd saved a param in the last
+        # resharding forward our hooks saw (None: none seen yet); False: no regather in backward
+        self.saved_version = -1  # storage version when its unsharded params were registered
         self.requires_gradient_sync = True
         self.gradient_divide_factor = float(world_size)  # reduced grads are divided by it (mean)
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
@@ -255,18 +224,13 @@ class Bucket:
         a prefetched gather of the same layout when one is in flight."""
         layout = layout or self.gather_layout
         pending = self._take_inflight(layout) or self._launch(layout, async_op=False)
-        self.gathering = True
-        try:
-            if pending.work is not None:
-                pending.work.wait()
-            outs, view_ok = [], self._keeps_views[layout]
-            with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
-                for i, slot in enumerate(self.slots):
-                    full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
-                    self.counters.copy_out_bytes += copied
-                    outs.append(full)
-        finally:
-            self.gathering = False
+        if pending.work is not None:
+            pending.work.wait()
+        outs, view_ok = [], self._keeps_views[layout]
+        for i, slot in enumerate(self.slots):
+            full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
+            self.counters.copy_out_bytes += copied
+            outs.append(full)
         return outs
 
     def start_gather(self) -> bool:
@@ -299,7 +263,7 @@ class Bucket:
 
     def _launch(self, layout: BucketLayout, async_op: bool) -> PendingGather:
         version = self.storage.buffer._version
-        with torch.no_grad(), _hidden_from_checkpoint():
+        with torch.no_grad():
             send = self._gather_input(layout)
             work = None
             if self.world_size == 1:
@@ -440,4 +404,5 @@ class _Unshard(torch.autograd.Function):
         pending = bucket.start_reduce(grads)
         if pending is not None and ctx.delivery is not None:
             bucket.reduce_queue.push(bucket, pending, ctx.delivery)
+        bucket.regathered = None  # every grad is known: the block's backward is done with them
         return None, grads_anchor(bucket)
