@@ -58,6 +58,23 @@ class ParamHandle(NamedTuple):
     version: int  # the bucket's storage version at forward: a later write is refused
 
 
+class _Activation(NamedTuple):
+    """A saved tensor that is not a param: a detached alias and its version."""
+
+    tensor: torch.Tensor
+    version: int
+
+    def check(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{t._version}; expected version {self.version} instead (saved in a "
+                "flexshard bucket's forward)")
+        return t
+
+
 class SavedParams:
     """One model's registry of unsharded storages and its saved-tensor hooks."""
 
@@ -111,19 +128,23 @@ class SavedParams:
     # The hooks.
 
     def pack(self, t: torch.Tensor):
-        if type(t) is not torch.Tensor or t.layout is not torch.strided:
-            return t  # subclasses and sparse tensors are never our gather outputs
-        found = self._by_storage.get(t.untyped_storage().data_ptr())
+        found = None
+        if type(t) is torch.Tensor and t.layout is torch.strided:  # never a subclass or sparse
+            found = self._by_storage.get(t.untyped_storage().data_ptr())
         if found is None:
-            return t
+            # Kept as autograd keeps it, but detached: a saved output returned as is
+            # would hold its own grad_fn through the node (a cycle no GC sees, leaking
+            # the graph of a forward never backpropagated). The version is checked on
+            # unpack, as autograd checks it without hooks.
+            return _Activation(t.detach(), t._version)
         bucket, slot = found
         bucket.saved_in_forward = True
         return ParamHandle(bucket, slot, t.dtype, tuple(t.shape), t.stride(),
                            t.storage_offset(), bucket.saved_version)
 
     def unpack(self, packed):
-        if not isinstance(packed, ParamHandle):
-            return packed
+        if isinstance(packed, _Activation):
+            return packed.check()
         base = self.regathered(packed)[packed.slot]
         with torch.no_grad():
             if base.dtype == packed.dtype:
