@@ -28,8 +28,9 @@ SHAPES = {
     "odd": ModelShape(vocab=251, dim=99, heads=3, hidden=389, layers=4, seq=63, batch=8),
     "even": ModelShape(vocab=256, dim=96, heads=3, hidden=384, layers=4, seq=64, batch=8),
     # Llama's proportions at a size two shared CPU cores can train: hidden 384,
-    # 6 heads of 64, SwiGLU width 1024, sequence 256 (7.9 M params).
-    "llama": ModelShape(vocab=1024, dim=384, heads=6, hidden=1024, layers=4, seq=256, batch=2),
+    # 6 heads of 64, SwiGLU width 1024, sequence 256 (7.9 M params); one sequence per
+    # rank, because bf16 matmuls on these CPUs take 8x the fp32 time.
+    "llama": ModelShape(vocab=1024, dim=384, heads=6, hidden=1024, layers=4, seq=256, batch=1),
 }
 
 
