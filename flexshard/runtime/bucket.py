@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import enum
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from ..config import MixedPrecisionPolicy
 from .comm import Comm
@@ -45,6 +48,39 @@ class PendingReduce(NamedTuple):
 
     work: Any  # dist.Work, or None at world size 1
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
+
+
+_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+
+@contextmanager
+def _hidden_from_checkpoint():
+    """Run a gather's ops outside selective-checkpoint dispatch modes.
+
+    Under the user's selective activation checkpointing (torchtitan's "op" AC),
+    torch replays ops by (op, call index), so the forward and the recompute
+    must issue the same ops. A gather may be launched early (prefetch) in one
+    and on demand in the other, so it never shows to those modes; other
+    dispatch modes (CommDebugMode, user modes) still see it.
+    """
+    # torch private API: the dispatch-mode stack and selective checkpoint's mode classes.
+    depth = torch._C._len_torch_dispatch_stack()
+    stack = [torch._C._get_dispatch_stack_at(i) for i in range(depth)]
+    if not any(isinstance(m, _SAC_MODES) for m in stack):
+        yield
+        return
+    for _ in stack:
+        _pop_mode()
+    kept = [m for m in stack if not isinstance(m, _SAC_MODES)]
+    for m in kept:
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for m in stack:
+            _push_mode(m)
 
 
 @dataclass
@@ -227,10 +263,11 @@ class Bucket:
         if pending.work is not None:
             pending.work.wait()
         outs, view_ok = [], self._keeps_views[layout]
-        for i, slot in enumerate(self.slots):
-            full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
-            self.counters.copy_out_bytes += copied
-            outs.append(full)
+        with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
+            for i, slot in enumerate(self.slots):
+                full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
+                self.counters.copy_out_bytes += copied
+                outs.append(full)
         return outs
 
     def start_gather(self) -> bool:
@@ -263,7 +300,7 @@ class Bucket:
 
     def _launch(self, layout: BucketLayout, async_op: bool) -> PendingGather:
         version = self.storage.buffer._version
-        with torch.no_grad():
+        with torch.no_grad(), _hidden_from_checkpoint():
             send = self._gather_input(layout)
             work = None
             if self.world_size == 1:
