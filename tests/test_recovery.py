@@ -83,7 +83,7 @@ def _fail_once(model, where: str, x, y) -> None:
             out.register_hook(lambda grad: (_ for _ in ()).throw(Injected("in backward")))
         handle = model.layers[0].register_forward_hook(arm)
     if where == "regather":
-        handle = _fail_regather(next(b for b in buckets if b.name == "layers.0"))
+        handle = _FailRegather(next(b for b in buckets if b.name == "layers.0"))
     before = [b.counters.reduces for b in buckets]
     try:
         loss_fn(model(x), y).backward()
@@ -114,10 +114,6 @@ class _FailRegather:
 
     def remove(self) -> None:
         del self.bucket.gather_params
-
-
-def _fail_regather(bucket) -> _FailRegather:
-    return _FailRegather(bucket)
 
 
 def _recover(where: str, steps: int = 3, fail_before: int = 1):
