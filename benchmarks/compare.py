@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python -m benchmarks.compare            # world sizes 1, 2, 4
     PYTHONPATH=$PWD python -m benchmarks.compare --world-sizes 2 --steps 6
+    PYTHONPATH=$PWD python -m benchmarks.compare --grid engine --world-sizes 2   # issue 12's
     torchrun --nproc-per-node 2 -m benchmarks.compare       # one world, from torchrun
 
 Per configuration both runners (and the plain model at world size 1) train
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 import flexshard as fs
 
-from .configs import Config, default_grid
+from .configs import GRIDS, MODELS, Config
 from .measure import measure_step, plain_copies
 from .runners import Runner
 
@@ -176,9 +177,11 @@ def run_configs(configs, steps: int, warmup: int, device: str = "auto",
         result["wall_s"] = time.perf_counter() - t0
         results.append(result)
         if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
-            ratio = result.get("ratio", {}).get("flexshard/fsdp2", {}).get("median")
-            note = f"{ratio:.3f}x FSDP2" if ratio else result.get("reason", "")
-            print(f"  ws={ws} {cfg.name}: {note} ({result['wall_s']:.1f}s)", flush=True)
+            from .report import target_line
+
+            note = (target_line(result) if result["status"] == "ok"
+                    else f"ws={ws} {cfg.name}: {result.get('reason', '')}")
+            print(f"  {note} ({result['wall_s']:.1f}s)", flush=True)
     return results
 
 
@@ -247,6 +250,12 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--placements", nargs="+", default=None,
                    help="only these flexshard placements (shard ragged owned mixed); "
                         "naming one this checkout lacks is an error")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="default",
+                   help="default: one change at a time from Shard/fp32/reshard/odd; engine: "
+                        "shard, ragged and owned x fp32 and bf16, reshard on (issue 12's targets)")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=None,
+                   help="run the grid on these models (default grid: odd and even as it "
+                        "lists them; engine grid: llama)")
     p.add_argument("--steps", type=int, default=12, help="timed (paired) steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -257,7 +266,13 @@ def _parse(argv) -> argparse.Namespace:
 
 
 def _grid(args, world_sizes) -> list:
-    grid = default_grid(tuple(world_sizes))
+    if args.grid == "engine":
+        grid = GRIDS["engine"](tuple(world_sizes), tuple(args.models or ("llama",)))
+    else:
+        grid = GRIDS["default"](tuple(world_sizes))
+        if args.models:  # the same variants on these models instead
+            grid = list(dict.fromkeys(dataclasses.replace(c, model=m)
+                                      for c in grid for m in args.models))
     if args.placements is None:
         return grid
     grid = [c for c in grid if c.placement in args.placements]

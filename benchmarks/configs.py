@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 PLACEMENTS = ("shard", "ragged", "owned", "mixed")
 PARAM_DTYPES = ("fp32", "bf16")
-MODELS = ("odd", "even")
+MODELS = ("odd", "even", "llama")
 OPTIMIZERS = ("adamw", "muon")
 
 
@@ -62,3 +62,14 @@ def default_grid(world_sizes=(1, 2, 4)) -> list:
         dict(placement="mixed", optimizer="muon"),
     ]
     return [Config(ws, **v) for ws in world_sizes for v in variants]
+
+
+def engine_grid(world_sizes=(2,), models=("llama",)) -> list:
+    """Issue 12's targets: Shard(0), RaggedShard and Owned buckets, fp32 and bf16,
+    reshard after forward on, per model."""
+    return [Config(ws, placement=p, param_dtype=d, model=m)
+            for ws in world_sizes for m in models
+            for p in ("shard", "ragged", "owned") for d in PARAM_DTYPES]
+
+
+GRIDS = {"default": default_grid, "engine": engine_grid}

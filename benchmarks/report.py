@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-TARGET_VS_FSDP2 = 0.90  # flexshard step time / FSDP2's at world size 2
-TARGET_VS_PLAIN = 1.03  # flexshard step time / the plain model's at world size 1
+TARGET_VS_FSDP2 = 0.90  # flexshard step time / FSDP2's at world size 2 (wall)
+TARGET_CPU_VS_FSDP2 = 0.95  # the same in CPU time
+TARGET_VS_PLAIN = 1.02  # flexshard step time / the plain model's at world size 1, no cast
+TARGET_MEMORY = 1.00  # flexshard peak memory per rank / FSDP2's, every configuration
 _SHORT = {"allgather_base": "AG", "all_gather_into_tensor": "AG", "allgather": "AG",
           "reduce_scatter_base": "RS", "reduce_scatter_tensor": "RS", "reduce_scatter": "RS",
           "allreduce": "AR", "all_reduce": "AR", "broadcast": "BC"}
@@ -125,7 +127,7 @@ def memory_table(results) -> str:
     rows = []
     for r in _ok(results):
         f, s = r["runners"]["fsdp2"], r["runners"]["flexshard"]
-        ratio = max(s["memory"]["peak_bytes_per_rank"]) / max(f["memory"]["peak_bytes_per_rank"])
+        ratio = memory_ratio(r)
         cells = [f"{a} / {b}" for a, b in zip(_mem_cells(f), _mem_cells(s))]
         rows.append([_ws(r), r["name"], cells[0], f"{ratio:.3f}", *cells[1:]])
     return _table(["ws", "configuration", "peak MB FSDP2 / flexshard", "peak ratio",
@@ -161,6 +163,43 @@ def unavailable(results) -> str:
 def _find(results, ws: int, **cfg) -> list:
     return [r for r in _ok(results) if r["config"]["world_size"] == ws
             and all(r["config"][k] == v for k, v in cfg.items())]
+
+
+def memory_ratio(r: dict) -> float:
+    """flexshard's peak memory over FSDP2's, each at its largest rank."""
+    f, s = r["runners"]["fsdp2"], r["runners"]["flexshard"]
+    return max(s["memory"]["peak_bytes_per_rank"]) / max(f["memory"]["peak_bytes_per_rank"])
+
+
+def target_checks(r: dict) -> list:
+    """(what, value, target) for each of issue 12's targets that applies to `r`."""
+    checks = [("memory/FSDP2", memory_ratio(r), TARGET_MEMORY)]
+    ratio, ws = r["ratio"], r["config"]["world_size"]
+    if ws == 2:
+        checks += [("wall/FSDP2", ratio["flexshard/fsdp2"]["median"], TARGET_VS_FSDP2),
+                   ("CPU/FSDP2", ratio["cpu flexshard/fsdp2"]["median"], TARGET_CPU_VS_FSDP2)]
+    if "flexshard/plain" in ratio:
+        checks += [("wall/plain", ratio["flexshard/plain"]["median"], TARGET_VS_PLAIN),
+                   ("CPU/plain", ratio["cpu flexshard/plain"]["median"], TARGET_VS_PLAIN)]
+    return checks
+
+
+def target_line(r: dict) -> str:
+    """One configuration's ratios against the targets, each PASS or MISS."""
+    cells = [f"{what} {value:.3f}x (<= {target:.2f} {'PASS' if value <= target else 'MISS'})"
+             for what, value, target in target_checks(r)]
+    return f"ws={_ws(r)} {r['name']}: " + ", ".join(cells)
+
+
+def targets_table(results) -> str:
+    rows = []
+    for r in _ok(results):
+        checks = target_checks(r)
+        rows.append([_ws(r), r["name"],
+                     "; ".join(f"{w} {v:.3f}x {'PASS' if v <= t else 'MISS'} (<= {t:.2f})"
+                               for w, v, t in checks),
+                     "PASS" if all(v <= t for _, v, t in checks) else "MISS"])
+    return _table(["ws", "configuration", "ratios against the targets", "all"], rows)
 
 
 def _verdict(value: float, target: float) -> str:
@@ -320,6 +359,9 @@ def markdown(results, meta: dict) -> str:
              f"cores, 1 thread per rank, load average at start {meta['load_average_start'][0]:.1f}"
              + (f", at end {meta['load_average_end'][0]:.1f}" if "load_average_end" in meta else ""))
     parts = [f"Measured {where}. `*`: world size 4 oversubscribes the cores.",
+             "### Targets (issue 12): peak memory <= 1.00x FSDP2; at 2 ranks median step "
+             "<= 0.90x FSDP2 wall, <= 0.95x CPU; at 1 rank without a cast <= 1.02x plain",
+             targets_table(results),
              "### Headline", headline(results),
              "### Step time", time_table(results),
              "### Collectives, bytes on the wire and local copies (one step, rank 0)",

@@ -24,6 +24,7 @@ from .runtime.comm import Comm
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
+from .runtime.reshard import SavedParams
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
 
 
@@ -245,7 +246,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
         state.buckets.append(bucket)
         if planned.needs_hooks:
             by_runner.setdefault(id(planned.runner), (planned.runner, []))[1].append(bucket)
+    saved = SavedParams(state.prefetcher, reduce_queue, state.buckets)
     for runner, buckets in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, state.buckets))
+        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, saved))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)

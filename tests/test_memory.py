@@ -134,8 +134,10 @@ class Allocations(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.numel():
                 s = t.untyped_storage()
-                if s.data_ptr() not in inputs:
-                    self.made.setdefault(s.data_ptr(), (weakref.ref(s), s.nbytes()))
+                made = self.made.get(s.data_ptr())
+                # A new storage at the address of a dead one replaces it.
+                if s.data_ptr() not in inputs and (made is None or made[0]() is None):
+                    self.made[s.data_ptr()] = (weakref.ref(s), s.nbytes())
         return out
 
     def live_bytes(self) -> int:

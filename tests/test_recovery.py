@@ -1,7 +1,7 @@
 """An exception raised inside a user's forward or backward leaves the wrapped
-module usable: buckets are SHARDED again, the selective-checkpoint region is
-closed (its dispatch mode and saved-tensor hooks popped) and the next step
-matches a single-process reference."""
+module usable: buckets are SHARDED again, flexshard's saved-tensor hooks are
+popped, nothing regathered is held and the next step matches a single-process
+reference."""
 
 import copy
 
@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import flexshard as fs
 from flexshard.runtime.bucket import BucketState
-from flexshard.runtime.reshard import RecomputeRegion
+from flexshard.runtime.reshard import SavedParams
 from flexshard.runtime.state import get_state
 from harness import run_world
 from models import TinyGPT, batch, loss_fn
@@ -59,8 +59,10 @@ def _clean_state(model) -> list:
     sharded = {id(p) for b in state.buckets for p in b.params}
     problems += [f"{n} is not a sharded param" for n, p in model.named_parameters()
                  if id(p) not in sharded]
-    problems += [f"open checkpoint on {type(h.module).__name__}" for h in state.hooks
-                 if h.region is not None and h.region._gen is not None]
+    problems += [f"saved-tensor hooks pushed by {type(h.module).__name__}" for h in state.hooks
+                 if h._pushed]
+    if state.hooks and state.hooks[0].saved._by_storage:
+        problems.append("unsharded storages left in the registry")
     if _get_current_dispatch_mode_stack():
         problems.append(f"dispatch modes left: {_get_current_dispatch_mode_stack()}")
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
@@ -69,17 +71,19 @@ def _clean_state(model) -> list:
 
 
 def _fail_once(model, where: str, x, y) -> None:
-    """One training step that raises Injected `where` (forward, backward, recompute)."""
+    """One training step that raises Injected `where` (forward, backward, or
+    backward's regather of layer 0's bucket, which layer 1's backward prefetched)."""
     flaky = model.layers[1].norm2
     flaky.calls = 0
-    flaky.fail_at = 2 if where == "recompute" else 1  # call 2 is backward's recompute
+    flaky.fail_at = 1 if where == "forward" else None
     handle = None
+    buckets = get_state(model).buckets
     if where == "backward":  # a tensor hook between the blocks: layer 1's grads are reduced
         def arm(module, args, out):
             out.register_hook(lambda grad: (_ for _ in ()).throw(Injected("in backward")))
-        flaky.fail_at = None
         handle = model.layers[0].register_forward_hook(arm)
-    buckets = get_state(model).buckets
+    if where == "regather":
+        handle = _FailRegather(next(b for b in buckets if b.name == "layers.0"))
     before = [b.counters.reduces for b in buckets]
     try:
         loss_fn(model(x), y).backward()
@@ -92,8 +96,24 @@ def _fail_once(model, where: str, x, y) -> None:
         if handle is not None:
             handle.remove()
     reduced = sum(b.counters.reduces > n for b, n in zip(buckets, before))
-    if where == "backward" and not 0 < reduced < len(buckets):
+    if where != "forward" and not 0 < reduced < len(buckets):
         raise AssertionError(f"backward failed after {reduced} of {len(buckets)} reductions")
+
+
+class _FailRegather:
+    """Makes `bucket`'s gathers raise inside backward until removed."""
+
+    def __init__(self, bucket) -> None:
+        self.bucket = bucket
+        bucket.gather_params = self.gather_params  # an instance attribute shadows the method
+
+    def gather_params(self, layout=None):
+        if torch._C._current_graph_task_id() != -1:
+            raise Injected("regather failed")
+        return type(self.bucket).gather_params(self.bucket, layout)
+
+    def remove(self) -> None:
+        del self.bucket.gather_params
 
 
 def _recover(where: str, steps: int = 3, fail_before: int = 1):
@@ -123,13 +143,15 @@ def _recover(where: str, steps: int = 3, fail_before: int = 1):
         ref_opt.zero_grad()
         losses.append((loss.item() / world, ref_loss.item()))
     problems += _clean_state(model)
+    problems += [f"bucket {b.name} holds regathered params" for b in get_state(model).buckets
+                 if b.regathered is not None]
     full, ref = fs.full_state_dict(model), reference.state_dict()
     worst = max(((full[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)).item()
                 for k in ref)
     return problems, losses, worst
 
 
-@pytest.mark.parametrize("where", ["forward", "backward", "recompute"])
+@pytest.mark.parametrize("where", ["forward", "backward", "regather"])
 def test_failed_step_leaves_module_usable_and_in_parity(where):
     for problems, losses, worst in run_world(2, _recover, where):
         assert problems == []
@@ -138,40 +160,36 @@ def test_failed_step_leaves_module_usable_and_in_parity(where):
         assert worst < RTOL
 
 
-# ---- the checkpoint region itself (world size 1, a float64 cast so hooks run)
+# ---- the saved-tensor hooks themselves (world size 1, a float64 cast so hooks run)
 
 
 class _Spy:
-    """Records whether each checkpoint region was finished or aborted."""
+    """Records each push and pop of flexshard's saved-tensor hooks, and which
+    forward hook popped them."""
 
     def __init__(self, monkeypatch):
         self.log = []
-        enter = RecomputeRegion.enter
+        push, pop = SavedParams.push, SavedParams.pop
 
-        def spied_enter(region, module, args, kwargs):
-            enter(region, module, args, kwargs)
-            if region._gen is not None:
-                region._gen = self._wrap(region._gen)
-                next(region._gen)
+        def spied_push(saved):
+            pushed = push(saved)
+            if pushed:
+                self.log.append("push")
+            return pushed
 
-        monkeypatch.setattr(RecomputeRegion, "enter", spied_enter)
+        def spied_pop(saved):
+            pop(saved)
+            self.log.append("pop")
 
-    def _wrap(self, inner):
-        try:
-            yield
-        except GeneratorExit:
-            self.log.append("aborted")
-            inner.close()
-            raise
-        self.log.append("finished")
-        next(inner, None)
+        monkeypatch.setattr(SavedParams, "push", spied_push)
+        monkeypatch.setattr(SavedParams, "pop", spied_pop)
 
 
 def _cast_models():
     return _models(fs.MixedPrecisionPolicy(param_dtype=torch.float64))
 
 
-def test_forward_inside_an_except_block_finishes_its_checkpoint(monkeypatch):
+def test_forward_inside_an_except_block_pops_its_hooks(monkeypatch):
     spy = _Spy(monkeypatch)
     model, _ = _cast_models()
     x, y = batch(0, 0)
@@ -179,18 +197,18 @@ def test_forward_inside_an_except_block_finishes_its_checkpoint(monkeypatch):
         raise KeyError("the user is handling some other error")
     except KeyError:
         loss_fn(model(x), y).backward()
-    assert spy.log == ["finished", "finished"]  # one region per block
+    assert spy.log == ["push", "pop"] * 2  # once per block
     assert _clean_state(model) == []
 
 
-def test_forward_raising_in_a_block_aborts_its_checkpoint(monkeypatch):
+def test_forward_raising_in_a_block_pops_its_hooks(monkeypatch):
     spy = _Spy(monkeypatch)
     model, reference = _cast_models()
     x, y = batch(0, 0)
     model.layers[1].norm2.fail_at = 1
     with pytest.raises(Injected):
         model(x)
-    assert spy.log == ["finished", "aborted"]
+    assert spy.log == ["push", "pop"] * 2
     assert _clean_state(model) == []
     loss = loss_fn(model(x), y)
     loss.backward()

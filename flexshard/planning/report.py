@@ -49,26 +49,19 @@ class ShardingPlan(NamedTuple):
 def describe(module: nn.Module) -> ShardingPlan:
     """What flex_shard made of `module`: per bucket its module, parameters,
     placements, dtypes, bytes and collectives per training step (one forward
-    and one backward through every bucket; a bucket regathers in backward when
-    its module or an enclosing one reshards after forward)."""
+    and one backward through every bucket; a bucket that reshards after forward
+    regathers in backward, unless autograd saved none of its params in the last
+    forward, as for an embedding's weight)."""
     state = get_state(module)
     names = {id(m): n for n, m in module.named_modules()}
-    runners = {id(b): (h.module, h.buckets) for h in state.hooks for b in h.buckets}
-    resharding = {id(h.module) for h in state.hooks if any(b.reshard_after_forward for b in h.buckets)}
+    runners = {id(b): h.module for h in state.hooks for b in h.buckets}
     rows = []
     for bucket in state.buckets:
         runner = runners.get(id(bucket))
-        regather = runner is not None and _inside_region(module, runner[0], resharding, names)
+        regather = bucket.reshard_after_forward and bucket.saved_in_forward is not False
         rows.append(_bucket_plan(bucket, state.world_size,
-                                 None if runner is None else names.get(id(runner[0]), ""), regather))
+                                 None if runner is None else names.get(id(runner), ""), regather))
     return ShardingPlan(state.world_size, tuple(rows))
-
-
-def _inside_region(root: nn.Module, runner: nn.Module, resharding: set, names: dict) -> bool:
-    """Whether backward regathers: the runner or one of its ancestors reshards."""
-    parts = names[id(runner)].split(".") if names[id(runner)] else []
-    return any(id(root.get_submodule(".".join(parts[:i]))) in resharding
-               for i in range(len(parts) + 1))
 
 
 def _bucket_plan(bucket, world_size: int, module_name, regather: bool) -> BucketPlan:

@@ -57,10 +57,11 @@ class PendingReduce(NamedTuple):
 def _hidden_from_checkpoint():
     """Run a gather's ops outside selective-checkpoint dispatch modes.
 
-    Selective activation checkpointing replays ops by (op, call index), so the
-    forward and the recompute must issue the same ops. A gather may be launched
-    early (prefetch) in one and on demand in the other, so launching never shows
-    to those modes; other dispatch modes (CommDebugMode, user modes) still see it.
+    Under the user's selective activation checkpointing (torchtitan's "op" AC),
+    torch replays ops by (op, call index), so the forward and the recompute
+    must issue the same ops. A gather may be launched early (prefetch) in one
+    and on demand in the other, so it never shows to those modes; other
+    dispatch modes (CommDebugMode, user modes) still see it.
     """
     depth = len_torch_dispatch_stack()
     stack = [get_dispatch_stack_at(i) for i in range(depth)]
@@ -139,7 +140,10 @@ class Bucket:
                                          [reduce_dtype] * len(self.grad_slots), world_size)
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
-        self.gathering = False  # true while the gather runs: the recompute policy reads it
+        self.regathered: Optional[list] = None  # backward's unsharded params (reshard.py)
+        self.saved_in_forward: Optional[bool] = None  # autograd saved a param in the last
+        # resharding forward our hooks saw (None: none seen yet); False: no regather in backward
+        self.saved_version = -1  # storage version when its unsharded params were registered
         self.requires_gradient_sync = True
         self.gradient_divide_factor = float(world_size)  # reduced grads are divided by it (mean)
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
@@ -282,18 +286,14 @@ class Bucket:
         a prefetched gather of the same layout when one is in flight."""
         layout = layout or self.gather_layout
         pending = self._take_inflight(layout) or self._launch(layout, async_op=False)
-        self.gathering = True
-        try:
-            if pending.work is not None:
-                pending.work.wait()
-            outs, view_ok = [], self._keeps_views[layout]
-            with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
-                for i, slot in enumerate(self.slots):
-                    full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
-                    self.counters.copy_out_bytes += copied
-                    outs.append(full)
-        finally:
-            self.gathering = False
+        if pending.work is not None:
+            pending.work.wait()
+        outs, view_ok = [], self._keeps_views[layout]
+        with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
+            for i, slot in enumerate(self.slots):
+                full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
+                self.counters.copy_out_bytes += copied
+                outs.append(full)
         return outs
 
     def start_gather(self) -> bool:
@@ -459,4 +459,5 @@ class _Unshard(torch.autograd.Function):
         if pending is not None and ctx.delivery is not None:
             ctx.delivery.expect(bucket.reduce_queue, pending.work,
                                 partial(bucket.finish_reduce, pending))
+        bucket.regathered = None  # every grad is known: the block's backward is done with them
         return None, anchor_grad(bucket.storage.buffer.device)

@@ -11,7 +11,7 @@ from ..compat import tree_map
 from .bucket import Bucket, BucketState
 from .prefetch import Prefetcher
 from .reduction import in_backward
-from .reshard import RecomputeRegion, saved_tensors_hooked
+from .reshard import SavedParams
 
 
 def _cast_floating(tree, dtype):
@@ -30,12 +30,13 @@ class ModuleHooks:
     """Unshard `buckets` before `module`'s forward and reshard them after."""
 
     def __init__(self, module: nn.Module, buckets: Sequence[Bucket],
-                 prefetcher: Prefetcher, all_buckets: Sequence[Bucket]) -> None:
+                 prefetcher: Prefetcher, saved: SavedParams) -> None:
         self.module, self.buckets = module, list(buckets)
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
         self.mp = self.buckets[0].mp
-        self.region = RecomputeRegion(all_buckets)
+        self.saved = saved  # the model's registry of unsharded storages and its hooks
+        self._pushed = False  # this forward pushed the saved-tensor hooks
         self._post_ran = True  # post_forward ran since the last pre_forward
         self.handles = [
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
@@ -53,24 +54,18 @@ class ModuleHooks:
                 bucket.hold_handle.wait()
         if in_backward():  # a recompute: the pass must end by resharding what it gathers
             self.queue.watch_backward()
-        if self._wants_region():
-            self.region.enter(module, args, kwargs)
+        handled = torch.is_grad_enabled() and not in_backward()
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
                 continue
-            bucket.install(bucket.unshard())
+            outs = bucket.unshard()
+            bucket.install(outs)
+            if handled and bucket.reshard_after_forward:
+                self._pushed = self._pushed or self.saved.push()
+                self.saved.register(bucket, outs)
             self.prefetcher.unsharded(bucket)
         return args, kwargs
-
-    def _wants_region(self) -> bool:
-        """Reshard through a recompute region when a bucket reshards after
-        forward and nobody else handles saved tensors: no region under no_grad,
-        inside backward (a recompute is running) or inside another checkpoint
-        (the user's activation checkpointing regathers when it recomputes)."""
-        reshard = any(b.reshard_after_forward and b.held is None for b in self.buckets)
-        return (reshard and torch.is_grad_enabled() and not in_backward()
-                and not saved_tensors_hooked())
 
     def post_forward(self, module, args, kwargs, output):
         self._post_ran = True
@@ -81,19 +76,25 @@ class ModuleHooks:
                 continue  # kept unsharded until backward ends (see reshard_kept)
             bucket.install_sharded()
             bucket.mark_resharded()
-        self.region.exit()
+            self.saved.forget(bucket)
+        self._pop()
         return _cast_floating(output, self.mp.output_dtype)
+
+    def _pop(self) -> None:
+        if self._pushed:
+            self._pushed = False
+            self.saved.pop()
 
     def after_forward_always(self, module, args, kwargs, output):
         """Runs after every forward, also one that raised (always_call). After a
         normal forward post_forward already ran and this does nothing; when the
-        forward or a pre-hook raised, post_forward did not run: reshard and abort
-        the checkpoint here so the module stays usable."""
+        forward or a pre-hook raised, post_forward did not run: reshard and pop
+        the saved-tensor hooks here so the module stays usable."""
         if self._post_ran:
             return
         self._post_ran = True
         self._reshard()
-        self.region.abort()
+        self._pop()
 
     def reshard_kept(self) -> None:
         """When backward ends: reshard the buckets that kept their unsharded
@@ -109,6 +110,7 @@ class ModuleHooks:
             if bucket.held is None and bucket.state is BucketState.UNSHARDED:
                 bucket.install_sharded()
                 bucket.mark_resharded()
+            self.saved.forget(bucket)
 
 
 class RootHooks:

@@ -1,85 +1,174 @@
-"""Reshard-after-forward: the hooked module's forward runs inside a
-non-reentrant activation checkpoint whose selective policy recomputes only
-the bucket gathers (and free view ops). Every other op's output is saved, so
-backward re-runs the gather and nothing else of the block.
+"""Reshard-after-forward through saved-tensor hooks.
 
-The gather's collective itself is launched outside the checkpoint's dispatch
-modes (bucket._hidden_from_checkpoint), so a gather prefetched in one pass and
-issued on demand in the other replays the same ops; the policy sees only the
-views (and copy-outs) that turn the gather output into unsharded params.
+While a resharding bucket's module runs its forward, autograd's saved tensors
+pass through `SavedParams.pack`: a tensor whose storage is one of the storages
+of a currently unsharded, resharding bucket (its gather output, or a copied-out
+param) becomes a `ParamHandle` (which bucket, which slot's storage, the view's
+geometry); every other tensor is kept as autograd keeps it. After forward the
+bucket reshards and nothing holds its unsharded storage any more.
+
+In backward the first unpack of a handle regathers its bucket once (consuming
+the gather the backward-order prefetcher launched, if any, then prefetching the
+next bucket) and rebuilds the saved view over the regathered storage. The
+bucket holds the regathered params (`Bucket.regathered`) until its
+`_Unshard.backward` has launched its reduce-scatter, or until backward ends;
+an unpack after that regathers again (correct, and rare: frozen params).
+
+saved_tensors_hooks do not nest: the innermost pushed pair sees every save. So
+one pair serves the whole model, pushed by the outermost resharding module
+whose forward runs with no other hooks active, and the registry holds every
+unsharded resharding bucket's storages, nested buckets' included. Under other
+hooks (the user's activation checkpoint, CPU offload) none is pushed: those
+hooks handle the saves, and a checkpoint's recompute re-runs our pre-forward
+hook, which regathers.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+import torch
+from torch.autograd.graph import saved_tensors_hooks
 
-from ..compat import checkpoint_without_reentrant_generator, top_saved_tensors_default_hooks
+from ..compat import top_saved_tensors_default_hooks
+from .reduction import ReduceQueue
+
+
+def top_saved_tensors_hooks() -> Optional[tuple]:
+    """The innermost (pack, unpack) pair on this thread's saved-tensor hook
+    stack, or None."""
+    return top_saved_tensors_default_hooks(False)
 
 
 def saved_tensors_hooked() -> bool:
-    """True inside a region whose saved tensors some hooks already handle
-    (an activation checkpoint, CPU offload): a nested region is not needed."""
-    return top_saved_tensors_default_hooks(False) is not None
+    """True inside a region whose saved tensors some hooks already handle (an
+    activation checkpoint, CPU offload, or ours)."""
+    return top_saved_tensors_hooks() is not None
 
 
-class RecomputeRegion:
-    """The checkpointed forward of one module whose buckets reshard after forward."""
+class ParamHandle(NamedTuple):
+    """What autograd keeps instead of a saved view of an unsharded param."""
 
-    def __init__(self, buckets: Sequence) -> None:
-        self.buckets = buckets  # every bucket of the model: a nested runner's gather recomputes too
-        self.recomputing = False
-        self._gen = None
+    bucket: object  # the Bucket whose storage the view was of
+    slot: int  # a slot whose unsharded tensor lives in that storage
+    dtype: torch.dtype
+    size: tuple
+    stride: tuple
+    offset: int  # storage offset, in elements of `dtype`
+    version: int  # the bucket's storage version at forward: a later write is refused
 
-    def policy(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        """Recompute what any bucket's gather ran, and views; save the rest."""
-        if any(b.gathering for b in self.buckets) or func.is_view:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
 
-    def _contexts(self):
-        # A saved output may be mutated in place later in the block (CPU rms_norm adds eps
-        # to its cached mean in place); in recompute the mutating op is cached as well, so
-        # it is never replayed and the mutated value is the right one.
-        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
-            self.policy, allow_cache_entry_mutation=True)
-        return forward_ctx, self._recomputing(recompute_ctx)
+class _Activation(NamedTuple):
+    """A saved tensor that is not a param: a detached alias and its version."""
 
-    @contextmanager
-    def _recomputing(self, recompute_ctx):
-        with recompute_ctx:
-            self.recomputing = True
-            try:
-                yield
-            finally:
-                self.recomputing = False
+    tensor: torch.Tensor
+    version: int
 
-    def enter(self, module, args, kwargs) -> None:
-        """Start the checkpoint (in the pre-forward hook); a no-op while recomputing."""
-        if self.recomputing:
+    def check(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{t._version}; expected version {self.version} instead (saved in a "
+                "flexshard bucket's forward)")
+        return t
+
+
+class SavedParams:
+    """One model's registry of unsharded storages and its saved-tensor hooks."""
+
+    def __init__(self, prefetcher, queue: ReduceQueue, buckets: Sequence) -> None:
+        self.prefetcher, self.queue, self.buckets = prefetcher, queue, list(buckets)
+        self._by_storage: dict = {}  # storage data_ptr -> (bucket, slot index)
+        self._keys: dict = {}  # id(bucket) -> its data_ptrs in _by_storage
+        self._hooks = saved_tensors_hooks(self.pack, self.unpack)
+        queue.listeners.append(self.end_backward)
+
+    # Forward: which storages are a resharding bucket's unsharded params.
+
+    def active(self) -> bool:
+        """Whether our hooks are the innermost ones, i.e. see every save."""
+        top = top_saved_tensors_hooks()
+        return top is not None and top[0] == self.pack
+
+    def register(self, bucket, outs: Sequence[torch.Tensor]) -> None:
+        """`outs` are `bucket`'s unsharded params until `forget(bucket)`; a
+        no-op unless our hooks see the saves (see push)."""
+        if not self.active():
             return
-        self._gen = checkpoint_without_reentrant_generator(
-            module, True, self._contexts, "default", False, True, *args, **kwargs)
-        next(self._gen)
+        bucket.saved_in_forward = False
+        keys = self._keys.setdefault(id(bucket), [])
+        for i, t in enumerate(outs):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr and ptr not in self._by_storage:  # 0: empty or meta, never a match
+                self._by_storage[ptr] = (bucket, i)
+                keys.append(ptr)
+        bucket.saved_version = bucket.storage.buffer._version
 
-    def exit(self) -> None:
-        """Close the checkpoint after a forward that returned (post-forward hook)."""
-        gen: Optional[object] = self._gen
-        self._gen = None
-        if gen is None:
-            return
-        try:
-            next(gen)
-        except StopIteration:
-            return
-        raise AssertionError("checkpoint generator did not finish")
+    def forget(self, bucket) -> None:
+        """`bucket` resharded: its storages (still alive here) leave the registry."""
+        for ptr in self._keys.pop(id(bucket), ()):
+            del self._by_storage[ptr]
 
-    def abort(self) -> None:
-        """Close the checkpoint after a forward that raised: its dispatch mode and
-        saved-tensor hooks are popped. A no-op when exit() already closed it."""
-        gen: Optional[object] = self._gen
-        self._gen = None
-        if gen is not None:
-            gen.close()
+    def push(self) -> bool:
+        """Push the hooks unless some saved-tensor hooks (ours included) are
+        active; returns whether they were pushed."""
+        if saved_tensors_hooked():
+            return False
+        self._hooks.__enter__()
+        return True
+
+    def pop(self) -> None:
+        if not self.active():
+            top = top_saved_tensors_hooks()
+            raise AssertionError(f"flexshard's saved-tensor hooks are not innermost: {top}")
+        self._hooks.__exit__(None, None, None)
+
+    # The hooks.
+
+    def pack(self, t: torch.Tensor):
+        found = None
+        if type(t) is torch.Tensor and t.layout is torch.strided:  # never a subclass or sparse
+            found = self._by_storage.get(t.untyped_storage().data_ptr())
+        if found is None:
+            # Kept as autograd keeps it, but detached: a saved output returned as is
+            # would hold its own grad_fn through the node (a cycle no GC sees, leaking
+            # the graph of a forward never backpropagated). The version is checked on
+            # unpack, as autograd checks it without hooks.
+            return _Activation(t.detach(), t._version)
+        bucket, slot = found
+        bucket.saved_in_forward = True
+        return ParamHandle(bucket, slot, t.dtype, tuple(t.shape), t.stride(),
+                           t.storage_offset(), bucket.saved_version)
+
+    def unpack(self, packed):
+        if isinstance(packed, _Activation):
+            return packed.check()
+        base = self.regathered(packed)[packed.slot]
+        with torch.no_grad():
+            if base.dtype == packed.dtype:
+                return base.as_strided(packed.size, packed.stride, packed.offset)
+            out = torch.empty(0, dtype=packed.dtype, device=base.device)
+            return out.set_(base.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+    # Backward: regather once per bucket, hold until its reduce is launched.
+
+    def regathered(self, handle: ParamHandle) -> list:
+        bucket = handle.bucket
+        if bucket.storage.buffer._version != handle.version:
+            raise RuntimeError(
+                f"bucket {bucket.name!r}: its sharded params changed between forward and "
+                "backward (an optimizer step or an in-place write?); backward regathers them "
+                "and needs the values forward used: change the params after backward")
+        if bucket.regathered is None:
+            self.queue.watch_backward()  # the pass ends by dropping what it regathers
+            with torch.no_grad():
+                bucket.regathered = bucket.gather_params()
+            self.prefetcher.unsharded(bucket)
+        return bucket.regathered
+
+    def end_backward(self) -> None:
+        """Backward ended (a ReduceQueue listener): drop every regathered param."""
+        for bucket in self.buckets:
+            bucket.regathered = None
