@@ -33,6 +33,7 @@ from .runtime.hooks import (
     reshard_explicitly,
     unshard_explicitly,
 )
+from .runtime.device import DeviceContexts
 from .runtime.layout import SlotPlan, bind_placements
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
@@ -280,6 +281,7 @@ def _mark_nested_use(module, by_runner: dict) -> None:
 def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> None:
     aliases = param_aliases(module)
     state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
+    devices = DeviceContexts()  # one set of streams per device, shared by the buckets
     reduce_queue.listeners.append(state.prefetcher.end_backward)
     by_runner: dict = {}
     for spec, slots in zip(specs, plans):
@@ -290,7 +292,7 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
                           else reshard and runner is not module)
         bucket = Bucket(spec.label, slots, [named[s.fqn].requires_grad for s in slots],
                         spec.mp_policy or mp_policy, bucket_reshard, state.group,
-                        state.rank, state.world_size, state.comm, device)
+                        state.rank, state.world_size, state.comm, device, devices)
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.reduce_queue = reduce_queue
         pairs = [[(m, a) for m, a, _ in a] for a in slot_aliases]

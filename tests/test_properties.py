@@ -9,7 +9,8 @@ that plays the collectives, so the properties hold for the code that trains:
   aligned per rank and in the gathered buffer;
 - shard then unshard is the identity through the bucket's all-gather, bitwise,
   also with a param_dtype cast;
-- the reduce-scatter hands every rank its piece of the mean gradient, bitwise;
+- the reduce-scatter hands every rank its piece of the mean gradient (grads
+  pre-divided by the world size, then summed), bitwise;
 - binding (Owned owners, balanced RaggedShard rows) is deterministic and balanced.
 """
 
@@ -201,10 +202,10 @@ def test_reduce_gives_each_rank_its_piece_of_the_mean_gradient(bucket, mp, seed)
             assert all(out[i] is None for out in results)
             continue
         mean = torch.zeros(slot.shape, dtype=reduce_dtype)
+        scale = 1.0 / world  # gloo has no AVG: each rank pre-divides, then the sum
         for r in range(world):  # the same sum, in the same order, as the collective
-            mean += grads[r][i].to(reduce_dtype)
-        if world > 1:
-            mean /= world
+            g = grads[r][i].to(reduce_dtype)
+            mean += g * scale if world > 1 else g
         for r in range(world):
             want = slot.placement.shard(mean, r, world).to(slot.dtype)
             assert same_bytes(results[r][i], want), (slot, r)

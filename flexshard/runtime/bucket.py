@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from ..config import MixedPrecisionPolicy
 from .comm import Comm
+from .copyplan import plan_copies
+from .device import DeviceContexts, HostContext, on_stream
 from .layout import BucketLayout, SlotPlan, plan_layout
 from .reduction import ReduceQueue, deliver_anchor
 from .storage import BucketStorage, gathered_param, typed_view
@@ -37,10 +40,13 @@ class BucketState(enum.Enum):
 class PendingGather(NamedTuple):
     """A launched all-gather whose output is not yet consumed."""
 
-    work: Any  # dist.Work, or None when the gather already finished
+    work: Any  # dist.Work, or None when the launch waited (or world size 1)
     gathered: torch.Tensor  # the gather output
     layout: BucketLayout
     version: int  # storage version at launch: a later write makes it stale
+    send: torch.Tensor  # the gather input, held until the compute stream waited on `done`
+    done: Any  # event on the gather stream after the launch
+    stream: Any  # the compute stream current at launch (where the buffers were allocated)
 
 
 class PendingReduce(NamedTuple):
@@ -48,6 +54,17 @@ class PendingReduce(NamedTuple):
 
     work: Any  # dist.Work, or None at world size 1
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
+    held: tuple  # reduce input and unsharded grads, read on the reduce stream: kept until
+    #              finish_reduce's compute stream waited past their last use
+
+
+class LayoutPlans(NamedTuple):
+    """What a gather over one layout needs each step, decided at wrap time."""
+
+    keeps_views: bool  # see BucketLayout.keeps_views
+    copies: tuple  # CopyPlan per slot
+    is_storage: bool  # the storage buffer is the gather input (no copy-in)
+    copy_in_bytes: int
 
 
 _SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
@@ -119,7 +136,8 @@ class Bucket:
 
     def __init__(self, name: str, slots: Sequence[SlotPlan], trainable: Sequence[bool],
                  mp: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 group, rank: int, world_size: int, comm: Comm, device) -> None:
+                 group, rank: int, world_size: int, comm: Comm, device,
+                 devices: Optional[DeviceContexts] = None) -> None:
         self.name, self.slots, self.mp = name, tuple(slots), mp
         self.reshard_after_forward = reshard_after_forward
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
@@ -144,8 +162,26 @@ class Bucket:
         self.pin_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self._anchor: Optional[torch.Tensor] = None  # see _grad_anchor
         self._pinned_version = -1
-        self._keeps_views = {lay: lay.keeps_views  # decided once, at wrap time
-                             for lay in (self.storage.layout, self.gather_layout)}
+        self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
+        # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
+        self._plans = {id(lay): self._layout_plans(lay)
+                       for lay in (self.storage.layout, self.gather_layout)}
+        self._reduce_copies = plan_copies(self.reduce_layout,
+                                          [slots[i] for i in self.grad_slots])
+
+    def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
+        is_storage = layout == self.storage.layout
+        copy_in = 0 if is_storage else sum(reg.nbytes[self.rank] for reg in layout.regions)
+        return LayoutPlans(layout.keeps_views, plan_copies(layout, self.slots), is_storage, copy_in)
+
+    def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
+        plans = self._plans.get(id(layout))
+        return plans if plans is not None else self._layout_plans(layout)
+
+    @property
+    def device_ctx(self) -> HostContext:
+        """Streams and events of the device the storage lives on now."""
+        return self.devices.get(self.storage.buffer.device)
 
     @property
     def needs_hooks(self) -> bool:
@@ -255,19 +291,31 @@ class Bucket:
         a prefetched gather of the same layout when one is in flight."""
         layout = layout or self.gather_layout
         pending = self._take_inflight(layout) or self._launch(layout, async_op=False)
+        plans = self._plans_for(layout)
         self.gathering = True
         try:
-            if pending.work is not None:
-                pending.work.wait()
-            outs, view_ok = [], self._keeps_views[layout]
+            self._await_gather(pending)
+            outs = []
             with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
-                for i, slot in enumerate(self.slots):
-                    full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
+                for i, slot in enumerate(self.slots):  # copy-out on the compute stream
+                    full, copied = gathered_param(pending.gathered, layout, slot, i,
+                                                  plans.keeps_views, plans.copies[i])
                     self.counters.copy_out_bytes += copied
                     outs.append(full)
         finally:
             self.gathering = False
         return outs
+
+    def _await_gather(self, pending: PendingGather) -> None:
+        """Make the compute stream (the current one) wait for a launched gather.
+        After this the gather input may be dropped (see PendingGather.send)."""
+        ctx = self.device_ctx
+        ctx.wait(pending.done)
+        if pending.work is not None:
+            pending.work.wait()  # NCCL: the current stream waits; gloo: the host waits
+        stream = ctx.current()
+        if stream != pending.stream:  # consumed under another stream than launched
+            ctx.adopt(pending.gathered, stream)
 
     def start_gather(self) -> bool:
         """Launch the bucket's gather without waiting (prefetch); the next
@@ -283,13 +331,12 @@ class Bucket:
         pending, self.inflight = self.inflight, None
         if pending is None:
             return
-        if pending.work is not None:
-            pending.work.wait()
+        self._await_gather(pending)  # its buffers die on the compute stream's side
         self.counters.discarded_prefetches += 1
 
     def _take_inflight(self, layout: BucketLayout) -> Optional[PendingGather]:
         pending = self.inflight
-        if pending is None or pending.layout != layout:
+        if pending is None or pending.layout is not layout:
             return None
         if pending.version != self.storage.buffer._version:  # params written since launch
             self.discard_gather()
@@ -298,30 +345,44 @@ class Bucket:
         return pending
 
     def _launch(self, layout: BucketLayout, async_op: bool) -> PendingGather:
-        version = self.storage.buffer._version
+        """Copy-in (cast) on the copy-in stream, then the all-gather on the
+        gather stream. Both buffers are allocated first, on the compute stream,
+        and the side streams start after an event recorded after that."""
+        ctx, plans, version = self.device_ctx, self._plans_for(layout), self.storage.buffer._version
         with torch.no_grad(), _hidden_from_checkpoint():
-            send = self._gather_input(layout)
+            send, gathered = self._gather_buffers(layout, plans)
+            after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
+            if not plans.is_storage:
+                with on_stream(ctx, ctx.copy_in, ready):
+                    self._copy_in(send, layout)
+                    after = ctx.record(ctx.copy_in)
             work = None
-            if self.world_size == 1:
-                gathered = send
-            else:
-                gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=send.device)
-                work = self.comm.all_gather(gathered, send, self.group, async_op=async_op)
+            with on_stream(ctx, ctx.gather, after):
+                if self.world_size > 1:
+                    work = self.comm.all_gather(gathered, send, self.group, async_op=async_op)
+                done = ctx.record(ctx.gather)
         self.counters.gathers += 1
+        self.counters.copy_in_bytes += plans.copy_in_bytes
         self.counters.gather_wire_bytes += layout.wire_bytes if self.world_size > 1 else 0
         self.counters.gather_ideal_bytes += layout.ideal_bytes if self.world_size > 1 else 0
-        return PendingGather(work if async_op else None, gathered, layout, version)
+        return PendingGather(work if async_op else None, gathered, layout, version, send, done,
+                             ctx.current())
 
-    def _gather_input(self, layout: BucketLayout) -> torch.Tensor:
-        if layout == self.storage.layout:
-            return self.storage.buffer
-        send = torch.empty(layout.segment_bytes, dtype=torch.uint8,
-                           device=self.storage.buffer.device)
+    def _gather_buffers(self, layout: BucketLayout, plans: LayoutPlans) -> tuple:
+        """(gather input, gather output), on the compute stream."""
+        device = self.storage.buffer.device
+        send = self.storage.buffer
+        if not plans.is_storage:
+            send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+        if self.world_size == 1:
+            return send, send
+        return send, torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+
+    def _copy_in(self, send: torch.Tensor, layout: BucketLayout) -> None:
+        """This rank's pieces, cast to the layout's dtypes: one copy per param."""
         for reg, slot, view in zip(layout.regions, self.slots, self.storage.views):
             typed_view(send, reg.offsets[self.rank], reg.dtype,
                        slot.local_shapes[self.rank]).copy_(view)
-            self.counters.copy_in_bytes += reg.nbytes[self.rank]
-        return send
 
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> list:
         """One reduce-scatter (mean over ranks) of the unsharded grads, waited
@@ -330,40 +391,57 @@ class Bucket:
         return [None] * len(self.slots) if pending is None else self.finish_reduce(pending)
 
     def start_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
-        """Pack the unsharded grads and launch their reduce-scatter without
-        waiting; None under no-sync (the packed grads are kept for later)."""
-        layout = self.reduce_layout
+        """Pack the unsharded grads and launch their reduce-scatter on the
+        reduce stream without waiting; None under no-sync (the packed grads are
+        kept for later)."""
+        ctx, layout, sync = self.device_ctx, self.reduce_layout, self.requires_gradient_sync
         send = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=self.storage.buffer.device)
-        for j, i in enumerate(self.grad_slots):
-            if grads[i] is not None:
-                self._pack_grad(send, j, i, grads[i])
-        if not self.requires_gradient_sync:
-            self._accumulate_pending(send)
+        out = send if self.world_size == 1 or not sync else torch.empty(
+            layout.segment_bytes, dtype=torch.uint8, device=send.device)
+        held = (send, self.pending_grads, *grads)
+        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
+            self._pack(send, grads)
+            if not sync:
+                self._accumulate_pending(send)
+            else:
+                work = self._reduce_scatter(send, out)
+            done = ctx.record(ctx.reduce)
+        if not sync:
+            ctx.wait(done)  # autograd frees the grads when backward returns: not before the pack
             return None
-        if self.pending_grads is not None:
-            send, self.pending_grads = self._typed(send).add_(self._typed(self.pending_grads)), None
-            send = send.view(torch.uint8)
-        return self._reduce_scatter(send)
+        return PendingReduce(work, out, held)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
-        """Wait for a launched reduce-scatter; returns sharded grads per slot."""
-        if pending.work is not None:
-            pending.work.wait()
-        if self.world_size > 1 and self.gradient_divide_factor != 1.0:
-            self._typed(pending.output).div_(self.gradient_divide_factor)
-        return self._sharded_grads(pending.output)
+        """Wait for a launched reduce-scatter; returns sharded grads per slot
+        (cast on the reduce stream; the compute stream waits for them)."""
+        ctx = self.device_ctx
+        targets = self._grad_targets(pending.output)
+        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: the cast outputs' allocation
+            if pending.work is not None:
+                pending.work.wait()
+            for view, target in targets:
+                if target is not view:
+                    target.copy_(view)
+            done = ctx.record(ctx.reduce)
+        ctx.wait(done)  # now `pending` (its input, the grads) may die: see PendingReduce.held
+        grads: list = [None] * len(self.slots)
+        for i, (_, target) in zip(self.grad_slots, targets):
+            grads[i] = target
+        return grads
 
     def _typed(self, buf: torch.Tensor) -> torch.Tensor:
         dtype = self.reduce_layout.regions[0].dtype
         return buf.view(dtype)
 
-    def _pack_grad(self, send: torch.Tensor, j: int, i: int, grad: torch.Tensor) -> None:
-        layout, slot = self.reduce_layout, self.slots[i]
-        for r in range(self.world_size):
-            piece = slot.placement.shard(grad, r, self.world_size)
-            typed_view(send, layout.piece_start(j, r), layout.regions[j].dtype,
-                       slot.local_shapes[r]).copy_(piece)
-        self.counters.copy_in_bytes += sum(layout.regions[j].nbytes)
+    def _pack(self, send: torch.Tensor, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Every unsharded grad into its rank pieces of the reduce input: a few
+        ops per param whatever the world size (see copyplan.py)."""
+        for j, i in enumerate(self.grad_slots):
+            if grads[i] is not None:
+                plan = self._reduce_copies[j]
+                plan.pack(send, grads[i])
+                plan = self._reduce_copies[j]
+                self.counters.copy_in_bytes += plan.numel * plan.dtype.itemsize
 
     def _accumulate_pending(self, send: torch.Tensor) -> None:
         if self.pending_grads is None:
@@ -371,31 +449,52 @@ class Bucket:
         else:
             self._typed(self.pending_grads).add_(self._typed(send))
 
-    def _reduce_scatter(self, send: torch.Tensor) -> PendingReduce:
-        layout = self.reduce_layout
-        work = None
-        if self.world_size == 1:
-            out = send
-        else:
-            out = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=send.device)
-            work = self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group,
-                                            async_op=True)
-            self.counters.reduce_wire_bytes += layout.wire_bytes
-            self.counters.reduce_ideal_bytes += layout.ideal_bytes
-        self.counters.reduces += 1
-        return PendingReduce(work, out)
+    def _reduce_op(self) -> tuple:
+        """(pre-scale or None, op). The backend's average where it has one (NCCL
+        AVG), else the sum of grads pre-multiplied by 1/factor in the reduce dtype:
+        a sum first and a divide after would overflow in low precision at large
+        world sizes. A factor of 1 (torchtitan's) sums."""
+        factor = self.gradient_divide_factor
+        if self.world_size == 1 or factor == 1.0:
+            return None, dist.ReduceOp.SUM
+        if factor == self.world_size and self.comm.averages(self.group):
+            return None, dist.ReduceOp.AVG
+        return 1.0 / factor, dist.ReduceOp.SUM
 
-    def _sharded_grads(self, out: torch.Tensor) -> list:
-        grads: list = [None] * len(self.slots)
+    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor) -> Any:
+        """On the reduce stream: add the no-sync sum, pre-scale, launch."""
+        layout = self.reduce_layout
+        if self.pending_grads is not None:
+            self._typed(send).add_(self._typed(self.pending_grads))
+            self.pending_grads = None  # held by the PendingReduce until finish_reduce
+        scale, op = self._reduce_op()
+        if scale is not None:
+            self._typed(send).mul_(scale)
+        self.counters.reduces += 1
+        if self.world_size == 1:
+            return None
+        self.counters.reduce_wire_bytes += layout.wire_bytes
+        self.counters.reduce_ideal_bytes += layout.ideal_bytes
+        kwargs = {} if op == dist.ReduceOp.SUM else {"op": op}  # a Comm may not take op
+        return self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group,
+                                        async_op=True, **kwargs)
+
+    def _grad_targets(self, out: torch.Tensor) -> list:
+        """(view of the reduce output, sharded grad) per trainable slot; the
+        grad is the view itself when no cast is needed, else a new tensor
+        (allocated here, on the compute stream)."""
+        targets = []
         for j, i in enumerate(self.grad_slots):
             reg, slot = self.reduce_layout.regions[j], self.slots[i]
             shape = slot.local_shapes[self.rank]
             if math.prod(shape) == 0:  # a view would pin the whole reduce output
-                grads[i] = torch.zeros(shape, dtype=slot.dtype, device=out.device)
+                empty = torch.zeros(shape, dtype=slot.dtype, device=out.device)
+                targets.append((empty, empty))
                 continue
-            g = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
-            grads[i] = g.to(slot.dtype)
-        return grads
+            view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
+            targets.append((view, view if reg.dtype == slot.dtype else
+                            torch.empty(shape, dtype=slot.dtype, device=out.device)))
+        return targets
 
 
 def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
