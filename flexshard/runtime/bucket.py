@@ -56,6 +56,15 @@ class PendingReduce(NamedTuple):
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
     held: tuple  # reduce input and unsharded grads, read on the reduce stream: kept until
     #              finish_reduce's compute stream waited past their last use
+    post_divide: Optional[float]  # what the reduced sum is still divided by (see _reduce_op)
+
+
+class ReduceOp(NamedTuple):
+    """How a bucket averages its grads: see Bucket._reduce_op."""
+
+    pre_scale: Optional[float]  # a power of two the reduce input is multiplied by
+    post_divide: Optional[float]  # in [1, 2): the reduced output is divided by it
+    op: Any  # dist.ReduceOp.SUM or AVG
 
 
 class LayoutPlans(NamedTuple):
@@ -404,12 +413,13 @@ class Bucket:
             if not sync:
                 self._accumulate_pending(send)
             else:
-                work = self._reduce_scatter(send, out)
+                op = self._reduce_op()
+                work = self._reduce_scatter(send, out, op)
             done = ctx.record(ctx.reduce)
         if not sync:
             ctx.wait(done)  # autograd frees the grads when backward returns: not before the pack
             return None
-        return PendingReduce(work, out, held)
+        return PendingReduce(work, out, held, op.post_divide)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
         """Wait for a launched reduce-scatter; returns sharded grads per slot
@@ -419,6 +429,8 @@ class Bucket:
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: the cast outputs' allocation
             if pending.work is not None:
                 pending.work.wait()
+            if pending.post_divide is not None:
+                self._typed(pending.output).div_(pending.post_divide)
             for view, target in targets:
                 if target is not view:
                     target.copy_(view)
@@ -449,33 +461,38 @@ class Bucket:
         else:
             self._typed(self.pending_grads).add_(self._typed(send))
 
-    def _reduce_op(self) -> tuple:
-        """(pre-scale or None, op). The backend's average where it has one (NCCL
-        AVG), else the sum of grads pre-multiplied by 1/factor in the reduce dtype:
-        a sum first and a divide after would overflow in low precision at large
-        world sizes. A factor of 1 (torchtitan's) sums."""
+    def _reduce_op(self) -> ReduceOp:
+        """The backend's average where it has one (NCCL AVG). Else the grads are
+        pre-multiplied by the power of two 2**-k nearest below 1/factor (exact:
+        a power of two only moves the exponent), summed, and divided by the
+        rest of the factor (in [1, 2)): the sum of W grads so pre-divided stays
+        below twice the largest grad, where a sum first and a divide after
+        overflows in low precision at large world sizes. Bitwise, this is
+        sum-then-divide wherever that does not overflow (or go subnormal).
+        A factor of 1 (torchtitan's) sums."""
         factor = self.gradient_divide_factor
         if self.world_size == 1 or factor == 1.0:
-            return None, dist.ReduceOp.SUM
+            return ReduceOp(None, None, dist.ReduceOp.SUM)
         if factor == self.world_size and self.comm.averages(self.group):
-            return None, dist.ReduceOp.AVG
-        return 1.0 / factor, dist.ReduceOp.SUM
+            return ReduceOp(None, None, dist.ReduceOp.AVG)
+        mantissa, exponent = math.frexp(factor)  # factor = (2 * mantissa) * 2 ** (exponent - 1)
+        post = 2.0 * mantissa
+        return ReduceOp(2.0 ** (1 - exponent), None if post == 1.0 else post, dist.ReduceOp.SUM)
 
-    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor) -> Any:
+    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: "ReduceOp") -> Any:
         """On the reduce stream: add the no-sync sum, pre-scale, launch."""
         layout = self.reduce_layout
         if self.pending_grads is not None:
             self._typed(send).add_(self._typed(self.pending_grads))
             self.pending_grads = None  # held by the PendingReduce until finish_reduce
-        scale, op = self._reduce_op()
-        if scale is not None:
-            self._typed(send).mul_(scale)
+        if op.pre_scale is not None:
+            self._typed(send).mul_(op.pre_scale)
         self.counters.reduces += 1
         if self.world_size == 1:
             return None
         self.counters.reduce_wire_bytes += layout.wire_bytes
         self.counters.reduce_ideal_bytes += layout.ideal_bytes
-        kwargs = {} if op == dist.ReduceOp.SUM else {"op": op}  # a Comm may not take op
+        kwargs = {} if op.op == dist.ReduceOp.SUM else {"op": op.op}  # a Comm may not take op
         return self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group,
                                         async_op=True, **kwargs)
 
