@@ -452,7 +452,6 @@ class Bucket:
             if grads[i] is not None:
                 plan = self._reduce_copies[j]
                 plan.pack(send, grads[i])
-                plan = self._reduce_copies[j]
                 self.counters.copy_in_bytes += plan.numel * plan.dtype.itemsize
 
     def _accumulate_pending(self, send: torch.Tensor) -> None:
@@ -463,7 +462,7 @@ class Bucket:
 
     def _reduce_op(self) -> ReduceOp:
         """The backend's average where it has one (NCCL AVG). Else the grads are
-        pre-multiplied by the power of two 2**-k nearest below 1/factor (exact:
+        pre-multiplied by 2**-k, 2**k the largest power of two <= factor (exact:
         a power of two only moves the exponent), summed, and divided by the
         rest of the factor (in [1, 2)): the sum of W grads so pre-divided stays
         below twice the largest grad, where a sum first and a divide after
