@@ -116,3 +116,14 @@ def test_local_comm_bucket_reduces_like_the_mean_of_equal_grads():
     assert torch.equal(sharded, grad[:2] / 8)
     assert math.prod(bucket.slots[0].local_shapes[0]) == 4
     assert isinstance(bucket.comm, LocalComm) and len(block_shapes()) == 7
+
+
+def test_an_index_plan_moves_blocks_not_elements():
+    """Shard(1) of a (6, 8) matrix over 2 ranks: each full row is two runs of
+    4 contiguous elements, so the index holds one entry per 4 elements."""
+    slots = _slots([((6, 8), fs.Shard(1))], 2)
+    layout = plan_layout(slots, [torch.float32], 2)
+    plan = CopyPlan(layout, slots[0], 0)
+    assert plan.kind == "index"
+    block, positions = plan.index(torch.device("cpu"))
+    assert block == 4 and positions.numel() == 48 // 4

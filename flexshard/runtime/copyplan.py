@@ -11,10 +11,12 @@ step then runs one of three plans per parameter:
   2-D strided views (rows = ranks, stride = one segment): one copy per run,
   at most MAX_RUNS per parameter;
 - an *index*: any other placement (Shard(d>0), ragged rows at uneven
-  offsets) reads or writes through one precomputed flat index of the
-  parameter's elements in the buffer (built by the placement's own unshard on
-  index tensors, so user placements work unchanged). It costs 8 bytes per
-  element on the device, made on first use per device.
+  offsets) reads or writes through one precomputed index of the parameter's
+  elements in the buffer (built by the placement's own unshard on index
+  tensors, so user placements work unchanged), in blocks of `block` elements
+  that stay together in both (the gcd of the contiguous stretches: a row of
+  a Shard(1) piece, whole ragged pieces): 8 bytes per block on the device,
+  made on first use per device.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class CopyPlan:
         self.span: Optional[tuple] = layout.gathered_range(index)  # bytes, when a view
         self.runs: Optional[tuple] = None
         self._index_args = (layout, slot, index)
-        self._index: dict = {}  # device -> the flat index tensor
+        self._index: dict = {}  # device -> (block, the block index tensor)
         if self.span is None and layout.regions[index].rank_major:
             runs = _runs(layout, slot, index)
             self.runs = runs if len(runs) <= MAX_RUNS else None
@@ -69,7 +71,8 @@ class CopyPlan:
             return view.clone() if copy else view
         typed = _typed(buffer, self.dtype)
         if self.runs is None:
-            return typed[self.index(buffer.device)].view(self.shape)
+            block, index = self.index(buffer.device)
+            return _blocks(typed, block)[index].view(self.shape)
         out = torch.empty(self.shape, dtype=self.dtype, device=buffer.device)
         flat = out.view(-1)
         for run in self.runs:
@@ -85,16 +88,19 @@ class CopyPlan:
             return
         flat = full.reshape(-1)
         if self.runs is None:
-            typed.index_copy_(0, self.index(buffer.device), flat.to(self.dtype))
+            block, index = self.index(buffer.device)
+            _blocks(typed, block).index_copy_(0, index, flat.to(self.dtype).view(-1, block))
             return
         for run in self.runs:
             _strided(typed, run).copy_(_flat_rows(flat, run))
 
-    def index(self, device: torch.device) -> torch.Tensor:
-        """Flat positions (elements of the typed buffer) of the full tensor's
-        elements, in its row-major order."""
+    def index(self, device: torch.device) -> tuple:
+        """(block, positions): the full tensor's elements in row-major order are
+        blocks of `block` elements, and block k sits at block `positions[k]` of
+        the typed buffer."""
         if device not in self._index:
-            self._index[device] = _element_index(*self._index_args).to(device)
+            block, positions = _block_index(_element_index(*self._index_args))
+            self._index[device] = (block, positions.to(device))
         return self._index[device]
 
 
@@ -106,6 +112,25 @@ def plan_copies(layout: BucketLayout, slots: Sequence[SlotPlan]) -> tuple:
 def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Every layout's total bytes are a multiple of its widest itemsize (segments are).
     return buffer.view(dtype)
+
+
+def _blocks(typed: torch.Tensor, block: int) -> torch.Tensor:
+    """The typed buffer as rows of `block` elements (a tail shorter than a block is left out)."""
+    return typed.as_strided((typed.numel() // block, block), (block, 1), typed.storage_offset())
+
+
+def _block_index(positions: torch.Tensor) -> tuple:
+    """(block, block positions) for element `positions`: the largest block
+    dividing every stretch of consecutive positions and where it starts."""
+    if positions.numel() == 0:
+        return 1, positions
+    breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+    lengths = torch.diff(torch.cat([starts, torch.tensor([positions.numel()])]))
+    block = 0
+    for value in torch.cat([lengths, positions[starts]]).unique().tolist():
+        block = math.gcd(block, value)
+    return block, positions[::block] // block
 
 
 def _strided(typed: torch.Tensor, run: Run) -> torch.Tensor:
