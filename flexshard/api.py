@@ -22,6 +22,7 @@ from .planning.plan import WrapPlan, plan_wrap
 from .runtime.bucket import Bucket
 from .runtime.comm import Comm
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
+from .runtime.device import DeviceContexts
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
 from .runtime.reshard import SavedParams
@@ -233,12 +234,13 @@ def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
     """The runtime of `plan`: buckets filled with this rank's pieces and installed
     on their modules, forward hooks on each running module and on the root."""
     state.prefetcher, reduce_queue = _new_prefetcher(), ReduceQueue()
+    devices = DeviceContexts()  # one set of streams per device, shared by the buckets
     reduce_queue.listeners.append(state.prefetcher.end_backward)
     by_runner: dict = {}
     for planned in plan.buckets:
         bucket = Bucket(planned.spec.label, planned.slots, planned.trainable, planned.mp_policy,
                         planned.reshard_after_forward, state.group, state.rank,
-                        state.world_size, state.comm, device)
+                        state.world_size, state.comm, device, devices)
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flexshard as fs
-from flexshard.runtime.layout import SlotPlan, bind_placements, plan_layout
+from flexshard.runtime.layout import ALIGN, SlotPlan, bind_placements, plan_layout
 from flexshard.runtime.storage import gathered_param, segment_views
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.uint8]
@@ -104,6 +104,8 @@ def test_byte_ranges_disjoint_and_aligned(bucket):
         assert all(0 <= s and e <= layout.segment_bytes for s, e in spans)
         for reg in layout.regions:
             assert reg.offsets[r] % reg.dtype.itemsize == 0
+            assert reg.offsets[r] % ALIGN == 0  # 16-byte aligned views, storage and gathered
+    assert layout.segment_bytes % ALIGN == 0
     assert layout.ideal_bytes == sum(s.shape.numel() * s.dtype.itemsize for s in slots)
     assert layout.ideal_bytes <= layout.wire_bytes
 
@@ -146,9 +148,10 @@ def test_each_rank_boundary_carries_at_most_one_chained_param(bucket):
 
 
 def test_two_rank_params_chain_on_every_boundary():
-    """Four ranks, three params each split over two neighbours: all three are views."""
+    """Four ranks, three params each split over two neighbours: all three are views.
+    (Each piece ending a segment is a multiple of 16 bytes, so chains stay aligned.)"""
     world = 4
-    specs = [((12, 4), (1, 1, 0, 0)), ((6, 4), (0, 1, 1, 0)), ((3,), (0, 0, 2, 1)), ((5,), None)]
+    specs = [((12, 4), (1, 1, 0, 0)), ((6, 4), (0, 1, 1, 0)), ((6,), (0, 0, 2, 1)), ((5,), None)]
     entries = [(torch.Size(s), 4, fs.RaggedShard(units=u)) for s, u in specs]
     bound = bind_placements(entries, world)
     slots = [SlotPlan(f"p{i}", e[0], torch.float32, b,
@@ -167,6 +170,8 @@ def test_adjacent_pieces_of_a_non_rank_major_param_are_not_a_view():
                     tuple(placement.local_shape(full.shape, r, 2) for r in range(2)))
     layout = plan_layout([slot], [full.dtype], 2)
     assert layout.gathered_range(0) is None
-    gathered = torch.cat([placement.shard(full, r, 2).reshape(-1) for r in range(2)])
-    out, copied = gathered_param(gathered.view(torch.uint8), layout, slot, 0)
+    gathered = torch.zeros(layout.wire_bytes, dtype=torch.uint8)
+    for r, segment in enumerate(gathered.chunk(2)):  # each piece at its (aligned) offset
+        segment_views(segment, layout, [slot], r)[0].copy_(placement.shard(full, r, 2))
+    out, copied = gathered_param(gathered, layout, slot, 0)
     assert torch.equal(out, full) and copied == full.numel() * full.element_size()

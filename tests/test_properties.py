@@ -9,7 +9,8 @@ that plays the collectives, so the properties hold for the code that trains:
   aligned per rank and in the gathered buffer;
 - shard then unshard is the identity through the bucket's all-gather, bitwise,
   also with a param_dtype cast;
-- the reduce-scatter hands every rank its piece of the mean gradient, bitwise;
+- the reduce-scatter hands every rank its piece of the mean gradient (grads
+  pre-divided by a power of two, summed, divided by the rest), bitwise;
 - binding (Owned owners, balanced RaggedShard rows) is deterministic and balanced.
 """
 
@@ -201,10 +202,11 @@ def test_reduce_gives_each_rank_its_piece_of_the_mean_gradient(bucket, mp, seed)
             assert all(out[i] is None for out in results)
             continue
         mean = torch.zeros(slot.shape, dtype=reduce_dtype)
-        for r in range(world):  # the same sum, in the same order, as the collective
-            mean += grads[r][i].to(reduce_dtype)
-        if world > 1:
-            mean /= world
+        mantissa, exponent = math.frexp(world)  # gloo has no AVG: pre-divide by a power
+        for r in range(world):  # of two, the same sum in the same order as the collective,
+            mean += grads[r][i].to(reduce_dtype) * 2.0 ** (1 - exponent)
+        if world > 1 and mantissa != 0.5:
+            mean /= 2 * mantissa  # then the rest of the factor
         for r in range(world):
             want = slot.placement.shard(mean, r, world).to(slot.dtype)
             assert same_bytes(results[r][i], want), (slot, r)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..compat import POST_ACCUMULATE_GRAD_HOOKS, SAC_MODES as _SAC_MODES, get_dispatch_stack_at
@@ -25,6 +26,8 @@ from ..compat import len_torch_dispatch_stack, pop_mode as _pop_mode, push_mode 
 from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy
 from .comm import Comm
+from .copyplan import plan_copies
+from .device import DeviceContexts, HostContext, on_stream
 from .layout import BucketLayout, SlotPlan, plan_layout
 from .delivery import GradRoute, anchor_grad
 from .reduction import ReduceQueue
@@ -40,10 +43,13 @@ class BucketState(enum.Enum):
 class PendingGather(NamedTuple):
     """A launched all-gather whose output is not yet consumed."""
 
-    work: Any  # dist.Work, or None when the gather already finished
+    work: Any  # dist.Work, or None when the launch waited (or world size 1)
     gathered: torch.Tensor  # the gather output
     layout: BucketLayout
     version: int  # storage version at launch: a later write makes it stale
+    send: torch.Tensor  # the gather input, held until the compute stream waited on `done`
+    done: Any  # event on the gather stream after the launch
+    stream: Any  # the compute stream current at launch (where the buffers were allocated)
 
 
 class PendingReduce(NamedTuple):
@@ -51,6 +57,26 @@ class PendingReduce(NamedTuple):
 
     work: Any  # dist.Work, or None at world size 1
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
+    held: tuple  # reduce input and unsharded grads, read on the reduce stream: kept until
+    #              finish_reduce's compute stream waited past their last use
+    post_divide: Optional[float]  # what the reduced sum is still divided by (see _reduce_op)
+
+
+class ReduceOp(NamedTuple):
+    """How a bucket averages its grads: see Bucket._reduce_op."""
+
+    pre_scale: Optional[float]  # a power of two the reduce input is multiplied by
+    post_divide: Optional[float]  # in [1, 2): the reduced output is divided by it
+    op: Any  # dist.ReduceOp.SUM or AVG
+
+
+class LayoutPlans(NamedTuple):
+    """What a gather over one layout needs each step, decided at wrap time."""
+
+    keeps_views: bool  # see BucketLayout.keeps_views
+    copies: tuple  # CopyPlan per slot
+    is_storage: bool  # the storage buffer is the gather input (no copy-in)
+    copy_in_bytes: int
 
 
 @contextmanager
@@ -127,7 +153,8 @@ class Bucket:
 
     def __init__(self, name: str, slots: Sequence[SlotPlan], trainable: Sequence[bool],
                  mp: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 group, rank: int, world_size: int, comm: Comm, device) -> None:
+                 group, rank: int, world_size: int, comm: Comm, device,
+                 devices: Optional[DeviceContexts] = None) -> None:
         self.name, self.slots, self.mp = name, tuple(slots), mp
         self.reshard_after_forward = reshard_after_forward
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
@@ -156,8 +183,26 @@ class Bucket:
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         self._held_version = -1
-        self._keeps_views = {lay: lay.keeps_views  # decided once, at wrap time
-                             for lay in (self.storage.layout, self.gather_layout)}
+        self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
+        # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
+        self._plans = {id(lay): self._layout_plans(lay)
+                       for lay in (self.storage.layout, self.gather_layout)}
+        self._reduce_copies = plan_copies(self.reduce_layout,
+                                          [slots[i] for i in self.grad_slots])
+
+    def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
+        is_storage = layout == self.storage.layout
+        copy_in = 0 if is_storage else sum(reg.nbytes[self.rank] for reg in layout.regions)
+        return LayoutPlans(layout.keeps_views, plan_copies(layout, self.slots), is_storage, copy_in)
+
+    def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
+        plans = self._plans.get(id(layout))
+        return plans if plans is not None else self._layout_plans(layout)
+
+    @property
+    def device_ctx(self) -> HostContext:
+        """Streams and events of the device the storage lives on now."""
+        return self.devices.get(self.storage.buffer.device)
 
     @property
     def needs_hooks(self) -> bool:
@@ -286,15 +331,27 @@ class Bucket:
         a prefetched gather of the same layout when one is in flight."""
         layout = layout or self.gather_layout
         pending = self._take_inflight(layout) or self._launch(layout, async_op=False)
-        if pending.work is not None:
-            pending.work.wait()
-        outs, view_ok = [], self._keeps_views[layout]
+        plans = self._plans_for(layout)
+        self._await_gather(pending)
+        outs = []
         with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
-            for i, slot in enumerate(self.slots):
-                full, copied = gathered_param(pending.gathered, layout, slot, i, view_ok)
+            for i, slot in enumerate(self.slots):  # copy-out on the compute stream
+                full, copied = gathered_param(pending.gathered, layout, slot, i,
+                                              plans.keeps_views, plans.copies[i])
                 self.counters.copy_out_bytes += copied
                 outs.append(full)
         return outs
+
+    def _await_gather(self, pending: PendingGather) -> None:
+        """Make the compute stream (the current one) wait for a launched gather.
+        After this the gather input may be dropped (see PendingGather.send)."""
+        ctx = self.device_ctx
+        ctx.wait(pending.done)
+        if pending.work is not None:
+            pending.work.wait()  # NCCL: the current stream waits; gloo: the host waits
+        stream = ctx.current()
+        if stream != pending.stream:  # consumed under another stream than launched
+            ctx.adopt(pending.gathered, stream)
 
     def start_gather(self) -> bool:
         """Launch the bucket's gather without waiting (prefetch); the next
@@ -310,13 +367,12 @@ class Bucket:
         pending, self.inflight = self.inflight, None
         if pending is None:
             return
-        if pending.work is not None:
-            pending.work.wait()
+        self._await_gather(pending)  # its buffers die on the compute stream's side
         self.counters.discarded_prefetches += 1
 
     def _take_inflight(self, layout: BucketLayout) -> Optional[PendingGather]:
         pending = self.inflight
-        if pending is None or pending.layout != layout:
+        if pending is None or pending.layout is not layout:
             return None
         if pending.version != tensor_version(self.storage.buffer):  # params written since launch
             self.discard_gather()
@@ -325,66 +381,99 @@ class Bucket:
         return pending
 
     def _launch(self, layout: BucketLayout, async_op: bool) -> PendingGather:
-        version = tensor_version(self.storage.buffer)
+        """Copy-in (cast) on the copy-in stream, then the all-gather on the
+        gather stream. Both buffers are allocated first, on the compute stream,
+        and the side streams start after an event recorded after that."""
+        ctx, plans, version = self.device_ctx, self._plans_for(layout), tensor_version(self.storage.buffer)
         with torch.no_grad(), _hidden_from_checkpoint():
-            send = self._gather_input(layout)
+            send, gathered = self._gather_buffers(layout, plans)
+            after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
+            if not plans.is_storage:
+                with on_stream(ctx, ctx.copy_in, ready):
+                    self._copy_in(send, layout)
+                    after = ctx.record(ctx.copy_in)
             work = None
-            if self.world_size == 1:
-                gathered = send
-            else:
-                gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=send.device)
-                work = self.comm.all_gather(gathered, send, self.group, async_op=async_op)
+            with on_stream(ctx, ctx.gather, after):
+                if self.world_size > 1:
+                    work = self.comm.all_gather(gathered, send, self.group, async_op=async_op)
+                done = ctx.record(ctx.gather)
         self.counters.gathers += 1
+        self.counters.copy_in_bytes += plans.copy_in_bytes
         self.counters.gather_wire_bytes += layout.wire_bytes if self.world_size > 1 else 0
         self.counters.gather_ideal_bytes += layout.ideal_bytes if self.world_size > 1 else 0
-        return PendingGather(work if async_op else None, gathered, layout, version)
+        return PendingGather(work if async_op else None, gathered, layout, version, send, done,
+                             ctx.current())
 
-    def _gather_input(self, layout: BucketLayout) -> torch.Tensor:
-        if layout == self.storage.layout:
-            return self.storage.buffer
-        send = torch.empty(layout.segment_bytes, dtype=torch.uint8,
-                           device=self.storage.buffer.device)
+    def _gather_buffers(self, layout: BucketLayout, plans: LayoutPlans) -> tuple:
+        """(gather input, gather output), on the compute stream."""
+        device = self.storage.buffer.device
+        send = self.storage.buffer
+        if not plans.is_storage:
+            send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+        if self.world_size == 1:
+            return send, send
+        return send, torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+
+    def _copy_in(self, send: torch.Tensor, layout: BucketLayout) -> None:
+        """This rank's pieces, cast to the layout's dtypes: one copy per param."""
         for reg, slot, view in zip(layout.regions, self.slots, self.storage.views):
             typed_view(send, reg.offsets[self.rank], reg.dtype,
                        slot.local_shapes[self.rank]).copy_(view)
-            self.counters.copy_in_bytes += reg.nbytes[self.rank]
-        return send
 
     def start_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
-        """Pack the unsharded grads and launch their reduce-scatter without
-        waiting; None under no-sync (the packed grads are kept for later)."""
-        layout = self.reduce_layout
+        """Pack the unsharded grads and launch their reduce-scatter on the
+        reduce stream without waiting; None under no-sync (the packed grads are
+        kept for later)."""
+        ctx, layout, sync = self.device_ctx, self.reduce_layout, self.requires_gradient_sync
         send = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=self.storage.buffer.device)
-        for j, i in enumerate(self.grad_slots):
-            if grads[i] is not None:
-                self._pack_grad(send, j, i, grads[i])
-        if not self.requires_gradient_sync:
-            self._accumulate_pending(send)
+        out = send if self.world_size == 1 or not sync else torch.empty(
+            layout.segment_bytes, dtype=torch.uint8, device=send.device)
+        held = (send, self.pending_grads, *grads)
+        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
+            self._pack(send, grads)
+            if not sync:
+                self._accumulate_pending(send)
+            else:
+                op = self._reduce_op()
+                work = self._reduce_scatter(send, out, op)
+            done = ctx.record(ctx.reduce)
+        if not sync:
+            ctx.wait(done)  # autograd frees the grads when backward returns: not before the pack
             return None
-        if self.pending_grads is not None:
-            send, self.pending_grads = self._typed(send).add_(self._typed(self.pending_grads)), None
-            send = send.view(torch.uint8)
-        return self._reduce_scatter(send)
+        return PendingReduce(work, out, held, op.post_divide)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
-        """Wait for a launched reduce-scatter; returns sharded grads per slot."""
-        if pending.work is not None:
-            pending.work.wait()
-        if self.world_size > 1 and self.gradient_divide_factor != 1.0:
-            self._typed(pending.output).div_(self.gradient_divide_factor)
-        return self._sharded_grads(pending.output)
+        """Wait for a launched reduce-scatter; returns sharded grads per slot
+        (cast on the reduce stream; the compute stream waits for them)."""
+        ctx = self.device_ctx
+        targets = self._grad_targets(pending.output)
+        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: the cast outputs' allocation
+            if pending.work is not None:
+                pending.work.wait()
+            if pending.post_divide is not None:
+                self._typed(pending.output).div_(pending.post_divide)
+            for view, target in targets:
+                if target is not view:
+                    target.copy_(view)
+            done = ctx.record(ctx.reduce)
+        ctx.wait(done)  # now `pending` (its input, the grads) may die: see PendingReduce.held
+        grads: list = [None] * len(self.slots)
+        for i, (_, target) in zip(self.grad_slots, targets):
+            grads[i] = target
+        return grads
 
     def _typed(self, buf: torch.Tensor) -> torch.Tensor:
         dtype = self.reduce_layout.regions[0].dtype
         return buf.view(dtype)
 
-    def _pack_grad(self, send: torch.Tensor, j: int, i: int, grad: torch.Tensor) -> None:
-        layout, slot = self.reduce_layout, self.slots[i]
-        for r in range(self.world_size):
-            piece = slot.placement.shard(grad, r, self.world_size)
-            typed_view(send, layout.piece_start(j, r), layout.regions[j].dtype,
-                       slot.local_shapes[r]).copy_(piece)
-        self.counters.copy_in_bytes += sum(layout.regions[j].nbytes)
+    def _pack(self, send: torch.Tensor, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Every unsharded grad into its rank pieces of the reduce input: a few
+        ops per param whatever the world size (see copyplan.py)."""
+        for j, i in enumerate(self.grad_slots):
+            if grads[i] is not None:
+                plan = self._reduce_copies[j]
+                plan.pack(send, grads[i])
+                self.counters.copy_in_bytes += plan.numel * plan.dtype.itemsize
 
     def _accumulate_pending(self, send: torch.Tensor) -> None:
         if self.pending_grads is None:
@@ -392,31 +481,57 @@ class Bucket:
         else:
             self._typed(self.pending_grads).add_(self._typed(send))
 
-    def _reduce_scatter(self, send: torch.Tensor) -> PendingReduce:
-        layout = self.reduce_layout
-        work = None
-        if self.world_size == 1:
-            out = send
-        else:
-            out = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=send.device)
-            work = self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group,
-                                            async_op=True)
-            self.counters.reduce_wire_bytes += layout.wire_bytes
-            self.counters.reduce_ideal_bytes += layout.ideal_bytes
-        self.counters.reduces += 1
-        return PendingReduce(work, out)
+    def _reduce_op(self) -> ReduceOp:
+        """The backend's average where it has one (NCCL AVG). Else the grads are
+        pre-multiplied by 2**-k, 2**k the largest power of two <= factor (exact:
+        a power of two only moves the exponent), summed, and divided by the
+        rest of the factor (in [1, 2)): the sum of W grads so pre-divided stays
+        below twice the largest grad, where a sum first and a divide after
+        overflows in low precision at large world sizes. Bitwise, this is
+        sum-then-divide wherever that does not overflow (or go subnormal).
+        A factor of 1 (torchtitan's) sums."""
+        factor = self.gradient_divide_factor
+        if self.world_size == 1 or factor == 1.0:
+            return ReduceOp(None, None, dist.ReduceOp.SUM)
+        if factor == self.world_size and self.comm.averages(self.group):
+            return ReduceOp(None, None, dist.ReduceOp.AVG)
+        mantissa, exponent = math.frexp(factor)  # factor = (2 * mantissa) * 2 ** (exponent - 1)
+        post = 2.0 * mantissa
+        return ReduceOp(2.0 ** (1 - exponent), None if post == 1.0 else post, dist.ReduceOp.SUM)
 
-    def _sharded_grads(self, out: torch.Tensor) -> list:
-        grads: list = [None] * len(self.slots)
+    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: "ReduceOp") -> Any:
+        """On the reduce stream: add the no-sync sum, pre-scale, launch."""
+        layout = self.reduce_layout
+        if self.pending_grads is not None:
+            self._typed(send).add_(self._typed(self.pending_grads))
+            self.pending_grads = None  # held by the PendingReduce until finish_reduce
+        if op.pre_scale is not None:
+            self._typed(send).mul_(op.pre_scale)
+        self.counters.reduces += 1
+        if self.world_size == 1:
+            return None
+        self.counters.reduce_wire_bytes += layout.wire_bytes
+        self.counters.reduce_ideal_bytes += layout.ideal_bytes
+        kwargs = {} if op.op == dist.ReduceOp.SUM else {"op": op.op}  # a Comm may not take op
+        return self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group,
+                                        async_op=True, **kwargs)
+
+    def _grad_targets(self, out: torch.Tensor) -> list:
+        """(view of the reduce output, sharded grad) per trainable slot; the
+        grad is the view itself when no cast is needed, else a new tensor
+        (allocated here, on the compute stream)."""
+        targets = []
         for j, i in enumerate(self.grad_slots):
             reg, slot = self.reduce_layout.regions[j], self.slots[i]
             shape = slot.local_shapes[self.rank]
             if math.prod(shape) == 0:  # a view would pin the whole reduce output
-                grads[i] = torch.zeros(shape, dtype=slot.dtype, device=out.device)
+                empty = torch.zeros(shape, dtype=slot.dtype, device=out.device)
+                targets.append((empty, empty))
                 continue
-            g = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
-            grads[i] = g.to(slot.dtype)
-        return grads
+            view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
+            targets.append((view, view if reg.dtype == slot.dtype else
+                            torch.empty(shape, dtype=slot.dtype, device=out.device)))
+        return targets
 
 
 def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:

@@ -21,10 +21,16 @@ class Comm:
         return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
-                       async_op: bool = False) -> Optional[dist.Work]:
-        """Sum rank-major `input`s and give rank r segment r in `output`."""
-        return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
-                                          group=group, async_op=async_op)
+                       async_op: bool = False,
+                       op: dist.ReduceOp = dist.ReduceOp.SUM) -> Optional[dist.Work]:
+        """Reduce rank-major `input`s by `op` (SUM, or AVG where `averages`)
+        and give rank r segment r in `output`."""
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+    def averages(self, group) -> bool:
+        """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;
+        gloo does not, so a bucket pre-divides and sums there)."""
+        return group is not None and dist.get_backend(group) == dist.Backend.NCCL
 
     def all_reduce(self, tensor: torch.Tensor, group,
                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:

@@ -103,6 +103,17 @@ def _align(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+# Every piece starts on a multiple of ALIGN bytes (and of its itemsize), and
+# segments are multiples of it: vectorised kernels (16-byte loads on GPUs,
+# fused optimizers) then see aligned parameter views in every layout, given a
+# buffer base aligned at least as much (torch's allocators give 64+ bytes).
+ALIGN = 16
+
+
+def _piece_align(dtype: torch.dtype) -> int:
+    return max(ALIGN, dtype.itemsize)
+
+
 # Zero-copy chains. A rank-major parameter split over ranks a..b is a view of
 # the gathered buffer when its piece on a ENDS segment a, its pieces on a+1..b-1
 # fill their whole segments and its piece on b STARTS segment b (FSDP1's flat
@@ -118,11 +129,14 @@ class _Chain(NamedTuple):
 
 
 def _chain_candidates(slots: Sequence[SlotPlan], nbytes: list) -> list:
-    """Rank-major slots whose non-empty pieces sit on 2+ consecutive ranks, largest first."""
+    """Rank-major slots whose non-empty pieces sit on 2+ consecutive ranks, largest first.
+    The piece ending a segment starts at segment - its size, so it stays aligned
+    only when its size is a multiple of ALIGN: other slots cannot chain."""
     out = []
     for i, slot in enumerate(slots):
         ranks = [r for r, b in enumerate(nbytes[i]) if b]
         if (len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
+                and all(nbytes[i][r] % ALIGN == 0 for r in ranks[:-1])
                 and slot.placement.rank_major(slot.shape)):
             out.append(_Chain(i, ranks[0], ranks[-1]))
     return sorted(out, key=lambda c: (-sum(nbytes[c.slot]), c.slot))
@@ -169,12 +183,13 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
                 world_size: int) -> BucketLayout:
     """Lay each rank's pieces of `slots`, typed as `dtypes`, into its segment.
 
-    Each piece is aligned to its dtype's size and the segment to the largest,
-    so every typed view of the gathered buffer is aligned as well. Where the
+    Each piece is aligned to ALIGN bytes (16, or its itemsize if larger) and
+    the segment to the largest, so every typed view of the gathered buffer is
+    aligned as well. Where the
     placements allow it, split parameters are chained across rank boundaries
     so that they are views of the gathered buffer (no copy-out).
     """
-    sizes = [d.itemsize for d in dtypes]
+    sizes = [_piece_align(d) for d in dtypes]
     nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
               for s, d in zip(slots, dtypes)]
     candidates, rejected = _chain_candidates(slots, nbytes), set()

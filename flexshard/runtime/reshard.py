@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..compat import top_saved_tensors_default_hooks
+from ..compat import tensor_version, top_saved_tensors_default_hooks
 from .reduction import ReduceQueue
 
 
@@ -66,11 +66,11 @@ class _Activation(NamedTuple):
 
     def check(self) -> torch.Tensor:
         t = self.tensor
-        if t._version != self.version:
+        if tensor_version(t) != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by "
                 f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
-                f"{t._version}; expected version {self.version} instead (saved in a "
+                f"{tensor_version(t)}; expected version {self.version} instead (saved in a "
                 "flexshard bucket's forward)")
         return t
 
@@ -104,7 +104,7 @@ class SavedParams:
             if ptr and ptr not in self._by_storage:  # 0: empty or meta, never a match
                 self._by_storage[ptr] = (bucket, i)
                 keys.append(ptr)
-        bucket.saved_version = bucket.storage.buffer._version
+        bucket.saved_version = tensor_version(bucket.storage.buffer)
 
     def forget(self, bucket) -> None:
         """`bucket` resharded: its storages (still alive here) leave the registry."""
@@ -136,7 +136,7 @@ class SavedParams:
             # would hold its own grad_fn through the node (a cycle no GC sees, leaking
             # the graph of a forward never backpropagated). The version is checked on
             # unpack, as autograd checks it without hooks.
-            return _Activation(t.detach(), t._version)
+            return _Activation(t.detach(), tensor_version(t))
         bucket, slot = found
         bucket.saved_in_forward = True
         return ParamHandle(bucket, slot, t.dtype, tuple(t.shape), t.stride(),
@@ -156,7 +156,7 @@ class SavedParams:
 
     def regathered(self, handle: ParamHandle) -> list:
         bucket = handle.bucket
-        if bucket.storage.buffer._version != handle.version:
+        if tensor_version(bucket.storage.buffer) != handle.version:
             raise RuntimeError(
                 f"bucket {bucket.name!r}: its sharded params changed between forward and "
                 "backward (an optimizer step or an in-place write?); backward regathers them "

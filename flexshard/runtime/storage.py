@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .copyplan import CopyPlan
 from .layout import BucketLayout, SlotPlan
 
 
@@ -23,24 +24,17 @@ def segment_views(buffer: torch.Tensor, layout: BucketLayout, slots, rank: int) 
             for slot, reg in zip(slots, layout.regions)]
 
 
-def gathered_pieces(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
-                    index: int) -> list:
-    """Views of every rank's piece of slot `index` in a gathered buffer."""
-    reg = layout.regions[index]
-    return [typed_view(gathered, layout.piece_start(index, r), reg.dtype, slot.local_shapes[r])
-            for r in range(layout.world_size)]
-
-
 def gathered_param(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
-                   index: int, view_ok: bool = True) -> tuple:
+                   index: int, view_ok: bool = True,
+                   plan: Optional[CopyPlan] = None) -> tuple:
     """(unsharded tensor, copied bytes): a view when the pieces are contiguous
-    (and `view_ok`), else the placement joins them (a copy-out)."""
-    span: Optional[tuple] = layout.gathered_range(index) if view_ok else None
-    dtype = layout.regions[index].dtype
-    if span is not None:
-        return typed_view(gathered, span[0], dtype, slot.shape), 0
-    full = slot.placement.unshard(gathered_pieces(gathered, layout, slot, index), slot.shape)
-    return full, full.numel() * dtype.itemsize
+    (and `view_ok`), else a copy (the copy-out). `plan` is the slot's CopyPlan
+    in `layout`, made at wrap time (made here when not given)."""
+    plan = plan or CopyPlan(layout, slot, index)
+    if plan.span is not None and view_ok:
+        return plan.full(gathered), 0
+    full = plan.full(gathered, copy=True)
+    return full, full.numel() * full.element_size()
 
 
 class BucketStorage:

@@ -1,0 +1,165 @@
+"""The stream model (runtime/device.py, design.md "Streams and buffers"), checked
+on CPU through a device context that records every stream switch, event
+record and event wait, and which stream each op and collective ran on."""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flexshard as fs
+from benchmarks.hot_path import LocalComm, make_bucket
+from flexshard.runtime.device import DeviceContexts, HostContext
+
+SHAPES = [(16, 4), (8,)]
+
+
+class RecordingContext(HostContext):
+    """Program order, as on CPU, with a log of ("record", stream, event),
+    ("wait", stream, event), ("adopt", stream) and ("op"/"comm", stream, name)."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.log, self.stack, self.compute = [], [], "compute"
+        self._ids = itertools.count()
+
+    def current(self):
+        return self.stack[-1] if self.stack else self.compute
+
+    @contextmanager
+    def on(self, stream):
+        self.stack.append(stream)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def record(self, stream=None):
+        event = next(self._ids)
+        self.log.append(("record", stream or self.current(), event))
+        return event
+
+    def wait(self, event, stream=None):
+        self.log.append(("wait", stream or self.current(), event))
+
+    def adopt(self, tensor, stream):
+        self.log.append(("adopt", stream))
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self, ctx: RecordingContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("copy_", "index_copy_", "mul_", "div_", "add_"):
+            self.ctx.log.append(("op", self.ctx.current(), func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+class StreamComm(LocalComm):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ctx = None
+
+    def all_gather(self, output, input, group, async_op=False):
+        self.ctx.log.append(("comm", self.ctx.current(), "all_gather"))
+        return super().all_gather(output, input, group, async_op)
+
+    def reduce_scatter(self, output, input, group, async_op=False, op=None):
+        self.ctx.log.append(("comm", self.ctx.current(), "reduce_scatter"))
+        return super().reduce_scatter(output, input, group, async_op)
+
+
+def _bucket(mp=None):
+    comm = StreamComm()
+    bucket = make_bucket(4, fs.Shard(0), SHAPES, mp=mp, comm=comm)
+    ctx = RecordingContext(bucket.storage.buffer.device)
+    bucket.devices.set(bucket.storage.buffer.device, ctx)
+    comm.ctx = ctx
+    return bucket, ctx
+
+
+def _waits_before(log, index, stream, event_stream) -> bool:
+    """Whether `stream` waited, before log[index], on an event recorded on `event_stream`
+    earlier still."""
+    recorded = {e for kind, s, e in log[:index] if kind == "record" and s == event_stream}
+    return any(kind == "wait" and s == stream and e in recorded
+               for kind, s, e in [x for x in log[:index] if len(x) == 3])
+
+
+def test_gather_runs_copy_in_then_gather_on_side_streams_and_compute_waits():
+    bucket, ctx = _bucket(fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with OpLog(ctx):
+        bucket.gather_params()
+    log = ctx.log
+    copy_in = [i for i, x in enumerate(log) if x[:2] == ("op", "copy_in")]
+    gather = next(i for i, x in enumerate(log) if x == ("comm", "gather", "all_gather"))
+    copy_out = [i for i, x in enumerate(log) if x[:2] == ("op", "compute")]
+    assert copy_in and copy_out
+    assert all(_waits_before(log, i, "copy_in", "compute") for i in copy_in)
+    assert copy_in[-1] < gather and _waits_before(log, gather, "gather", "copy_in")
+    assert all(_waits_before(log, i, "compute", "gather") for i in copy_out)
+    assert {x[1] for x in log if x[0] == "wait"} <= {"copy_in", "gather", "compute"}
+
+
+def test_reduce_packs_after_the_grads_and_compute_waits_for_the_sharded_grads():
+    bucket, ctx = _bucket(fs.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    grads = [torch.ones(s.shape) for s in bucket.slots]
+    with OpLog(ctx):
+        bucket.finish_reduce(bucket.start_reduce(grads))
+    log = ctx.log
+    scatter = next(i for i, x in enumerate(log) if x == ("comm", "reduce", "reduce_scatter"))
+    packs = [i for i, x in enumerate(log[:scatter]) if x == ("op", "reduce", "copy_")]
+    assert len(packs) == len(SHAPES)  # one strided copy per param
+    assert all(_waits_before(log, i, "reduce", "compute") for i in packs)
+    # the mean: a pre-divide on the reduce stream (gloo-like Comm: no AVG)
+    assert any(x == ("op", "reduce", "mul_") for x in log[:scatter])
+    casts = [i for i, x in enumerate(log) if x[:2] == ("op", "reduce") and i > scatter]
+    assert casts  # bf16 reduce, fp32 params: the cast runs on the reduce stream
+    last_reduce = max(i for i, x in enumerate(log) if x[0] == "record" and x[1] == "reduce")
+    assert any(x[0] == "wait" and x[1] == "compute" and x[2] == log[last_reduce][2]
+               for x in log[last_reduce:])
+    assert not any(x[0] == "op" and x[1] == "compute" for x in log)  # nothing on compute
+
+
+def test_a_gather_consumed_on_another_stream_is_waited_there_and_adopted():
+    """unshard(async_op=True) under one stream, forward (UnshardHandle.wait) under another."""
+    bucket, ctx = _bucket()
+    bucket.start_gather()
+    ctx.compute = "forward"
+    bucket.gather_params()
+    done = next(e for kind, s, e in [x for x in ctx.log if len(x) == 3]
+                if kind == "record" and s == "gather")
+    assert ("wait", "forward", done) in ctx.log
+    assert ("adopt", "forward") in ctx.log
+
+
+def test_same_stream_consumption_adopts_nothing():
+    bucket, ctx = _bucket()
+    bucket.start_gather()
+    bucket.gather_params()
+    assert not any(x[0] == "adopt" for x in ctx.log)
+
+
+def test_no_sync_pack_is_waited_before_the_grads_can_die():
+    bucket, ctx = _bucket()
+    bucket.requires_gradient_sync = False
+    assert bucket.start_reduce([torch.ones(s.shape) for s in bucket.slots]) is None
+    last = max(i for i, x in enumerate(ctx.log) if x[0] == "record" and x[1] == "reduce")
+    assert ("wait", "compute", ctx.log[last][2]) in ctx.log[last:]
+
+
+def test_buckets_of_one_model_share_one_context_per_device():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fs.flex_shard(model, buckets=[fs.BucketSpec("0.*"), fs.BucketSpec("1.*")],
+                  mp_policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    from flexshard.runtime.state import get_state
+
+    buckets = get_state(model).buckets
+    assert buckets[0].device_ctx is buckets[1].device_ctx
+    assert type(buckets[0].device_ctx) is HostContext
+    assert isinstance(DeviceContexts().get(torch.device("cpu")), HostContext)
