@@ -34,6 +34,7 @@ from .runtime.hooks import (
     unshard_explicitly,
 )
 from .runtime.layout import SlotPlan, bind_placements
+from .runtime.mesh import MeshGroups, mesh_groups, single_process
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
@@ -126,7 +127,8 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                reshard_after_forward: bool = True,
                comm: Optional[Comm] = None) -> nn.Module:
-    """Shard `module`'s parameters over a 1-D mesh, bucket by bucket.
+    """Shard `module`'s parameters over a 1-D mesh, bucket by bucket; a 2-D
+    mesh is HSDP (dim 0 replicates, dim 1 shards, as FSDP2).
 
     Returns the same module, now also a FlexShardModule. Outside forward and
     backward its parameters are this rank's local shards.
@@ -137,12 +139,12 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     _check_params(named)
     members = assign_params(list(named), specs)
     rank, world_size = _rank_and_world(mesh)
-    plans = [_plan_slots(spec, names, named, placement, world_size)
+    plans = [_plan_slots(spec, names, named, placement, world_size, _shard_dim_note(mesh))
              for spec, names in zip(specs, members)]
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
-    state = FlexShardState(mesh, mesh.get_group() if mesh is not None else None,
-                           rank, world_size, comm or Comm())
+    state = _new_state(mesh_groups(mesh) if mesh is not None else single_process(),
+                       comm or Comm())
     check_ranks_agree(state, specs, plans, named, mp_policy, reshard_after_forward)
     _build(module, state, specs, plans, named, mp_policy, reshard_after_forward, device)
     attach_state(module, state)
@@ -164,9 +166,10 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
                              "wrap only the root module, with one BucketSpec per group")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh is not None and mesh.ndim != 1:
-        raise ValueError(f"mesh must be 1-D, got a {mesh.ndim}-D mesh of shape "
-                         f"{tuple(mesh.shape)}; pass a 1-D slice such as mesh['dp']")
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (shard) or 2-D (HSDP: replicate, shard), got a "
+                         f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass a slice such "
+                         "as mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
     if not isinstance(placement, Placement) and not callable(placement):
         raise TypeError(f"placement {placement!r} is not a Placement or a callable "
                         "(fqn, param) -> Placement; use e.g. fs.Shard(0)")
@@ -207,8 +210,9 @@ def _check_params(named: dict) -> None:
 
 
 def _rank_and_world(mesh) -> tuple:
+    """This rank and the size of the group that shards (mesh dim 1 under HSDP)."""
     if mesh is not None:
-        return mesh.get_local_rank(), mesh.size()
+        return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -232,7 +236,21 @@ def _default_mesh(device: torch.device, world_size: int) -> Optional[DeviceMesh]
     return init_device_mesh(device_type, (world_size,))
 
 
-def _plan_slots(spec: BucketSpec, names, named, default, world_size) -> list:
+def _shard_dim_note(mesh) -> str:
+    if mesh is None or mesh.ndim == 1:
+        return ""
+    return (f" (under HSDP placements split over the shard group, dim 1 of the "
+            f"{tuple(mesh.shape)} mesh: {mesh.size(1)} rank(s))")
+
+
+def _new_state(groups: MeshGroups, comm: Comm) -> FlexShardState:
+    return FlexShardState(groups.mesh, groups.shard_group, groups.shard_rank, groups.shard_size,
+                          comm, replicate_group=groups.replicate_group,
+                          replicate_size=groups.replicate_size, mesh_group=groups.mesh_group,
+                          mesh_rank=groups.mesh_rank, mesh_size=groups.mesh_size)
+
+
+def _plan_slots(spec: BucketSpec, names, named, default, world_size, note="") -> list:
     choice = spec.placement if spec.placement is not None else default
     entries = []
     for fqn in names:
@@ -245,7 +263,7 @@ def _plan_slots(spec: BucketSpec, names, named, default, world_size) -> list:
         try:
             placement.check(param.shape, world_size)
         except ValueError as e:
-            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}") from None
+            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}{note}") from None
         entries.append((param.shape, param.dtype.itemsize, placement))
     bound = bind_placements(entries, world_size)
     return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
@@ -290,7 +308,9 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
                           else reshard and runner is not module)
         bucket = Bucket(spec.label, slots, [named[s.fqn].requires_grad for s in slots],
                         spec.mp_policy or mp_policy, bucket_reshard, state.group,
-                        state.rank, state.world_size, state.comm, device)
+                        state.rank, state.world_size, state.comm, device,
+                        replicate_group=state.replicate_group,
+                        replicate_size=state.replicate_size)
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.reduce_queue = reduce_queue
         pairs = [[(m, a) for m, a, _ in a] for a in slot_aliases]

@@ -80,7 +80,8 @@ def check_ranks_agree(state, specs, plans, named, mp_policy, reshard_after_forwa
                                reshard_after_forward if spec.reshard_after_forward is None
                                else spec.reshard_after_forward, spec.mp_policy or mp_policy)
             for spec, slots in zip(specs, plans)]
-    check_plans_agree(plan, state.comm, state.group, state.rank, state.world_size,
+    # Over the whole mesh: under HSDP the replicas of a shard rank must agree too.
+    check_plans_agree(plan, state.comm, state.mesh_group, state.mesh_rank, state.mesh_size,
                       _mesh_device(state.mesh))
 
 

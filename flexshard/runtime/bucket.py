@@ -93,6 +93,8 @@ class BucketCounters:
     gather_ideal_bytes: int = 0
     reduce_wire_bytes: int = 0
     reduce_ideal_bytes: int = 0
+    all_reduces: int = 0  # HSDP: all-reduces of reduced shards across the replicate group
+    all_reduce_bytes: int = 0
     copy_in_bytes: int = 0
     copy_out_bytes: int = 0
 
@@ -119,10 +121,14 @@ class Bucket:
 
     def __init__(self, name: str, slots: Sequence[SlotPlan], trainable: Sequence[bool],
                  mp: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 group, rank: int, world_size: int, comm: Comm, device) -> None:
+                 group, rank: int, world_size: int, comm: Comm, device, *,
+                 replicate_group=None, replicate_size: int = 1) -> None:
         self.name, self.slots, self.mp = name, tuple(slots), mp
         self.reshard_after_forward = reshard_after_forward
+        # group, rank, world_size: the shard group. Under HSDP the reduced
+        # shards are then all-reduced across replicate_group (None: no replicas).
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
+        self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.storage = BucketStorage(plan_layout(slots, [s.dtype for s in slots], world_size),
                                      slots, rank, device)
         self.gather_layout = plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size)
@@ -134,7 +140,8 @@ class Bucket:
         self.state = BucketState.SHARDED
         self.gathering = False  # true while the gather runs: the recompute policy reads it
         self.requires_gradient_sync = True
-        self.gradient_divide_factor = float(world_size)  # reduced grads are divided by it (mean)
+        # reduced grads are divided by it: the mean over every rank, replicas included
+        self.gradient_divide_factor = float(world_size * replicate_size)
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.counters = BucketCounters()
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
@@ -151,7 +158,8 @@ class Bucket:
     def needs_hooks(self) -> bool:
         """False at world size 1 without a cast when every piece has the full
         shape: the sharded params are the full ones."""
-        return (self.world_size > 1 or self.gather_layout != self.storage.layout
+        return (self.world_size > 1 or self.replicate_group is not None
+                or self.gather_layout != self.storage.layout
                 or any(s.local_shapes[0] != s.shape for s in self.slots))
 
     def assert_state(self, *states: BucketState) -> None:
@@ -349,7 +357,11 @@ class Bucket:
         """Wait for a launched reduce-scatter; returns sharded grads per slot."""
         if pending.work is not None:
             pending.work.wait()
-        if self.world_size > 1 and self.gradient_divide_factor != 1.0:
+        if self.replicate_group is not None:  # after the reduce-scatter: it sums the shards
+            self.comm.all_reduce(self._typed(pending.output), self.replicate_group)
+            self.counters.all_reduces += 1
+            self.counters.all_reduce_bytes += pending.output.numel()
+        if self.world_size * self.replicate_size > 1 and self.gradient_divide_factor != 1.0:
             self._typed(pending.output).div_(self.gradient_divide_factor)
         return self._sharded_grads(pending.output)
 
