@@ -15,7 +15,7 @@ LAYERS = [
     {"runtime.comm"},
     {"placements", "placements."},
     {"config"},
-    {"runtime.layout", "runtime.storage", "runtime.state", "runtime.order"},
+    {"runtime.layout", "runtime.storage", "runtime.state", "runtime.order", "runtime.mesh"},
     {"runtime.reduction"},
     {"runtime.bucket"},
     {"runtime.prefetch", "runtime.reshard"},
