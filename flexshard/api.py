@@ -52,8 +52,9 @@ class FlexShardModule:
             bucket.requires_gradient_sync = requires_gradient_sync
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by `factor` instead of the world size (the mean);
-        1.0 sums them, for losses already normalised over all ranks (as torchtitan's)."""
+        """Divide reduced gradients by `factor` instead of the number of ranks (the
+        mean; replicas included under HSDP); 1.0 sums them, for losses already
+        normalised over all ranks (as torchtitan's)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
             raise TypeError(f"set_gradient_divide_factor expects a number, got {factor!r}")
         if not factor > 0:
