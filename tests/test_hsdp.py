@@ -222,6 +222,38 @@ def test_describe_one_dimensional_counts_no_all_reduce():
     assert plan.mesh_shape == (1, 1) and plan.all_reduces_per_step == 0
 
 
+# A 2-D mesh that is a slice of a larger world (here beside a pipeline dim).
+
+
+def sub_mesh_training() -> tuple:
+    """Rank body: (2, 1, 2) as (pp, replicate, shard); each pp stage's ranks wrap
+    their own model over their (1, 2) slice. (full params, mesh rank, mesh size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from flexshard.runtime.state import get_state
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "replicate", "shard"))
+    model = fs.flex_shard(make_model(), mesh["replicate", "shard"])
+    opt = adamw(model)
+    for step in range(STEPS):
+        x, y = batch(step, dist.get_rank())
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    state = get_state(model)
+    return fs.full_state_dict(model), state.mesh_rank, state.mesh_size
+
+
+def test_mesh_slice_of_a_larger_world():
+    results = run_world(WORLD, sub_mesh_training)
+    # The plan check and checkpoint barriers run within the slice: a group of its ranks.
+    assert [r[1:] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    _, ref_params = reference_run(2, STEPS)  # stage 0 trains on the batches of ranks 0 and 1
+    for k, ref in ref_params.items():
+        assert_rel_close(results[0][0][k], ref, 1e-5, k)
+        assert torch.equal(results[2][0][k], results[3][0][k]), k
+        assert not torch.equal(results[2][0][k], results[0][0][k]), f"{k}: stage 1 has other data"
+
+
 # The plan check runs over the whole mesh.
 
 
