@@ -1,5 +1,5 @@
 """HSDP checkpoints: saved under a (2, 2) mesh, loaded into a 1-D world of 2
-ranks with another placement, saved there and loaded back under (2, 2);
+ranks (and of 3) with another placement, saved there and loaded back under (2, 2);
 model and optimizer state, against a single process whose world size changes
 mid-run (ckpt_util.reference)."""
 
@@ -45,14 +45,15 @@ def _save_hsdp(root, steps):
     return local_state(model, opt), _value_kinds(model)
 
 
-def _load_flat_and_save(src, dst):
-    """A 1-D world, another placement: load, train one step, save."""
-    model = fs.flex_shard(make_model(1), placement=PLACEMENTS["ragged"])
+def _load_flat_and_save(src, dst, placement_name):
+    """A 1-D world, another placement: load, train one step, save (when `dst`)."""
+    model = fs.flex_shard(make_model(1), placement=PLACEMENTS[placement_name])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     step = fs.load_checkpoint(src, model, opt)
     loaded = local_state(model, opt)
     train(model, opt, [step], dist.get_rank())
-    fs.save_checkpoint(dst, model, opt, step=step + 1)
+    if dst is not None:
+        fs.save_checkpoint(dst, model, opt, step=step + 1)
     return loaded, local_state(model, opt)
 
 
@@ -89,12 +90,14 @@ def test_hsdp_to_one_dimensional_and_back(tmp_path):
     _assert_each_chunk_once(first + "/step_00000002")
     at_save = assemble([r[0] for r in saved[:2]])  # shard group 0: ranks 0 and 1
     assert_equal_state(assemble([r[0] for r in saved[2:]]), at_save)  # its replica
-    flat = run_world(2, _load_flat_and_save, first + "/step_00000002", second)
-    assert_equal_state(at_save, assemble([r[0] for r in flat]))
-    ref_params, _ = reference([4, 4, 2])
-    params, _ = assemble([r[1] for r in flat])
-    for k in ref_params:
-        assert_rel_close(params[k], ref_params[k], 1e-5, f"after the 1-D step: {k}")
+    for world, placement in ((3, "uneven"), (2, "ragged")):  # the 2-rank world saves
+        flat = run_world(world, _load_flat_and_save, first + "/step_00000002",
+                         second if world == 2 else None, placement)
+        assert_equal_state(at_save, assemble([r[0] for r in flat]))
+        ref_params, _ = reference([4, 4, world])
+        params, _ = assemble([r[1] for r in flat])
+        for k in ref_params:
+            assert_rel_close(params[k], ref_params[k], 1e-5, f"after a step at {world}: {k}")
     back = run_world(4, _load_hsdp_and_step, second)
     assert [r[0] for r in back] == [3] * 4
     ref_params, _ = reference([4, 4, 2, 4])
