@@ -222,6 +222,30 @@ def test_describe_one_dimensional_counts_no_all_reduce():
     assert plan.mesh_shape == (1, 1) and plan.all_reduces_per_step == 0
 
 
+def summed_grads() -> dict:
+    """Rank body at (2, 2) with set_gradient_divide_factor(1.0): one backward."""
+    from test_parity import sharded_grads
+
+    model = fs.flex_shard(make_model(), hsdp_mesh((2, 2)), placement=mixed)
+    model.set_gradient_divide_factor(1.0)
+    x, y = batch(0, dist.get_rank())
+    loss_fn(model(x), y).backward()
+    return sharded_grads(model)
+
+
+def test_divide_factor_one_sums_over_every_rank():
+    import reference
+    from test_parity import assemble_grads
+
+    results = run_world(WORLD, summed_grads)
+    _, _, mean_grads = reference.reference_run(WORLD, 1)
+    for group in (results[:2], results[2:]):  # each replica's shard group
+        grads = assemble_grads([(None, None, r) for r in group])
+        for k, mean in mean_grads.items():
+            torch.testing.assert_close(grads[k], WORLD * mean, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k: f"grad of {k}: {m}")
+
+
 # A 2-D mesh that is a slice of a larger world (here beside a pipeline dim).
 
 
