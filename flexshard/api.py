@@ -23,6 +23,7 @@ from .runtime.bucket import Bucket
 from .runtime.comm import Comm
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.device import DeviceContexts
+from .runtime.mesh import MeshGroups, mesh_groups, single_process
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
 from .runtime.reshard import SavedParams
@@ -41,8 +42,9 @@ class FlexShardModule:
             bucket.requires_gradient_sync = requires_gradient_sync
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by `factor` instead of the world size (the mean);
-        1.0 sums them, for losses already normalised over all ranks (as torchtitan's)."""
+        """Divide reduced gradients by `factor` instead of the number of ranks (the
+        mean; replicas included under HSDP); 1.0 sums them, for losses already
+        normalised over all ranks (as torchtitan's)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
             raise TypeError(f"set_gradient_divide_factor expects a number, got {factor!r}")
         if not factor > 0:
@@ -115,7 +117,8 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                reshard_after_forward: bool = True,
                comm: Optional[Comm] = None) -> nn.Module:
-    """Shard `module`'s parameters over a 1-D mesh, bucket by bucket.
+    """Shard `module`'s parameters over a 1-D mesh, bucket by bucket; a 2-D
+    mesh is HSDP (dim 0 replicates, dim 1 shards, as FSDP2).
 
     Returns the same module, now also a FlexShardModule. Outside forward and
     backward its parameters are this rank's local shards.
@@ -126,11 +129,11 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     _check_params(named)
     rank, world_size = _rank_and_world(mesh)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
-                     world_size)
+                     world_size, replicas=_replicas(mesh), note=_shard_dim_note(mesh))
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
-    state = FlexShardState(mesh, mesh.get_group() if mesh is not None else None,
-                           rank, world_size, comm or Comm())
+    state = _new_state(mesh_groups(mesh) if mesh is not None else single_process(),
+                       comm or Comm())
     check_ranks_agree(state, plan)
     _build(module, state, plan, named, device)
     attach_state(module, state)
@@ -156,9 +159,10 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
                              "wrap only the root module, with one BucketSpec per group")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh is not None and mesh.ndim != 1:
-        raise ValueError(f"mesh must be 1-D, got a {mesh.ndim}-D mesh of shape "
-                         f"{tuple(mesh.shape)}; pass a 1-D slice such as mesh['dp']")
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (shard) or 2-D (HSDP: replicate, shard), got a "
+                         f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass a slice such "
+                         "as mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
     if not isinstance(placement, Placement) and not callable(placement):
         raise TypeError(f"placement {placement!r} is not a Placement or a callable "
                         "(fqn, param) -> Placement; use e.g. fs.Shard(0)")
@@ -199,8 +203,9 @@ def _check_params(named: dict) -> None:
 
 
 def _rank_and_world(mesh) -> tuple:
+    """This rank and the size of the group that shards (mesh dim 1 under HSDP)."""
     if mesh is not None:
-        return mesh.get_local_rank(), mesh.size()
+        return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -230,6 +235,24 @@ def _new_prefetcher() -> Prefetcher:
                       discard=Bucket.discard_gather)
 
 
+def _shard_dim_note(mesh) -> str:
+    if mesh is None or mesh.ndim == 1:
+        return ""
+    return (f" (under HSDP placements split over the shard group, dim 1 of the "
+            f"{tuple(mesh.shape)} mesh: {mesh.size(1)} rank(s))")
+
+
+def _new_state(groups: MeshGroups, comm: Comm) -> FlexShardState:
+    return FlexShardState(groups.mesh, groups.shard_group, groups.shard_rank, groups.shard_size,
+                          comm, replicate_group=groups.replicate_group,
+                          replicate_size=groups.replicate_size, mesh_group=groups.mesh_group,
+                          mesh_rank=groups.mesh_rank, mesh_size=groups.mesh_size)
+
+
+def _replicas(mesh) -> int:
+    return 1 if mesh is None or mesh.ndim == 1 else mesh.size(0)
+
+
 def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
     """The runtime of `plan`: buckets filled with this rank's pieces and installed
     on their modules, forward hooks on each running module and on the root."""
@@ -240,7 +263,9 @@ def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
     for planned in plan.buckets:
         bucket = Bucket(planned.spec.label, planned.slots, planned.trainable, planned.mp_policy,
                         planned.reshard_after_forward, state.group, state.rank,
-                        state.world_size, state.comm, device, devices)
+                        state.world_size, state.comm, device, devices,
+                        replicate_group=state.replicate_group,
+                        replicate_size=state.replicate_size)
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner

@@ -55,6 +55,6 @@ def _global_norm(grads, norm_type: float, device, state) -> torch.Tensor:
         local, op = norms.max().reshape(1), dist.ReduceOp.MAX
     else:
         local, op = norms.pow(norm_type).sum().reshape(1), dist.ReduceOp.SUM
-    if state.world_size > 1:
+    if state.world_size > 1:  # the shard group: under HSDP the replicas hold the same pieces
         state.comm.all_reduce(local, state.group, op=op)
     return local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)

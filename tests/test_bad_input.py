@@ -168,10 +168,10 @@ def test_wrap_misuse_raises_on_every_rank_before_any_collective():
             assert got == exc.__name__ and re.search(match, message), (name, got, message)
 
 
-def _two_dim_mesh():
+def _three_dim_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1, 1), mesh_dim_names=("a", "b", "c"))
     fs.flex_shard(_model(), mesh, comm=NoCollectives())
 
 
@@ -186,10 +186,10 @@ def _dtensor_param():
 
 
 @pytest.mark.world
-def test_mesh_not_one_dimensional():
-    expect_all_ranks_raise(2, _two_dim_mesh, ValueError,
-                           r"mesh must be 1-D, got a 2-D mesh of shape \(2, 1\); pass a 1-D slice "
-                           r"such as mesh\['dp'\]")
+def test_mesh_neither_one_nor_two_dimensional():
+    expect_all_ranks_raise(2, _three_dim_mesh, ValueError,
+                           r"mesh must be 1-D \(shard\) or 2-D \(HSDP: replicate, shard\), got a "
+                           r"3-D mesh of shape \(2, 1, 1\); pass a slice such as mesh\['dp'\]")
 
 
 @pytest.mark.world

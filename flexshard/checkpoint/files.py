@@ -48,15 +48,15 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     _check_writable(directory, state)
     final = os.path.join(directory, _STEP_DIR.format(step))
     tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))
-    if state.rank == 0:
+    if state.mesh_rank == 0:
         _remove_leftovers(directory)
     _barrier(state)
     model_sd, optim_sd = _state_dicts(model, optimizer)
     with _single_process_quiet(state):
         dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
-                 process_group=state.group)
+                 process_group=state.mesh_group)
     _barrier(state)  # every rank wrote its files and rank 0 the metadata
-    if state.rank == 0:
+    if state.mesh_rank == 0:
         _publish(tmp, final)
         if keep is not None:
             _prune(directory, keep)
@@ -83,7 +83,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     _check_compatible(ckpt, metadata.state_dict_metadata, model_sd, optim_sd)
     holder = {"model": model_sd, "optim": optim_sd, "step": -1}
     with _single_process_quiet(state):
-        dcp.load(holder, checkpoint_id=ckpt, process_group=state.group)
+        dcp.load(holder, checkpoint_id=ckpt, process_group=state.mesh_group)
     if optimizer is None:
         set_model_state_dict(model, model_sd)
     else:
@@ -155,15 +155,15 @@ def _check_writable(directory, state) -> None:
     problem = ""
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".probe-rank{state.rank}")
+        probe = os.path.join(directory, f".probe-rank{state.mesh_rank}")
         with open(probe, "wb") as f:
             f.write(b"ok")
         os.remove(probe)
     except OSError as e:
         problem = f"{type(e).__name__}: {e}"
     failed = torch.tensor([1.0 if problem else 0.0], device=state.buckets[0].storage.buffer.device)
-    if state.group is not None and state.world_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=state.group)
+    if state.mesh_group is not None and state.mesh_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=state.mesh_group)
     if failed.item():
         raise ValueError(f"save_checkpoint: cannot write checkpoints to {os.fspath(directory)!r} "
                          f"({problem or 'another rank could not write it'}); pass a directory "
@@ -225,11 +225,11 @@ def _single_process_quiet(state):
     """Without a process group DCP warns that it assumes one process: that is
     the intent here (a model wrapped without torch.distributed)."""
     with warnings.catch_warnings():
-        if state.group is None:
+        if state.mesh_group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
 def _barrier(state) -> None:
-    if state.group is not None and state.world_size > 1:
-        dist.barrier(group=state.group)
+    if state.mesh_group is not None and state.mesh_size > 1:
+        dist.barrier(group=state.mesh_group)

@@ -65,14 +65,26 @@ def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> t
     slot = ref.slot
     if state.mesh is None:  # world size 1 without a process group: the piece is the tensor
         return local
-    dshard = dtensor_shard(slot.placement, slot.shape, state.world_size)
-    if dshard is not None:
+    placements = dtensor_placements(state, slot)
+    if placements is not None:
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, state.mesh, [dshard], run_check=False,
+        return DTensor.from_local(local, state.mesh, placements, run_check=False,
                                   shape=slot.shape, stride=_contiguous_stride(slot.shape))
+    # Under HSDP the replicas hold the same boxes; DCP saves each chunk once.
     boxes = piece_boxes(slot.placement, slot.shape, state.rank, state.world_size)
     return ShardedPieces(local, slot.shape, boxes)
+
+
+def dtensor_placements(state: FlexShardState, slot):
+    """The DTensor placements of a slot on the state's mesh ((Replicate(),
+    Shard(d)) under HSDP), or None when its pieces are not DTensor chunks."""
+    dshard = dtensor_shard(slot.placement, slot.shape, state.world_size)
+    if dshard is None or state.mesh.ndim == 1:
+        return None if dshard is None else (dshard,)
+    from torch.distributed.tensor import Replicate
+
+    return (Replicate(), dshard)
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -104,9 +116,8 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
                              "model.state_dict(), or pass full tensors")
         return value.local
     if isinstance(value, DTensor):
-        dshard = dtensor_shard(slot.placement, slot.shape, state.world_size)
-        same = (dshard is not None and tuple(value.placements) == (dshard,)
-                and value.device_mesh == state.mesh)
+        same = (state.mesh is not None and value.device_mesh == state.mesh
+                and tuple(value.placements) == dtensor_placements(state, slot))
         if same and tuple(value.to_local().shape) == tuple(local_shape):
             return value.to_local()
         value = value.full_tensor()

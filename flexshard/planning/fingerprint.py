@@ -79,7 +79,8 @@ def check_ranks_agree(state, plan) -> None:
     prints = [bucket_fingerprint(b.spec.label, b.slots, b.trainable, b.reshard_after_forward,
                                  b.mp_policy)
               for b in plan.buckets]
-    check_plans_agree(prints, state.comm, state.group, state.rank, state.world_size,
+    # Over the whole mesh: under HSDP the replicas of a shard rank must agree too.
+    check_plans_agree(prints, state.comm, state.mesh_group, state.mesh_rank, state.mesh_size,
                       _mesh_device(state.mesh))
 
 

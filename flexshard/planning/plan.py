@@ -49,13 +49,15 @@ class WrapPlan(NamedTuple):
 
 def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], placement,
               mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-              world_size: int) -> WrapPlan:
+              world_size: int, *, replicas: int = 1, note: str = "") -> WrapPlan:
     """Assign `named` (module.named_parameters()) to `specs`, bind placements
     (`placement` unless a spec names its own) and find each bucket's modules.
     Raises on parameters that match no or several specs and on placements
-    that cannot split their parameter; warns on tied params the specs split."""
+    that cannot split their parameter; warns on tied params the specs split.
+    `replicas`: HSDP's replicate size (grads are all-reduced over it); `note`
+    ends placement errors (which group the placements split over)."""
     members = assign_params(list(named), specs)
-    slots = [plan_slots(spec, names, named, placement, world_size)
+    slots = [plan_slots(spec, names, named, placement, world_size, note)
              for spec, names in zip(specs, members)]
     registered = param_aliases(module)
     # Per bucket, per slot: [(module, attr, module FQN)] of every registration.
@@ -65,7 +67,7 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     for spec, bucket, bucket_aliases, runner in zip(specs, slots, aliases, runners):
         _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
     mps = [spec.mp_policy or mp_policy for spec in specs]
-    hooked = [hooks_needed(bucket, mp, world_size) for bucket, mp in zip(slots, mps)]
+    hooked = [hooks_needed(bucket, mp, world_size, replicas) for bucket, mp in zip(slots, mps)]
     nested = _nested_use(module, runners, owners, hooked)
     return WrapPlan(tuple(
         PlannedBucket(
@@ -80,7 +82,7 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
 
 
 def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
-               world_size: int) -> list:
+               world_size: int, note: str = "") -> list:
     """The SlotPlans of one bucket's params (`names`), placements checked and bound."""
     choice = spec.placement if spec.placement is not None else default
     entries = []
@@ -94,7 +96,7 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
         try:
             placement.check(param.shape, world_size)
         except ValueError as e:
-            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}") from None
+            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}{note}") from None
         entries.append((param.shape, param.dtype.itemsize, placement))
     bound = bind_placements(entries, world_size)
     return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,

@@ -24,15 +24,23 @@ class BucketPlan(NamedTuple):
     unsharded_bytes: int  # bytes of the unsharded params (gather dtype)
     padding_bytes: int  # bytes a gather moves beyond the pieces (alignment, uneven ranks)
     reshard_after_forward: bool
-    gathers_per_step: int  # all-gathers in one forward + backward
-    reduces_per_step: int  # reduce-scatters in one backward
+    gathers_per_step: int  # all-gathers in one forward + backward (shard group)
+    reduces_per_step: int  # reduce-scatters in one backward (shard group)
+    all_reduces_per_step: int = 0  # HSDP: all-reduces of the reduced shards (replicate group)
 
 
 class ShardingPlan(NamedTuple):
-    """describe(model): the buckets in BucketSpec order; str() is a table."""
+    """describe(model): the buckets in BucketSpec order; str() is a table.
+    world_size is the shard group's; under HSDP replicate_size replicas of it."""
 
     world_size: int
     buckets: tuple
+    replicate_size: int = 1
+
+    @property
+    def mesh_shape(self) -> tuple:
+        """(replicas, shard size): (1, world_size) for a 1-D mesh."""
+        return (self.replicate_size, self.world_size)
 
     @property
     def gathers_per_step(self) -> int:
@@ -41,6 +49,10 @@ class ShardingPlan(NamedTuple):
     @property
     def reduces_per_step(self) -> int:
         return sum(b.reduces_per_step for b in self.buckets)
+
+    @property
+    def all_reduces_per_step(self) -> int:
+        return sum(b.all_reduces_per_step for b in self.buckets)
 
     def __str__(self) -> str:
         return _table(self)
@@ -61,12 +73,13 @@ def describe(module: nn.Module) -> ShardingPlan:
         regather = bucket.reshard_after_forward and bucket.saved_in_forward is not False
         rows.append(_bucket_plan(bucket, state.world_size,
                                  None if runner is None else names.get(id(runner), ""), regather))
-    return ShardingPlan(state.world_size, tuple(rows))
+    return ShardingPlan(state.world_size, tuple(rows), state.replicate_size)
 
 
 def _bucket_plan(bucket, world_size: int, module_name, regather: bool) -> BucketPlan:
     storage, gather = bucket.storage.layout, bucket.gather_layout
     collective = module_name is not None and world_size > 1
+    replicated = module_name is not None and bucket.replicate_group is not None
     return BucketPlan(
         name=bucket.name, module=module_name,
         params=tuple(s.fqn for s in bucket.slots),
@@ -79,7 +92,8 @@ def _bucket_plan(bucket, world_size: int, module_name, regather: bool) -> Bucket
         padding_bytes=gather.wire_bytes - gather.ideal_bytes,
         reshard_after_forward=bucket.reshard_after_forward,
         gathers_per_step=(1 + regather) if collective else 0,
-        reduces_per_step=1 if collective and bucket.grad_slots else 0)
+        reduces_per_step=1 if collective and bucket.grad_slots else 0,
+        all_reduces_per_step=1 if replicated and bucket.grad_slots else 0)
 
 
 _COLUMNS = ("bucket", "module", "params", "dtype", "local bytes/rank", "unsharded", "padding",
@@ -104,4 +118,10 @@ def _table(plan: ShardingPlan) -> str:
             lines.append(f"  {fqn}  {tuple(shape)}  {pl!r}  {str(dt).replace('torch.', '')}")
     lines.append(f"world size {plan.world_size}: {plan.gathers_per_step} all-gathers and "
                  f"{plan.reduces_per_step} reduce-scatters per step")
+    if plan.replicate_size > 1:
+        lines[-1] = (f"HSDP mesh {plan.mesh_shape} (replicate, shard): per step "
+                     f"{plan.gathers_per_step} all-gathers and {plan.reduces_per_step} "
+                     f"reduce-scatters within a shard group of {plan.world_size}, "
+                     f"{plan.all_reduces_per_step} all-reduces across {plan.replicate_size} "
+                     "replicas")
     return "\n".join(lines)

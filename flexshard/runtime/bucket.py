@@ -120,6 +120,8 @@ class BucketCounters:
     gather_ideal_bytes: int = 0
     reduce_wire_bytes: int = 0
     reduce_ideal_bytes: int = 0
+    all_reduces: int = 0  # HSDP: all-reduces of reduced shards across the replicate group
+    all_reduce_bytes: int = 0
     copy_in_bytes: int = 0
     copy_out_bytes: int = 0
 
@@ -130,10 +132,11 @@ def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
     return slot.dtype
 
 
-def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int) -> bool:
-    """False at world size 1 without a cast when every piece has the full
-    shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
-    return (world_size > 1 or any(_gather_dtype(s, mp) != s.dtype for s in slots)
+def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int,
+                 replicas: int = 1) -> bool:
+    """False at world size 1 without replicas or a cast when every piece has
+    the full shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
+    return (world_size > 1 or replicas > 1 or any(_gather_dtype(s, mp) != s.dtype for s in slots)
             or any(s.local_shapes[0] != s.shape for s in slots))
 
 
@@ -154,10 +157,14 @@ class Bucket:
     def __init__(self, name: str, slots: Sequence[SlotPlan], trainable: Sequence[bool],
                  mp: MixedPrecisionPolicy, reshard_after_forward: bool,
                  group, rank: int, world_size: int, comm: Comm, device,
-                 devices: Optional[DeviceContexts] = None) -> None:
+                 devices: Optional[DeviceContexts] = None, *,
+                 replicate_group=None, replicate_size: int = 1) -> None:
         self.name, self.slots, self.mp = name, tuple(slots), mp
         self.reshard_after_forward = reshard_after_forward
+        # group, rank, world_size: the shard group. Under HSDP the reduced
+        # shards are then all-reduced across replicate_group (None: no replicas).
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
+        self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.storage = BucketStorage(plan_layout(slots, [s.dtype for s in slots], world_size),
                                      slots, rank, device)
         self.gather_layout = plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size)
@@ -172,7 +179,8 @@ class Bucket:
         # resharding forward our hooks saw (None: none seen yet); False: no regather in backward
         self.saved_version = -1  # storage version when its unsharded params were registered
         self.requires_gradient_sync = True
-        self.gradient_divide_factor = float(world_size)  # reduced grads are divided by it (mean)
+        # reduced grads are divided by it: the mean over every rank, replicas included
+        self.gradient_divide_factor = float(world_size * replicate_size)
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.counters = BucketCounters()
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
@@ -208,7 +216,7 @@ class Bucket:
     def needs_hooks(self) -> bool:
         """False at world size 1 without a cast when every piece has the full
         shape: the sharded params are the full ones."""
-        return hooks_needed(self.slots, self.mp, self.world_size)
+        return hooks_needed(self.slots, self.mp, self.world_size, self.replicate_size)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:
@@ -450,6 +458,10 @@ class Bucket:
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: the cast outputs' allocation
             if pending.work is not None:
                 pending.work.wait()
+            if self.replicate_group is not None:  # after the reduce-scatter: it sums the shards
+                self.comm.all_reduce(self._typed(pending.output), self.replicate_group)
+                self.counters.all_reduces += 1
+                self.counters.all_reduce_bytes += pending.output.numel()
             if pending.post_divide is not None:
                 self._typed(pending.output).div_(pending.post_divide)
             for view, target in targets:
@@ -491,9 +503,11 @@ class Bucket:
         sum-then-divide wherever that does not overflow (or go subnormal).
         A factor of 1 (torchtitan's) sums."""
         factor = self.gradient_divide_factor
-        if self.world_size == 1 or factor == 1.0:
+        if self.world_size * self.replicate_size == 1 or factor == 1.0:
             return ReduceOp(None, None, dist.ReduceOp.SUM)
-        if factor == self.world_size and self.comm.averages(self.group):
+        # Under HSDP the replicas' all-reduce sums: the whole factor is applied around it.
+        if (factor == self.world_size and self.replicate_group is None
+                and self.comm.averages(self.group)):
             return ReduceOp(None, None, dist.ReduceOp.AVG)
         mantissa, exponent = math.frexp(factor)  # factor = (2 * mantissa) * 2 ** (exponent - 1)
         post = 2.0 * mantissa

@@ -34,5 +34,6 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, group,
                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
-        """In-place all-reduce of a small tensor (norms, fingerprints)."""
+        """In-place all-reduce: norms, plan fingerprints, and under HSDP the
+        reduced gradient shards across the replicate group."""
         dist.all_reduce(tensor, op=op, group=group)

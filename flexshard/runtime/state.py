@@ -17,15 +17,20 @@ class FlexShardState:
     """Everything flexshard keeps for one wrapped model."""
 
     mesh: Any  # DeviceMesh, or None at world size 1 without a process group
-    group: Any
-    rank: int
-    world_size: int
+    group: Any  # the shard group (mesh dim 1 under HSDP): gathers, reduce-scatters, norms
+    rank: int  # in the shard group
+    world_size: int  # of the shard group
     comm: Comm
     buckets: list = field(default_factory=list)  # Bucket, in BucketSpec order
     hooks: list = field(default_factory=list)  # ModuleHooks, one per running module
     prefetcher: Any = None  # Prefetcher: execution orders and gathers launched ahead
     root_hooks: Any = None  # RootHooks: where the wrapped module's forward starts and ends
     state_dict_hooks: Any = None  # state_dict.StateDictHooks: module and optimizer hooks
+    replicate_group: Any = None  # HSDP's mesh dim 0; None for a 1-D mesh or one replica
+    replicate_size: int = 1
+    mesh_group: Any = None  # every rank of the mesh: plan check, checkpoint files
+    mesh_rank: int = 0
+    mesh_size: int = 1
 
 
 def attach_state(module: nn.Module, state: FlexShardState) -> None:

@@ -1,0 +1,62 @@
+"""How flex_shard reads a DeviceMesh: which ranks shard, which replicate.
+
+A 1-D mesh shards over all its ranks. A 2-D mesh is HSDP, FSDP2's convention:
+dim 0 replicates, dim 1 shards. Every placement works along the shard dim
+(Owned owners and RaggedShard units are shard-group ranks); a bucket gathers
+and reduce-scatters within its shard group, then all-reduces the reduced
+shards across the replicate group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch.distributed as dist
+
+
+class MeshGroups(NamedTuple):
+    """The process groups and ranks of one mesh, as flex_shard uses them."""
+
+    mesh: Any  # DeviceMesh, or None at world size 1 without a process group
+    shard_group: Any  # gathers and reduce-scatters run here (None without a process group)
+    shard_rank: int
+    shard_size: int
+    replicate_group: Any  # None for a 1-D mesh or one replica (R == 1)
+    replicate_size: int
+    mesh_group: Any  # every rank of the mesh: plan checks, checkpoint barriers
+    mesh_rank: int  # this rank's rank in mesh_group
+    mesh_size: int
+
+    @property
+    def shape(self) -> tuple:
+        """(replicas, shard size)."""
+        return (self.replicate_size, self.shard_size)
+
+
+def single_process() -> MeshGroups:
+    """World size 1 without a process group."""
+    return MeshGroups(None, None, 0, 1, None, 1, None, 0, 1)
+
+
+def mesh_groups(mesh) -> MeshGroups:
+    """The groups of a 1-D or 2-D DeviceMesh (the caller checked ndim)."""
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        rank, size = mesh.get_local_rank(), mesh.size()
+        return MeshGroups(mesh, group, rank, size, None, 1, group, rank, size)
+    replicas, shards = mesh.size(0), mesh.size(1)
+    shard_rank = mesh.get_local_rank(1)
+    replicate_group = mesh.get_group(0) if replicas > 1 else None
+    whole = _whole_group(mesh)
+    return MeshGroups(mesh, mesh.get_group(1), shard_rank, shards, replicate_group, replicas,
+                      whole, dist.get_rank(group=whole), replicas * shards)
+
+
+def _whole_group(mesh) -> Optional[Any]:
+    """A process group of every rank in `mesh`: the default group when the
+    mesh spans the whole world, else a new group (only the mesh's ranks take
+    part in making it)."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)
