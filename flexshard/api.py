@@ -20,10 +20,13 @@ from .planning.assign import (
     claimed_elsewhere,
     default_buckets,
     param_aliases,
+    plan_slots,
+    reshards_after_forward,
     running_module,
     used_in_nested_runner,
 )
 from .planning.fingerprint import check_ranks_agree
+from .planning.options import check_options, check_params, check_specs
 from .runtime.bucket import Bucket
 from .runtime.comm import Comm
 from .runtime.hooks import (
@@ -33,7 +36,6 @@ from .runtime.hooks import (
     reshard_explicitly,
     unshard_explicitly,
 )
-from .runtime.layout import SlotPlan, bind_placements
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
@@ -132,12 +134,12 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     backward its parameters are this rank's local shards.
     """
     _check_args(module, mesh, placement, mp_policy, reshard_after_forward)
-    specs = default_buckets(module) if buckets is None else _check_specs(buckets)
+    specs = default_buckets(module) if buckets is None else check_specs(buckets)
     named = dict(module.named_parameters())
-    _check_params(named)
+    check_params(named)
     members = assign_params(list(named), specs)
     rank, world_size = _rank_and_world(mesh)
-    plans = [_plan_slots(spec, names, named, placement, world_size)
+    plans = [plan_slots(spec, names, named, placement, world_size)
              for spec, names in zip(specs, members)]
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
@@ -167,43 +169,7 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
     if mesh is not None and mesh.ndim != 1:
         raise ValueError(f"mesh must be 1-D, got a {mesh.ndim}-D mesh of shape "
                          f"{tuple(mesh.shape)}; pass a 1-D slice such as mesh['dp']")
-    if not isinstance(placement, Placement) and not callable(placement):
-        raise TypeError(f"placement {placement!r} is not a Placement or a callable "
-                        "(fqn, param) -> Placement; use e.g. fs.Shard(0)")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a fs.MixedPrecisionPolicy, got {mp_policy!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-
-
-def _check_specs(buckets) -> list:
-    if isinstance(buckets, (str, BucketSpec)) or not hasattr(buckets, "__iter__"):
-        raise TypeError(f"buckets must be a list of fs.BucketSpec, got {buckets!r}; "
-                        "e.g. buckets=[fs.BucketSpec('layers.*')]")
-    specs = list(buckets)
-    if not specs:
-        raise ValueError("buckets is empty; pass buckets=None for one bucket per block, "
-                         "or at least one fs.BucketSpec")
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, BucketSpec):
-            raise TypeError(f"buckets[{i}] is {type(spec).__name__}, not a fs.BucketSpec")
-    labels = [s.label for s in specs]
-    for label in labels:
-        if labels.count(label) > 1:
-            raise ValueError(f"two buckets are named {label!r}; give each BucketSpec a unique name")
-    return specs
-
-
-def _check_params(named: dict) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if not named:
-        raise ValueError("the module has no parameters to shard")
-    for fqn, p in named.items():
-        if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"parameter {fqn!r} is a DTensor; flex_shard shards plain tensors. Apply "
-                "flex_shard before other parallelisms, or pass a module with local parameters")
+    check_options(placement, mp_policy, reshard_after_forward)
 
 
 def _rank_and_world(mesh) -> tuple:
@@ -230,28 +196,6 @@ def _default_mesh(device: torch.device, world_size: int) -> Optional[DeviceMesh]
     if device_type == "meta":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, (world_size,))
-
-
-def _plan_slots(spec: BucketSpec, names, named, default, world_size) -> list:
-    choice = spec.placement if spec.placement is not None else default
-    entries = []
-    for fqn in names:
-        param = named[fqn]
-        placement = choice if isinstance(choice, Placement) else choice(fqn, param)
-        if not isinstance(placement, Placement):
-            raise TypeError(f"the placement callable of bucket {spec.label!r} returned "
-                            f"{placement!r} for parameter {fqn!r}; it must return a Placement "
-                            "such as fs.Shard(0)")
-        try:
-            placement.check(param.shape, world_size)
-        except ValueError as e:
-            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}") from None
-        entries.append((param.shape, param.dtype.itemsize, placement))
-    bound = bind_placements(entries, world_size)
-    return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
-                     tuple(pl.local_shape(named[fqn].shape, r, world_size)
-                           for r in range(world_size)))
-            for fqn, pl in zip(names, bound)]
 
 
 def _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases) -> None:
@@ -286,8 +230,7 @@ def _build(module, state, specs, plans, named, mp_policy, reshard, device) -> No
         slot_aliases = [aliases[id(named[s.fqn])] for s in slots]
         runner = running_module(module, [fqn for a in slot_aliases for _, _, fqn in a])
         _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases)
-        bucket_reshard = (spec.reshard_after_forward if spec.reshard_after_forward is not None
-                          else reshard and runner is not module)
+        bucket_reshard = reshards_after_forward(spec, reshard, runner, module)
         bucket = Bucket(spec.label, slots, [named[s.fqn].requires_grad for s in slots],
                         spec.mp_policy or mp_policy, bucket_reshard, state.group,
                         state.rank, state.world_size, state.comm, device)

@@ -1,4 +1,5 @@
-"""Which parameters go in which bucket, and which module runs each bucket."""
+"""Which parameters go in which bucket, which piece of each parameter every
+rank holds, and which module runs each bucket."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Sequence
 import torch.nn as nn
 
 from ..config import BucketSpec
+from ..placements.contract import Placement
+from ..runtime.layout import SlotPlan, bind_placements
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -56,6 +59,32 @@ def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
     return members
 
 
+def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
+               world_size: int) -> list:
+    """The SlotPlan of each of the bucket's params: its placement (the spec's,
+    else `default`; a callable is asked per param) checked and bound over
+    `world_size` ranks. flex_shard and the dry run both plan through here."""
+    choice = spec.placement if spec.placement is not None else default
+    entries = []
+    for fqn in names:
+        param = named[fqn]
+        placement = choice if isinstance(choice, Placement) else choice(fqn, param)
+        if not isinstance(placement, Placement):
+            raise TypeError(f"the placement callable of bucket {spec.label!r} returned "
+                            f"{placement!r} for parameter {fqn!r}; it must return a Placement "
+                            "such as fs.Shard(0)")
+        try:
+            placement.check(param.shape, world_size)
+        except ValueError as e:
+            raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}") from None
+        entries.append((param.shape, param.dtype.itemsize, placement))
+    bound = bind_placements(entries, world_size)
+    return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
+                     tuple(pl.local_shape(named[fqn].shape, r, world_size)
+                           for r in range(world_size)))
+            for fqn, pl in zip(names, bound)]
+
+
 def param_aliases(module: nn.Module) -> dict:
     """id(param) -> [(owner module, attr, owner FQN)] for every place a parameter is
     registered, a shared submodule under each of its paths (so the running module
@@ -95,6 +124,15 @@ def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:
         if not common or not isinstance(mod, CONTAINERS):
             return mod
         common.pop()
+
+
+def reshards_after_forward(spec: BucketSpec, default: bool, runner: nn.Module,
+                           root: nn.Module) -> bool:
+    """The spec's reshard_after_forward, else `default`, except that the root
+    module's bucket keeps its params by default (backward needs them first)."""
+    if spec.reshard_after_forward is not None:
+        return spec.reshard_after_forward
+    return default and runner is not root
 
 
 def _within(fqn: str, ancestor: str) -> bool:

@@ -114,6 +114,32 @@ def _reduce_dtype(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy) -> torch.
     return dtype
 
 
+class BucketLayouts(NamedTuple):
+    """A bucket's three byte plans over the same slots."""
+
+    storage: BucketLayout  # the sharded params, in their own dtypes
+    gather: BucketLayout  # the all-gather (param_dtype on the wire)
+    reduce: BucketLayout  # the reduce-scatter of the trainable slots (one reduce dtype)
+
+
+def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
+                        mp: MixedPrecisionPolicy, world_size: int) -> BucketLayouts:
+    """The layouts a Bucket of `slots` uses; the dry run (planning/dryrun.py) reads the same."""
+    grads = [s for s, t in zip(slots, trainable) if t]
+    reduce_dtype = _reduce_dtype(grads, mp)
+    return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size),
+                         plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size),
+                         plan_layout(grads, [reduce_dtype] * len(grads), world_size))
+
+
+def needs_hooks(slots: Sequence[SlotPlan], storage: BucketLayout, gather: BucketLayout,
+                world_size: int) -> bool:
+    """False at world size 1 without a cast when every piece has the full
+    shape: the sharded params are the full ones."""
+    return (world_size > 1 or gather != storage
+            or any(s.local_shapes[0] != s.shape for s in slots))
+
+
 class Bucket:
     """The sharded parameters of one BucketSpec and their collectives."""
 
@@ -123,13 +149,10 @@ class Bucket:
         self.name, self.slots, self.mp = name, tuple(slots), mp
         self.reshard_after_forward = reshard_after_forward
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
-        self.storage = BucketStorage(plan_layout(slots, [s.dtype for s in slots], world_size),
-                                     slots, rank, device)
-        self.gather_layout = plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size)
+        layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
+        self.storage = BucketStorage(layouts.storage, slots, rank, device)
+        self.gather_layout, self.reduce_layout = layouts.gather, layouts.reduce
         self.grad_slots = [i for i, t in enumerate(trainable) if t]
-        reduce_dtype = _reduce_dtype([slots[i] for i in self.grad_slots], mp)
-        self.reduce_layout = plan_layout([slots[i] for i in self.grad_slots],
-                                         [reduce_dtype] * len(self.grad_slots), world_size)
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
         self.gathering = False  # true while the gather runs: the recompute policy reads it
@@ -149,10 +172,7 @@ class Bucket:
 
     @property
     def needs_hooks(self) -> bool:
-        """False at world size 1 without a cast when every piece has the full
-        shape: the sharded params are the full ones."""
-        return (self.world_size > 1 or self.gather_layout != self.storage.layout
-                or any(s.local_shapes[0] != s.shape for s in self.slots))
+        return needs_hooks(self.slots, self.storage.layout, self.gather_layout, self.world_size)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:
