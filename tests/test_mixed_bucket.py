@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import flexshard as fs
-from flexshard.api import _plan_slots
-from flexshard.planning.assign import assign_params, default_buckets
+from flexshard.planning.assign import assign_params, default_buckets, plan_slots
 from flexshard.runtime.layout import plan_layout
 from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
 
@@ -63,7 +62,7 @@ def _bucket_layouts(placement, world: int, one_bucket: bool = False) -> list:
     named = dict(model.named_parameters())
     specs = [fs.BucketSpec("*", name="all")] if one_bucket else default_buckets(model)
     return [plan_layout(slots, [s.dtype for s in slots], world)
-            for slots in (_plan_slots(spec, names, named, placement, world)
+            for slots in (plan_slots(spec, names, named, placement, world)
                           for spec, names in zip(specs, assign_params(list(named), specs)))]
 
 

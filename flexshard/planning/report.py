@@ -160,7 +160,7 @@ def _min_max(per_bucket: Sequence[tuple]) -> tuple:
 
 def human(n: int) -> str:
     """Bytes in binary units, three significant digits: '3.74 GiB'."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n} B"
