@@ -151,11 +151,15 @@ def markdown_table(models=tuple(LLAMA3), meshes=MESHES, placements=tuple(PLACEME
     return "\n".join(rows)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--summary", action="store_true",
                         help="print each plan's totals instead of the markdown table")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if not args.summary:
         print(markdown_table())
         return

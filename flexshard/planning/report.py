@@ -159,10 +159,11 @@ def _min_max(per_bucket: Sequence[tuple]) -> tuple:
 
 
 def human(n: int) -> str:
-    """Bytes in binary units, three significant digits: '3.74 GiB'."""
+    """Bytes in binary units, three significant digits: '3.74 GiB', '1020 GiB'."""
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            value = n / size
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
     return f"{n} B"
 
 
