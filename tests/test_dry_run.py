@@ -50,6 +50,7 @@ class Case(NamedTuple):
     reshard: bool
     bf16: bool = False
     frozen: bool = False  # `pos` frozen, in a bucket of its own
+    tied: bool = False  # the LM head shares the embedding's weight
 
     def options(self) -> dict:
         out = {"placement": PLACEMENTS[self.placement], "reshard_after_forward": self.reshard}
@@ -61,14 +62,15 @@ class Case(NamedTuple):
         return out
 
     def model(self) -> nn.Module:
-        model = make_model()
+        model = make_model(tied=self.tied)
         if self.frozen:
             model.pos.requires_grad_(False)
         return model
 
 
 CASES = ([Case(p, r) for p in PLACEMENTS for r in (True, False)]
-         + [Case("mixed", True, bf16=True), Case("shard", True, frozen=True)])
+         + [Case("mixed", True, bf16=True), Case("shard", True, frozen=True),
+            Case("ragged", True, tied=True)])
 
 
 def _bytes(tensors) -> int:
@@ -106,9 +108,9 @@ def predicted_and_measured(case: Case) -> tuple:
 
 @pytest.mark.world
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.placement}-reshard{c.reshard}"
-                                              f"{'-bf16' if c.bf16 else ''}{'-frozen' if c.frozen else ''}"
-                                              for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[
+    f"{c.placement}-reshard{c.reshard}" + "".join(f"-{k}" for k in ("bf16", "frozen", "tied")
+                                                  if getattr(c, k)) for c in CASES])
 def test_dry_run_matches_a_real_wrap(world, case):
     results = run_world(world, predicted_and_measured, case)
     dry = results[0][0]
@@ -253,7 +255,8 @@ def test_bad_options_raise_clear_errors():
         fs.describe(model, mesh_shape=(1, 2), placements=fs.Shard(0))
     with pytest.raises(ValueError, match="got both mesh= and mesh_shape=; .* drop mesh="):
         fs.describe(model, mesh_shape=(1, 2), mesh=object())
-    with pytest.raises(ValueError, match=r"takes mesh_shape=\(R, S\), not mesh=.*mesh_shape=\(1, n\) for a 1-D mesh"):
+    with pytest.raises(ValueError,
+                       match=r"takes mesh_shape=\(R, S\), not mesh=.*mesh_shape=\(1, n\) for a 1-D mesh"):
         fs.describe(model, mesh=object())
     with pytest.raises(ValueError, match=r"flex_shard options \['placement'\] without mesh_shape"):
         fs.describe(model, placement=fs.Owned())
@@ -275,7 +278,8 @@ def test_bad_flex_shard_options_raise_as_flex_shard_does():
         fs.describe(model, mesh_shape=(1, 2), buckets=[])
     with pytest.raises(ValueError, match="parameter 'pos' matches no BucketSpec"):
         fs.describe(model, mesh_shape=(1, 2), buckets=[fs.BucketSpec("layers.*")])
-    with pytest.raises(ValueError, match=r"parameter 'layers.0.norm1.weight' in bucket 'layers.0': Shard\(dim=1\) is out of range"):
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.norm1.weight' in bucket 'layers.0': "
+                                         r"Shard\(dim=1\) is out of range"):
         fs.describe(model, mesh_shape=(1, 2), placement=fs.Shard(1))
     with pytest.raises(ValueError, match="no parameters to shard"):
         fs.describe(nn.ReLU(), mesh_shape=(1, 2))

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..config import BucketSpec, MixedPrecisionPolicy
 from ..placements.shard import Shard
-from ..runtime.bucket import needs_hooks, plan_bucket_layouts
+from ..runtime.bucket import BucketLayouts, needs_hooks, plan_bucket_layouts
 from .assign import (
     assign_params,
     default_buckets,
@@ -65,7 +65,8 @@ def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Sha
             mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
             reshard_after_forward: bool = True) -> ShardingPlan:
     """The ShardingPlan flex_shard(module, **options) would make on a (R, S)
-    mesh (checked arguments: see describe)."""
+    mesh, bucket by bucket as api._build decides (mesh_shape and options
+    already checked: see describe)."""
     replicas, shards = mesh_shape
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
     named = dict(module.named_parameters())
@@ -74,15 +75,15 @@ def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Sha
     slot_plans = [plan_slots(spec, names, named, placement, shards)
                   for spec, names in zip(specs, members)]
     aliases = param_aliases(module)
-    buckets_ = [_bucket(module, spec, slots, named, aliases, mp_policy, reshard_after_forward,
+    planned = [_bucket(module, spec, slots, named, aliases, mp_policy, reshard_after_forward,
                         mesh_shape) for spec, slots in zip(specs, slot_plans)]
-    resharding = {id(b.runner) for b in buckets_ if b.hooked and b.reshard}
+    resharding = {id(b.runner) for b in planned if b.hooked and b.reshard}
     names = {id(m): n for n, m in module.named_modules()}
     rows = tuple(
         bucket_plan(spec.label, slots, b.layouts, b.trainable, b.reshard,
                     names[id(b.runner)] if b.hooked else None,
                     b.hooked and regathers(module, b.runner, resharding, names), mesh_shape)
-        for spec, slots, b in zip(specs, slot_plans, buckets_))
+        for spec, slots, b in zip(specs, slot_plans, planned))
     return ShardingPlan(replicas * shards, rows, mesh_shape)
 
 
@@ -92,7 +93,7 @@ class _Planned(NamedTuple):
     runner: Any  # nn.Module whose forward runs it
     reshard: bool
     trainable: list  # requires_grad per slot
-    layouts: Any  # BucketLayouts
+    layouts: BucketLayouts
     hooked: bool
 
 
