@@ -10,7 +10,8 @@ from .clip import clip_grad_norm_
 from .config import BucketSpec, MixedPrecisionPolicy
 from .placements import Owned, Placement, RaggedShard, Shard, shard_sizes
 from .planning.budget import plan_buckets
-from .planning.report import BucketPlan, ShardingPlan, describe
+from .planning.describe import describe
+from .planning.report import BucketPlan, ShardingPlan
 from .runtime.comm import Comm
 
 __all__ = [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -18,6 +17,7 @@ from .placements.contract import Placement
 from .placements.shard import Shard
 from .planning.assign import default_buckets
 from .planning.fingerprint import check_ranks_agree
+from .planning.options import check_options, check_params, check_specs
 from .planning.plan import WrapPlan, plan_wrap
 from .runtime.bucket import Bucket
 from .runtime.comm import Comm
@@ -124,9 +124,9 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     backward its parameters are this rank's local shards.
     """
     _check_args(module, mesh, placement, mp_policy, reshard_after_forward)
-    specs = default_buckets(module) if buckets is None else _check_specs(buckets)
+    specs = default_buckets(module) if buckets is None else check_specs(buckets)
     named = dict(module.named_parameters())
-    _check_params(named)
+    check_params(named)
     rank, world_size = _rank_and_world(mesh)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
                      world_size, replicas=_replicas(mesh), note=_shard_dim_note(mesh))
@@ -163,43 +163,7 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (HSDP: replicate, shard), got a "
                          f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass a slice such "
                          "as mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
-    if not isinstance(placement, Placement) and not callable(placement):
-        raise TypeError(f"placement {placement!r} is not a Placement or a callable "
-                        "(fqn, param) -> Placement; use e.g. fs.Shard(0)")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a fs.MixedPrecisionPolicy, got {mp_policy!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-
-
-def _check_specs(buckets) -> list:
-    if isinstance(buckets, (str, BucketSpec)) or not hasattr(buckets, "__iter__"):
-        raise TypeError(f"buckets must be a list of fs.BucketSpec, got {buckets!r}; "
-                        "e.g. buckets=[fs.BucketSpec('layers.*')]")
-    specs = list(buckets)
-    if not specs:
-        raise ValueError("buckets is empty; pass buckets=None for one bucket per block, "
-                         "or at least one fs.BucketSpec")
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, BucketSpec):
-            raise TypeError(f"buckets[{i}] is {type(spec).__name__}, not a fs.BucketSpec")
-    labels = [s.label for s in specs]
-    for label in labels:
-        if labels.count(label) > 1:
-            raise ValueError(f"two buckets are named {label!r}; give each BucketSpec a unique name")
-    return specs
-
-
-def _check_params(named: dict) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if not named:
-        raise ValueError("the module has no parameters to shard")
-    for fqn, p in named.items():
-        if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"parameter {fqn!r} is a DTensor; flex_shard shards plain tensors. Apply "
-                "flex_shard before other parallelisms, or pass a module with local parameters")
+    check_options(placement, mp_policy, reshard_after_forward)
 
 
 def _rank_and_world(mesh) -> tuple:

@@ -27,6 +27,12 @@ def _model_bytes():
     return sum(p.numel() * p.element_size() for p in build_model("odd").parameters())
 
 
+def _param_count():
+    from benchmarks.model import build_model
+
+    return len(list(build_model("odd").parameters()))
+
+
 def _check_timing(result, kinds):
     assert result["status"] == "ok", result
     assert set(result["step_time_s"]) == set(kinds)
@@ -38,7 +44,9 @@ def _check_memory(run, model_bytes, ws):
     mem = run["memory"]
     assert len(mem["peak_bytes_per_rank"]) == ws
     assert model_bytes / ws <= mem["param_bytes"] <= model_bytes * 1.1 / ws
-    assert mem["grad_bytes"] == mem["param_bytes"]  # fp32 grads, one per sharded param
+    # fp32 grads, one per sharded param; flexshard's storage also holds the gaps that
+    # start each piece on a 16-byte boundary (at most 15 bytes per param)
+    assert mem["grad_bytes"] <= mem["param_bytes"] <= mem["grad_bytes"] + 15 * _param_count()
     assert mem["opt_state_bytes"] >= 2 * mem["param_bytes"]  # AdamW: two moments
     assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]
     assert sum(mem["peak_by_kind"].values()) == mem["peak_bytes"]

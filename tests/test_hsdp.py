@@ -205,14 +205,14 @@ def test_no_sync_accumulation_and_describe():
     losses, full, _, plan, _ = results[0]
     check_against_reference(losses, full, WORLD, STEPS, step_fn=_accumulate)
     n = len(plan.buckets)
-    assert plan.mesh_shape == (2, 2) and plan.world_size == 2 and plan.replicate_size == 2
+    assert plan.mesh_shape == (2, 2) and plan.world_size == 4 and plan.replicate_size == 2
     assert plan.all_reduces_per_step == plan.reduces_per_step == n
     for _, _, (no_sync, synced), rank_plan, text in results:
         assert no_sync["reduce_scatter"] == no_sync["all_reduce"] == 0
         assert synced["reduce_scatter"] == synced["all_reduce"] == n
         assert no_sync["all_gather"] == synced["all_gather"] == plan.gathers_per_step
-        assert "HSDP mesh (2, 2) (replicate, shard)" in text
-        assert f"{n} all-reduces across 2 replicas" in text
+        assert "world size 4 as mesh (replicate 2, shard 2)" in text
+        assert f"{n} all-reduces on the replicate dim" in text
         # Placements split over the shard group: 2 ranks' bytes per bucket.
         assert all(len(b.local_bytes) == 2 for b in rank_plan.buckets)
 

@@ -4,7 +4,6 @@ once in backward, and training is correct."""
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import flexshard as fs

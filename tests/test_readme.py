@@ -119,6 +119,16 @@ def _check_pip(argv: list) -> None:
         assert extra in declared, f"extra {extra!r} is not in pyproject.toml"
 
 
+def _check_example(argv: list) -> None:
+    """`python examples/NAME.py ARGS`: the file exists and its parse_args takes ARGS."""
+    path = REPO / argv[1]
+    assert path.is_file(), f"{argv[1]} does not exist"
+    spec = importlib.util.spec_from_file_location(f"readme_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.parse_args(argv[2:])
+
+
 @pytest.mark.parametrize("block", BASH, ids=[f"line{b.line}" for b in BASH])
 def test_bash_block_parses_and_names_real_things(block):
     syntax = subprocess.run(["bash", "-n"], input=block.code, text=True, capture_output=True)
@@ -130,6 +140,8 @@ def test_bash_block_parses_and_names_real_things(block):
             _check_pip(argv)
         elif argv[:3] == ["python", "-m", "pytest"]:
             assert (REPO / "tests").is_dir()
+        elif argv[0] == "python" and argv[1].startswith("examples/"):
+            _check_example(argv)
         else:
             raise AssertionError(f"README line {block.line}: no check for command {argv}")
 

@@ -7,7 +7,6 @@ import gc
 import weakref
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs

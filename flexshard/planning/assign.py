@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import Sequence
 
 import torch.nn as nn
@@ -22,21 +23,28 @@ def default_buckets(module: nn.Module) -> list:
             prefix = f"{name}.{i}" if name else str(i)
             specs.append(BucketSpec(f"{prefix}.*", name=prefix))
         taken.append(f"{name}." if name else "")
-    claimed = {fqn for s in specs for fqn, _ in module.named_parameters()
-               if fnmatch.fnmatchcase(fqn, s.patterns[0])}
-    specs = [s for s in specs if any(fnmatch.fnmatchcase(f, s.patterns[0]) for f in claimed)]
-    rest = [fqn for fqn, _ in module.named_parameters() if fqn not in claimed]
+    names = [fqn for fqn, _ in module.named_parameters()]
+    matched = [[f for f in names if m.match(f)] for m in map(_matcher, specs)]
+    claimed = {f for hits in matched for f in hits}
+    specs = [s for s, hits in zip(specs, matched) if hits]
+    rest = [fqn for fqn in names if fqn not in claimed]
     if rest:
         specs.append(BucketSpec(rest, name="root"))
     return specs
 
 
+def _matcher(spec: BucketSpec) -> re.Pattern:
+    """One compiled regex matching what any of the spec's fnmatch patterns
+    matches (fnmatch.fnmatchcase per FQN and pattern is slow on big models)."""
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in spec.patterns))
+
+
 def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
     """The FQNs of each spec's bucket; every FQN in exactly one bucket."""
     members: list = [[] for _ in specs]
+    matchers = [_matcher(s) for s in specs]
     for fqn in fqns:
-        hits = [i for i, s in enumerate(specs)
-                if any(fnmatch.fnmatchcase(fqn, p) for p in s.patterns)]
+        hits = [i for i, m in enumerate(matchers) if m.match(fqn)]
         if not hits:
             raise ValueError(
                 f"parameter {fqn!r} matches no BucketSpec; add a pattern that matches it "

@@ -1,17 +1,23 @@
-"""What flex_shard made of a model: a ShardingPlan of one BucketPlan per
-bucket, printable as a table (`describe`)."""
+"""The plan of a sharded model: a ShardingPlan of one BucketPlan per bucket,
+printable as a table. Built from a wrapped model (`wrapped_plan`) or, for a
+mesh one does not have, by the dry run (planning/dryrun.py); both go through
+`bucket_plan`, from the layouts a Bucket uses."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch.nn as nn
 
-from ..runtime.state import get_state
+from ..runtime.bucket import BucketLayouts
+from ..runtime.state import FlexShardState
 
 
 class BucketPlan(NamedTuple):
-    """One bucket as flex_shard built it."""
+    """One bucket as flex_shard builds it. Per-rank tuples are over the ranks of
+    one shard group (every replica holds the same). Wire bytes are the bytes of
+    each collective's buffer, as BucketCounters counts them (padding included):
+    an all-gather's output, a reduce-scatter's input, an all-reduce's buffer."""
 
     name: str
     module: str  # FQN of the module whose forward runs it ('' = root, None = no hooks)
@@ -24,23 +30,30 @@ class BucketPlan(NamedTuple):
     unsharded_bytes: int  # bytes of the unsharded params (gather dtype)
     padding_bytes: int  # bytes a gather moves beyond the pieces (alignment, uneven ranks)
     reshard_after_forward: bool
-    gathers_per_step: int  # all-gathers in one forward + backward (shard group)
-    reduces_per_step: int  # reduce-scatters in one backward (shard group)
-    all_reduces_per_step: int = 0  # HSDP: all-reduces of the reduced shards (replicate group)
+    gathers_per_step: int  # all-gathers in one forward + backward (shard dim)
+    reduces_per_step: int  # reduce-scatters in one backward (shard dim)
+    storage_bytes: int  # each rank's storage buffer: its pieces, aligned, padded to the segment
+    grad_bytes: tuple  # per rank: its sharded grads (trainable pieces, in the param dtype)
+    gather_wire_bytes: int  # per step, shard dim: every all-gather's output
+    reduce_wire_bytes: int  # per step, shard dim: the reduce-scatter's input
+    all_reduces_per_step: int  # gradient all-reduces in one backward (replicate dim)
+    all_reduce_bytes: int  # per step, replicate dim: the all-reduced reduce segment
 
 
 class ShardingPlan(NamedTuple):
-    """describe(model): the buckets in BucketSpec order; str() is a table.
-    world_size is the shard group's; under HSDP replicate_size replicas of it."""
+    """The buckets in BucketSpec order on a (replicate, shard) mesh; str() is a table."""
 
     world_size: int
     buckets: tuple
-    replicate_size: int = 1
+    mesh_shape: tuple  # (R, S): R replicas of S-rank shard groups; a 1-D world is (1, S)
 
     @property
-    def mesh_shape(self) -> tuple:
-        """(replicas, shard size): (1, world_size) for a 1-D mesh."""
-        return (self.replicate_size, self.world_size)
+    def replicate_size(self) -> int:
+        return self.mesh_shape[0]
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh_shape[1]
 
     @property
     def gathers_per_step(self) -> int:
@@ -54,61 +67,145 @@ class ShardingPlan(NamedTuple):
     def all_reduces_per_step(self) -> int:
         return sum(b.all_reduces_per_step for b in self.buckets)
 
+    @property
+    def param_bytes(self) -> tuple:
+        """(min, max) over ranks: bytes of the storage buffers (the sharded params)."""
+        total = sum(b.storage_bytes for b in self.buckets)
+        return (total, total)
+
+    @property
+    def grad_bytes(self) -> tuple:
+        """(min, max) over ranks: bytes of the sharded grads."""
+        return _min_max([b.grad_bytes for b in self.buckets])
+
+    @property
+    def adamw_bytes(self) -> tuple:
+        """(min, max) over ranks: AdamW's exp_avg and exp_avg_sq, each shaped and
+        typed like the sharded param (torch.optim.AdamW's default); the per-param
+        `step` scalars (4 bytes each, on the CPU unless capturable/fused) are left out."""
+        low, high = self.grad_bytes
+        return (2 * low, 2 * high)
+
+    @property
+    def shard_wire_bytes(self) -> int:
+        """Per step on the shard dim: all-gathers plus reduce-scatters."""
+        return sum(b.gather_wire_bytes + b.reduce_wire_bytes for b in self.buckets)
+
+    @property
+    def replicate_wire_bytes(self) -> int:
+        """Per step on the replicate dim: the gradient all-reduces."""
+        return sum(b.all_reduce_bytes for b in self.buckets)
+
+    def summary(self) -> str:
+        """The model's totals: per-rank bytes and collectives per step."""
+        return _summary(self)
+
     def __str__(self) -> str:
         return _table(self)
 
 
-def describe(module: nn.Module) -> ShardingPlan:
-    """What flex_shard made of `module`: per bucket its module, parameters,
-    placements, dtypes, bytes and collectives per training step (one forward
-    and one backward through every bucket; a bucket that reshards after forward
-    regathers in backward, unless autograd saved none of its params in the last
-    forward, as for an embedding's weight)."""
-    state = get_state(module)
+def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: Sequence[bool],
+                reshard: bool, module_name, regather: bool, mesh_shape: tuple) -> BucketPlan:
+    """A bucket's record from its bound slots and layouts; `module_name` is None
+    when no hook runs it, `regather` whether backward gathers it again."""
+    replicas, shards = mesh_shape
+    storage, gather, reduce = layouts
+    hooked, grads = module_name is not None, any(trainable)
+    gathers = (1 + regather) if hooked and shards > 1 else 0
+    reduces = 1 if hooked and shards > 1 and grads else 0
+    all_reduces = 1 if hooked and replicas > 1 and grads else 0
+    return BucketPlan(
+        name=name, module=module_name,
+        params=tuple(s.fqn for s in slots),
+        shapes=tuple(tuple(s.shape) for s in slots),
+        placements=tuple(s.placement for s in slots),
+        dtypes=tuple(s.dtype for s in slots),
+        gather_dtypes=tuple(r.dtype for r in gather.regions),
+        local_bytes=tuple(sum(r.nbytes[rank] for r in storage.regions) for rank in range(shards)),
+        unsharded_bytes=gather.ideal_bytes,
+        padding_bytes=gather.wire_bytes - gather.ideal_bytes,
+        reshard_after_forward=reshard,
+        gathers_per_step=gathers, reduces_per_step=reduces,
+        storage_bytes=storage.segment_bytes,
+        grad_bytes=tuple(sum(r.nbytes[rank] for r, t in zip(storage.regions, trainable) if t)
+                         for rank in range(shards)),
+        gather_wire_bytes=gathers * gather.wire_bytes,
+        reduce_wire_bytes=reduces * reduce.wire_bytes,
+        all_reduces_per_step=all_reduces,
+        all_reduce_bytes=all_reduces * reduce.segment_bytes)
+
+
+def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
+    """What flex_shard made of `module` (wrapped, with `state`). A bucket that
+    reshards after forward regathers in backward, unless autograd saved none of
+    its params in the last forward (an embedding's weight)."""
     names = {id(m): n for n, m in module.named_modules()}
     runners = {id(b): h.module for h in state.hooks for b in h.buckets}
+    mesh_shape = (state.replicate_size, state.world_size)
     rows = []
     for bucket in state.buckets:
         runner = runners.get(id(bucket))
+        layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout)
+        trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
         regather = bucket.reshard_after_forward and bucket.saved_in_forward is not False
-        rows.append(_bucket_plan(bucket, state.world_size,
-                                 None if runner is None else names.get(id(runner), ""), regather))
-    return ShardingPlan(state.world_size, tuple(rows), state.replicate_size)
+        rows.append(bucket_plan(
+            bucket.name, bucket.slots, layouts, trainable, bucket.reshard_after_forward,
+            None if runner is None else names.get(id(runner), ""),
+            runner is not None and regather, mesh_shape))
+    return ShardingPlan(state.replicate_size * state.world_size, tuple(rows), mesh_shape)
 
 
-def _bucket_plan(bucket, world_size: int, module_name, regather: bool) -> BucketPlan:
-    storage, gather = bucket.storage.layout, bucket.gather_layout
-    collective = module_name is not None and world_size > 1
-    replicated = module_name is not None and bucket.replicate_group is not None
-    return BucketPlan(
-        name=bucket.name, module=module_name,
-        params=tuple(s.fqn for s in bucket.slots),
-        shapes=tuple(tuple(s.shape) for s in bucket.slots),
-        placements=tuple(s.placement for s in bucket.slots),
-        dtypes=tuple(s.dtype for s in bucket.slots),
-        gather_dtypes=tuple(r.dtype for r in gather.regions),
-        local_bytes=tuple(sum(r.nbytes[rank] for r in storage.regions) for rank in range(world_size)),
-        unsharded_bytes=gather.ideal_bytes,
-        padding_bytes=gather.wire_bytes - gather.ideal_bytes,
-        reshard_after_forward=bucket.reshard_after_forward,
-        gathers_per_step=(1 + regather) if collective else 0,
-        reduces_per_step=1 if collective and bucket.grad_slots else 0,
-        all_reduces_per_step=1 if replicated and bucket.grad_slots else 0)
+def _min_max(per_bucket: Sequence[tuple]) -> tuple:
+    per_rank = [sum(col) for col in zip(*per_bucket)] or [0]
+    return (min(per_rank), max(per_rank))
 
 
-_COLUMNS = ("bucket", "module", "params", "dtype", "local bytes/rank", "unsharded", "padding",
-            "reshard", "gathers", "reduces")
+def human(n: int) -> str:
+    """Bytes in binary units, three significant digits: '3.74 GiB', '1020 GiB'."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    return f"{n} B"
+
+
+def _span(pair: tuple) -> str:
+    low, high = pair
+    return human(low) if low == high else f"{human(low)}..{human(high)}"
+
+
+def _summary(plan: ShardingPlan) -> str:
+    replicas, shards = plan.mesh_shape
+    gather = sum(b.gather_wire_bytes for b in plan.buckets)
+    reduce = sum(b.reduce_wire_bytes for b in plan.buckets)
+    return "\n".join([
+        f"world size {plan.world_size} as mesh (replicate {replicas}, shard {shards}): "
+        f"{plan.gathers_per_step} all-gathers and {plan.reduces_per_step} reduce-scatters per step "
+        f"on the shard dim, {plan.all_reduces_per_step} all-reduces on the replicate dim",
+        f"per rank: params {_span(plan.param_bytes)}, grads {_span(plan.grad_bytes)}, "
+        f"AdamW state {_span(plan.adamw_bytes)}",
+        f"wire bytes per step: shard dim {human(plan.shard_wire_bytes)} (all-gather "
+        f"{human(gather)}, reduce-scatter {human(reduce)}), replicate dim "
+        f"{human(plan.replicate_wire_bytes)} (all-reduce)"])
+
+
+_COLUMNS = ("bucket", "module", "params", "dtype", "storage/rank", "local bytes/rank", "unsharded",
+            "padding", "reshard", "gathers", "reduces", "all-reduces", "shard wire", "replicate wire")
+
+
+def _row(b: BucketPlan) -> tuple:
+    dtypes = ",".join(sorted({str(d).replace("torch.", "") for d in b.gather_dtypes}))
+    local = f"{min(b.local_bytes):,}..{max(b.local_bytes):,}"
+    module = "-" if b.module is None else (b.module or "<root>")
+    return (b.name, module, str(len(b.params)), dtypes, f"{b.storage_bytes:,}", local,
+            f"{b.unsharded_bytes:,}", f"{b.padding_bytes:,}",
+            "yes" if b.reshard_after_forward else "no", str(b.gathers_per_step),
+            str(b.reduces_per_step), str(b.all_reduces_per_step),
+            f"{b.gather_wire_bytes + b.reduce_wire_bytes:,}", f"{b.all_reduce_bytes:,}")
 
 
 def _table(plan: ShardingPlan) -> str:
-    rows = [_COLUMNS]
-    for b in plan.buckets:
-        dtypes = ",".join(sorted({str(d).replace("torch.", "") for d in b.gather_dtypes}))
-        local = f"{min(b.local_bytes):,}..{max(b.local_bytes):,}"
-        module = "-" if b.module is None else (b.module or "<root>")
-        rows.append((b.name, module, str(len(b.params)), dtypes, local, f"{b.unsharded_bytes:,}",
-                     f"{b.padding_bytes:,}", "yes" if b.reshard_after_forward else "no",
-                     str(b.gathers_per_step), str(b.reduces_per_step)))
+    rows = [_COLUMNS] + [_row(b) for b in plan.buckets]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -116,12 +213,5 @@ def _table(plan: ShardingPlan) -> str:
         lines.append(f"{b.name}:")
         for fqn, shape, pl, dt in zip(b.params, b.shapes, b.placements, b.dtypes):
             lines.append(f"  {fqn}  {tuple(shape)}  {pl!r}  {str(dt).replace('torch.', '')}")
-    lines.append(f"world size {plan.world_size}: {plan.gathers_per_step} all-gathers and "
-                 f"{plan.reduces_per_step} reduce-scatters per step")
-    if plan.replicate_size > 1:
-        lines[-1] = (f"HSDP mesh {plan.mesh_shape} (replicate, shard): per step "
-                     f"{plan.gathers_per_step} all-gathers and {plan.reduces_per_step} "
-                     f"reduce-scatters within a shard group of {plan.world_size}, "
-                     f"{plan.all_reduces_per_step} all-reduces across {plan.replicate_size} "
-                     "replicas")
+    lines.append(_summary(plan))
     return "\n".join(lines)

@@ -151,6 +151,24 @@ def _reduce_dtype(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy) -> torch.
     return dtype
 
 
+class BucketLayouts(NamedTuple):
+    """A bucket's three byte plans over the same slots."""
+
+    storage: BucketLayout  # the sharded params, in their own dtypes
+    gather: BucketLayout  # the all-gather (param_dtype on the wire)
+    reduce: BucketLayout  # the reduce-scatter of the trainable slots (one reduce dtype)
+
+
+def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
+                        mp: MixedPrecisionPolicy, world_size: int) -> BucketLayouts:
+    """The layouts a Bucket of `slots` uses; the dry run (planning/dryrun.py) reads the same."""
+    grads = [s for s, t in zip(slots, trainable) if t]
+    reduce_dtype = _reduce_dtype(grads, mp)
+    return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size),
+                         plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size),
+                         plan_layout(grads, [reduce_dtype] * len(grads), world_size))
+
+
 class Bucket:
     """The sharded parameters of one BucketSpec and their collectives."""
 
@@ -165,13 +183,10 @@ class Bucket:
         # shards are then all-reduced across replicate_group (None: no replicas).
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
-        self.storage = BucketStorage(plan_layout(slots, [s.dtype for s in slots], world_size),
-                                     slots, rank, device)
-        self.gather_layout = plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size)
+        layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
+        self.storage = BucketStorage(layouts.storage, slots, rank, device)
+        self.gather_layout, self.reduce_layout = layouts.gather, layouts.reduce
         self.grad_slots = [i for i, t in enumerate(trainable) if t]
-        reduce_dtype = _reduce_dtype([slots[i] for i in self.grad_slots], mp)
-        self.reduce_layout = plan_layout([slots[i] for i in self.grad_slots],
-                                         [reduce_dtype] * len(self.grad_slots), world_size)
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
         self.regathered: Optional[list] = None  # backward's unsharded params (reshard.py)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-import torch
 
 from ..compat import current_graph_task_id, queue_callback
 

@@ -1,0 +1,50 @@
+"""The wrap options a user passes (flex_shard's, and describe's dry run of
+them), checked before anything is planned."""
+
+from __future__ import annotations
+
+from ..config import BucketSpec, MixedPrecisionPolicy
+from ..placements.contract import Placement
+
+
+def check_options(placement, mp_policy, reshard_after_forward) -> None:
+    """flex_shard's placement, mp_policy and reshard_after_forward arguments."""
+    if not isinstance(placement, Placement) and not callable(placement):
+        raise TypeError(f"placement {placement!r} is not a Placement or a callable "
+                        "(fqn, param) -> Placement; use e.g. fs.Shard(0)")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a fs.MixedPrecisionPolicy, got {mp_policy!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+
+
+def check_specs(buckets) -> list:
+    """flex_shard's `buckets` argument as a list of uniquely named BucketSpecs."""
+    if isinstance(buckets, (str, BucketSpec)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(f"buckets must be a list of fs.BucketSpec, got {buckets!r}; "
+                        "e.g. buckets=[fs.BucketSpec('layers.*')]")
+    specs = list(buckets)
+    if not specs:
+        raise ValueError("buckets is empty; pass buckets=None for one bucket per block, "
+                         "or at least one fs.BucketSpec")
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, BucketSpec):
+            raise TypeError(f"buckets[{i}] is {type(spec).__name__}, not a fs.BucketSpec")
+    labels = [s.label for s in specs]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise ValueError(f"two buckets are named {label!r}; give each BucketSpec a unique name")
+    return specs
+
+
+def check_params(named: dict) -> None:
+    """The module's parameters (FQN -> tensor) can be sharded."""
+    from torch.distributed.tensor import DTensor
+
+    if not named:
+        raise ValueError("the module has no parameters to shard")
+    for fqn, p in named.items():
+        if isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a DTensor; flex_shard shards plain tensors. Apply "
+                "flex_shard before other parallelisms, or pass a module with local parameters")
