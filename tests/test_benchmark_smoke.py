@@ -47,7 +47,9 @@ def _check_memory(run, model_bytes, ws):
     # fp32 grads, one per sharded param; flexshard's storage also holds the gaps that
     # start each piece on a 16-byte boundary (at most 15 bytes per param)
     assert mem["grad_bytes"] <= mem["param_bytes"] <= mem["grad_bytes"] + 15 * _param_count()
-    assert mem["opt_state_bytes"] >= 2 * mem["param_bytes"]  # AdamW: two moments
+    # AdamW: two moments per sharded param (grads may be views of a reduce output
+    # that holds the same alignment gaps)
+    assert mem["opt_state_bytes"] >= 2 * (mem["grad_bytes"] - 15 * _param_count())
     assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]
     assert sum(mem["peak_by_kind"].values()) == mem["peak_bytes"]
 
@@ -67,7 +69,11 @@ def test_world_size_1_against_plain(ws1_results):
         _check_memory(run, _model_bytes(), 1)
     # without a cast, flexshard at world size 1 is the plain model: no copies of its own
     assert runs["flexshard"]["copies"] == runs["plain"]["copies"] == result["plain_copies"]
-    assert runs["flexshard"]["memory"]["peak_bytes"] == runs["plain"]["memory"]["peak_bytes"]
+    # the same peak, plus the alignment gaps of flexshard's one storage buffer
+    gaps = runs["flexshard"]["memory"]["param_bytes"] - runs["plain"]["memory"]["param_bytes"]
+    assert 0 <= gaps <= 15 * _param_count()
+    assert (runs["flexshard"]["memory"]["peak_bytes"]
+            == runs["plain"]["memory"]["peak_bytes"] + gaps)
 
 
 def _check_flexshard_traffic(run):
