@@ -30,3 +30,10 @@ class Comm:
                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """In-place all-reduce of a small tensor (norms, fingerprints)."""
         dist.all_reduce(tensor, op=op, group=group)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list,
+                   input_split_sizes: list, group) -> None:
+        """Flat all-to-all: rank r sends its `input_split_sizes[j]` elements in
+        segment j to rank j and receives `output_split_sizes[j]` from rank j
+        (sizes may differ and be 0)."""
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
