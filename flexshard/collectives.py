@@ -82,10 +82,26 @@ def _check_dim(name: str, tensor: torch.Tensor, dim, label: str = "dim") -> int:
     return dim % tensor.dim()
 
 
-def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group,
-           whole: bool, label: str = "sizes", dim_label: str = "dim") -> Optional[tuple]:
+class _Piece(NamedTuple):
+    """A sharded dim: each rank must hold sizes[rank] rows along it."""
+
+    label: str  # the sizes argument's name
+    dim_label: str  # the dim argument's name
+    dim: int
+    sizes: tuple
+
+
+def _piece_error(name: str, piece: _Piece, rank: int, have: int) -> ValueError:
+    return ValueError(f"{name}: the tensor on rank {rank} has {have} rows along "
+                      f"{piece.dim_label} {piece.dim} but {piece.label}[{rank}] is "
+                      f"{piece.sizes[rank]}; pass sizes that match each rank's tensor")
+
+
+def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group, whole: bool,
+           label: str = "sizes", dim_label: str = "dim", defer_piece: bool = False) -> tuple:
     """Validate before any collective; returns sizes as a tuple (or None) and dim.
-    `whole`: the tensor holds all of sum(sizes) rows, else this rank's piece."""
+    `whole`: the tensor holds all sum(sizes) rows, else this rank's piece, whose
+    check `defer_piece` leaves to `_agree` (so every rank raises, not one)."""
     _check_tensor(name, tensor)
     dim = _check_dim(name, tensor, dim, dim_label)
     if sizes is None:
@@ -95,24 +111,26 @@ def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group,
                                    for s in sizes):
         raise ValueError(f"{name}: {label}={list(sizes)} must hold one int >= 0 per rank of "
                          f"the group ({g.size} ranks); fs.shard_sizes(n) gives balanced sizes")
-    have, want = tensor.shape[dim], sum(sizes) if whole else sizes[g.rank]
-    if have != want:
-        what = f"sum({label})" if whole else f"{label}[{g.rank}] (this rank)"
-        raise ValueError(f"{name}: the tensor has {have} rows along {dim_label} {dim} but "
-                         f"{what} is {want}; pass sizes that match the tensor")
+    if whole and tensor.shape[dim] != sum(sizes):
+        raise ValueError(f"{name}: the tensor has {tensor.shape[dim]} rows along {dim_label} "
+                         f"{dim} but sum({label}) is {sum(sizes)}; pass sizes that sum to it")
+    if not whole and not defer_piece and tensor.shape[dim] != sizes[g.rank]:
+        raise _piece_error(name, _Piece(label, dim_label, dim, sizes), g.rank, tensor.shape[dim])
     return sizes, dim
 
 
-def _agree(name: str, g: _Group, tensor: torch.Tensor, fields: dict, free_dims=()) -> None:
-    """One small all-gather; every rank raises a ValueError if the ranks passed
-    different `fields` (label -> tuple of ints, the same length on every rank,
-    as validated locally) or tensors whose dims outside `free_dims` differ."""
+def _agree(name: str, g: _Group, tensor: torch.Tensor, fields: dict, pieces=()) -> None:
+    """One small all-gather; every rank raises the same ValueError if the ranks
+    passed different `fields` (label -> tuple of ints, the same length on every
+    rank, as validated locally), tensors that differ outside the `pieces`' dims,
+    or a piece whose rows do not match its sizes on some rank."""
     if g.size == 1:
         return
     # hash() of a tuple of ints is the same in every process (only str and
     # bytes hashes are salted), so one int stands for the fixed dims.
-    shape = tuple(n for d, n in enumerate(tensor.shape) if d not in free_dims)
-    mine = [v for value in fields.values() for v in value] + [tensor.dim(), hash(shape)]
+    shape = tuple(n for d, n in enumerate(tensor.shape) if d not in {p.dim for p in pieces})
+    mine = [v for value in fields.values() for v in value]
+    mine += [tensor.dim(), hash(shape)] + [tensor.shape[p.dim] for p in pieces]
     vec = torch.tensor(mine, dtype=torch.int64, device=tensor.device)
     out = vec.new_empty(g.size * len(mine))
     g.comm.all_gather(out, vec, g.group)
@@ -125,12 +143,16 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, fields: dict, free_dims=(
             have = ", ".join(f"rank {r}: {v if len(v) > 1 else v[0]}" for r, v in enumerate(per_rank))
             raise ValueError(f"{name}: {label} differs across the ranks of the group ({have}); "
                              "every rank must pass the same sizes and dims")
-    differ = [r for r, row in enumerate(rows) if row[start:] != rows[0][start:]]
+    differ = [r for r, row in enumerate(rows) if row[start: start + 2] != rows[0][start: start + 2]]
     if differ:
         raise ValueError(f"{name}: the tensors' shapes outside the sharded dims differ across "
                          f"the ranks of the group (ranks {differ} differ from rank 0; this rank "
                          f"has shape {tuple(tensor.shape)}); every rank must pass a tensor of the "
                          "same shape except along the sharded dims")
+    for i, piece in enumerate(pieces):
+        for r, row in enumerate(rows):
+            if row[start + 2 + i] != piece.sizes[r]:
+                raise _piece_error(name, piece, r, row[start + 2 + i])
 
 
 def _offsets(sizes: Sequence[int]) -> list:
@@ -303,10 +325,11 @@ def _prepare(name, tensor, sizes, dim, group, full_grad, comm, whole, check_size
         raise TypeError(f"{name}: full_grad must be a fs.collectives.FullGrad, got {full_grad!r}")
     _check_flag(name, check_sizes, "check_sizes")
     g = _group(group, comm)
-    sizes, dim = _check(name, tensor, sizes, dim, g, whole)
-    if check_sizes and (sizes is not None or replicated_collective):
-        _agree(name, g, tensor, {"sizes": sizes or (), "dim": (dim,)},
-               free_dims=() if sizes is None else (dim,))
+    defer = check_sizes and g.size > 1
+    sizes, dim = _check(name, tensor, sizes, dim, g, whole, defer_piece=defer)
+    if defer and (sizes is not None or replicated_collective):
+        pieces = [] if whole or sizes is None else [_Piece("sizes", "dim", dim, sizes)]
+        _agree(name, g, tensor, {"sizes": sizes or (), "dim": (dim,)}, pieces)
     return sizes, dim, g
 
 
@@ -382,17 +405,19 @@ def all_to_all(tensor: torch.Tensor, split_sizes: Sequence[int], split_dim: int,
     name = "all_to_all"
     _check_tensor(name, tensor)
     _check_flag(name, check_sizes, "check_sizes")
+    if _check_dim(name, tensor, split_dim, "split_dim") == _check_dim(name, tensor, concat_dim,
+                                                                        "concat_dim"):
+        raise ValueError(f"{name}: split_dim and concat_dim are both {split_dim % tensor.dim()}; "
+                         "an all-to-all moves the sharding to another dim (to re-split one "
+                         "dim, use gather_tensor then shard_tensor)")
     g = _group(group, comm)
+    defer = check_sizes and g.size > 1
     split_sizes, split_dim = _check(name, tensor, split_sizes, split_dim, g, True,
                                     "split_sizes", "split_dim")
     concat_sizes, concat_dim = _check(name, tensor, concat_sizes, concat_dim, g, False,
-                                      "concat_sizes", "concat_dim")
-    if split_dim == concat_dim:
-        raise ValueError(f"{name}: split_dim and concat_dim are both {split_dim}; an all-to-all "
-                         "moves the sharding to another dim (to re-split one dim, use "
-                         "gather_tensor then shard_tensor)")
-    if check_sizes:
+                                      "concat_sizes", "concat_dim", defer_piece=defer)
+    if defer:
         _agree(name, g, tensor, {"split_sizes": split_sizes, "concat_sizes": concat_sizes,
                                  "split_dim": (split_dim,), "concat_dim": (concat_dim,)},
-               free_dims=(concat_dim,))
+               [_Piece("concat_sizes", "concat_dim", concat_dim, concat_sizes)])
     return _AllToAll.apply(tensor, split_sizes, split_dim, concat_sizes, concat_dim, g)
