@@ -46,7 +46,10 @@ POINTS, IN, OUT = 10, 3, 2  # grid points, input and output fields per point
 CHANNELS, HEADS, BLOCKS = 12, 3, 2
 POINT_UNITS = (3, 2)  # the model ranks' shares of the points (6 and 4 of 10)
 SAMPLES = 4  # samples per step, split over the data-parallel replicas
-LR = 1e-2
+OPTIMIZERS = {  # AdamW hides a gradient's scale; SGD shows it (the test runs both)
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
 
 
 class Domain(NamedTuple):
@@ -165,7 +168,8 @@ def make_mesh(model_size: int = 2) -> Mesh:
                 Domain.make(mesh["model"].get_group()), init_device_mesh("cpu", (world,)))
 
 
-def train(steps: int, model_size: int = 2, reshard_after_forward: bool = True) -> tuple:
+def train(steps: int, model_size: int = 2, reshard_after_forward: bool = True,
+          optimizer: str = "adamw") -> tuple:
     """Train on every rank of the world; returns (replica-mean loss per step, the
     full parameters at the end, a line saying what this rank holds)."""
     mesh = make_mesh(model_size)
@@ -174,7 +178,7 @@ def train(steps: int, model_size: int = 2, reshard_after_forward: bool = True) -
     # reduce-scatter sums over all ranks: divide by dp only (mean over replicas,
     # sum of the model group's summands).
     model.set_gradient_divide_factor(mesh.dp)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     per_replica = SAMPLES // mesh.dp
     losses = []
     for step in range(steps):
@@ -201,10 +205,10 @@ def _holdings(model, mesh: Mesh) -> str:
             f"{local} of {full} parameter elements")
 
 
-def reference(steps: int) -> tuple:
+def reference(steps: int, optimizer: str = "adamw") -> tuple:
     """One process, every sample and point: (loss per step, final parameters)."""
     model = make_model(Domain.make())
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     losses = []
     for step in range(steps):
         loss = loss_share(model, *batch(step))

@@ -25,23 +25,25 @@ def _example():
     return module
 
 
-def _train(reshard_after_forward):
-    return _example().train(STEPS, reshard_after_forward=reshard_after_forward)
+def _train(reshard_after_forward, optimizer):
+    return _example().train(STEPS, reshard_after_forward=reshard_after_forward,
+                            optimizer=optimizer)
 
 
-def _reference():
+def _reference(optimizer):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
     try:
-        return _example().reference(STEPS)
+        return _example().reference(STEPS, optimizer)
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_matches_one_process(reshard_after_forward):
-    ref_losses, ref_params = _reference()
-    results = run_world(4, _train, reshard_after_forward)
+# SGD's steps scale with the gradient (AdamW's do not): it pins the divide factor.
+@pytest.mark.parametrize("reshard_after_forward,optimizer", [(True, "adamw"), (False, "sgd")])
+def test_matches_one_process(reshard_after_forward, optimizer):
+    ref_losses, ref_params = _reference(optimizer)
+    results = run_world(4, _train, reshard_after_forward, optimizer)
     holds = [line for _, _, line in results]
     assert holds[0].startswith("rank 0: dp 0, model 0: points 0..5 (6 of 10), heads 0..1 (2 of 3)")
     assert holds[3].startswith("rank 3: dp 1, model 1: points 6..9 (4 of 10), heads 2..2 (1 of 3)")
