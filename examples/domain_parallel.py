@@ -163,7 +163,8 @@ def make_mesh(model_size: int = 2) -> Mesh:
     world = dist.get_world_size()
     if world % model_size:
         raise ValueError(f"the world size {world} is not a multiple of model_size={model_size}")
-    mesh = init_device_mesh("cpu", (world // model_size, model_size), mesh_dim_names=("dp", "model"))
+    mesh = init_device_mesh("cpu", (world // model_size, model_size),
+                            mesh_dim_names=("dp", "model"))
     return Mesh(world // model_size, mesh.get_local_rank("dp"),
                 Domain.make(mesh["model"].get_group()), init_device_mesh("cpu", (world,)))
 

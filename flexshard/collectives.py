@@ -140,7 +140,8 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, fields: dict, pieces=()) 
         per_rank = [row[start: start + len(value)] for row in rows]
         start += len(value)
         if any(v != per_rank[0] for v in per_rank):
-            have = ", ".join(f"rank {r}: {v if len(v) > 1 else v[0]}" for r, v in enumerate(per_rank))
+            have = ", ".join(f"rank {r}: {v if len(v) > 1 else v[0]}"
+                             for r, v in enumerate(per_rank))
             raise ValueError(f"{name}: {label} differs across the ranks of the group ({have}); "
                              "every rank must pass the same sizes and dims")
     differ = [r for r, row in enumerate(rows) if row[start: start + 2] != rows[0][start: start + 2]]

@@ -152,8 +152,9 @@ def _global_outputs(case, xs):
 def _check(case):
     got, want = run_world(case["world"], _body, case), _reference(case)
     for r, ((out, grad), (ref_out, ref_grad)) in enumerate(zip(got, want)):
-        torch.testing.assert_close(out, ref_out, msg=lambda m: f"rank {r} value of {case}: {m}")
-        torch.testing.assert_close(grad, ref_grad, msg=lambda m: f"rank {r} grad of {case}: {m}")
+        where = f"rank {r} of {case}"
+        torch.testing.assert_close(out, ref_out, msg=lambda m, w=where: f"{w} value: {m}")
+        torch.testing.assert_close(grad, ref_grad, msg=lambda m, w=where: f"{w} grad: {m}")
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -50,8 +50,8 @@ def test_matches_one_process(reshard_after_forward, optimizer):
     assert ref_losses[-1] < ref_losses[0]  # it learns
     for rank, (losses, params, _) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
-                                   rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} loss: {m}")
+                                   rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r} loss: {m}")
         assert params.keys() == ref_params.keys()
         for name, ref in ref_params.items():
             torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
