@@ -61,14 +61,15 @@ class Domain(NamedTuple):
     rank: int  # this rank's index in the group
     points: list  # points[r]: the points rank r holds
     heads: list  # heads[r]: the attention heads rank r computes
+    comm: Optional[fs.Comm] = None  # the all-to-alls' Comm (tests count them)
 
     @staticmethod
-    def make(group=None) -> "Domain":
+    def make(group=None, comm: Optional[fs.Comm] = None) -> "Domain":
         size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         units = POINT_UNITS if size == len(POINT_UNITS) else (1,) * size
         return Domain(group, rank, fs.shard_sizes(POINTS, units),
-                      fs.shard_sizes(HEADS, world_size=size))
+                      fs.shard_sizes(HEADS, world_size=size), comm)
 
     def my_points(self) -> slice:
         start = sum(self.points[: self.rank])
@@ -90,11 +91,11 @@ class Attention(nn.Module):
         d, (b, n, c) = self.domain, x.shape
         qkv = self.qkv(x).view(b, n, 3, HEADS, c // HEADS)
         # points-sharded -> heads-sharded: (batch, all points, 3, my heads, head dim)
-        qkv = all_to_all(qkv, d.heads, 3, d.points, 1, d.group)
+        qkv = all_to_all(qkv, d.heads, 3, d.points, 1, d.group, comm=d.comm)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, my heads, points, head dim)
         o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
         # heads-sharded -> points-sharded: (batch, my points, all heads, head dim)
-        o = all_to_all(o, d.points, 1, d.heads, 2, d.group)
+        o = all_to_all(o, d.points, 1, d.heads, 2, d.group, comm=d.comm)
         return self.out(o.reshape(b, n, c))
 
 
@@ -159,7 +160,7 @@ class Mesh(NamedTuple):
     world: object  # the 1-D DeviceMesh of every rank, for flex_shard
 
 
-def make_mesh(model_size: int = 2) -> Mesh:
+def make_mesh(model_size: int = 2, comm: Optional[fs.Comm] = None) -> Mesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -168,14 +169,14 @@ def make_mesh(model_size: int = 2) -> Mesh:
     mesh = init_device_mesh("cpu", (world // model_size, model_size),
                             mesh_dim_names=("dp", "model"))
     return Mesh(world // model_size, mesh.get_local_rank("dp"),
-                Domain.make(mesh["model"].get_group()), init_device_mesh("cpu", (world,)))
+                Domain.make(mesh["model"].get_group(), comm), init_device_mesh("cpu", (world,)))
 
 
 def train(steps: int, model_size: int = 2, reshard_after_forward: bool = True,
-          optimizer: str = "adamw") -> tuple:
+          optimizer: str = "adamw", comm: Optional[fs.Comm] = None) -> tuple:
     """Train on every rank of the world; returns (replica-mean loss per step, the
     full parameters at the end, a line saying what this rank holds)."""
-    mesh = make_mesh(model_size)
+    mesh = make_mesh(model_size, comm)
     model = fs.flex_shard(make_model(mesh.domain), mesh.world,
                           reshard_after_forward=reshard_after_forward)
     # reduce-scatter sums over all ranks: divide by dp only (mean over replicas,

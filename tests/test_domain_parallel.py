@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import flexshard as fs
 from harness import run_world
 
 pytestmark = pytest.mark.world
@@ -55,3 +56,25 @@ def test_matches_one_process(reshard_after_forward, optimizer):
         for name, ref in ref_params.items():
             torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5,
                                        msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
+
+
+class AllToAllCounter(fs.Comm):
+    def __init__(self):
+        self.all_to_alls = 0
+
+    def all_to_all(self, *args, **kwargs):
+        self.all_to_alls += 1
+        return super().all_to_all(*args, **kwargs)
+
+
+def _count_one_step(reshard_after_forward):
+    comm = AllToAllCounter()
+    _example().train(1, reshard_after_forward=reshard_after_forward, comm=comm)
+    return comm.all_to_alls
+
+
+def test_all_to_alls_per_step():
+    """Two blocks, one all-to-all each way per attention, reversed in backward: 8.
+    Reshard after forward recomputes each block in backward, all-to-alls included."""
+    assert run_world(4, _count_one_step, False) == [8] * 4
+    assert run_world(4, _count_one_step, True) == [12] * 4
