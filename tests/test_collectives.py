@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexshard.collectives import FullGrad, gather_tensor, reduce_scatter_tensor, shard_tensor
+import flexshard as fs
+from flexshard.collectives import (FullGrad, all_reduce_grad, all_to_all, gather_tensor,
+                                   reduce_scatter_tensor, shard_tensor)
 from harness import expect_all_ranks_raise, run_world
 
 pytestmark = pytest.mark.world
@@ -142,8 +144,8 @@ def test_errors_on_every_rank_before_any_collective():
     expect_all_ranks_raise(2, _sum_mismatch, ValueError,
                            r"shard_tensor: the tensor has 5 rows along dim 0 but sum\(sizes\) is 4")
     expect_all_ranks_raise(2, _piece_mismatch, ValueError,
-                           r"gather_tensor: the tensor has 3 rows .* "
-                           r"sizes\[\d\] \(this rank\) is 1")
+                           r"gather_tensor: the tensor on rank 0 has 3 rows along dim 0 but "
+                           r"sizes\[0\] is 1; pass sizes that match each rank's tensor")
 
 
 def test_bad_arguments_single_process():
@@ -167,3 +169,155 @@ def test_world_of_one_without_process_group():
     y.sum().backward()
     torch.testing.assert_close(y, x)
     torch.testing.assert_close(x.grad, torch.ones(4, 3))
+
+
+# ---- all_to_all and all_reduce_grad (values and gradients: test_collective_properties.py)
+
+
+class CountingComm(fs.Comm):
+    """Counts collectives; `forbid` names kinds that must not run."""
+
+    def __init__(self, forbid=()):
+        self.calls, self.forbid = [], set(forbid)
+
+    def _note(self, kind):
+        if kind in self.forbid:
+            raise AssertionError(f"a {kind} ran before the error")
+        self.calls.append(kind)
+
+    def all_gather(self, *args, **kwargs):
+        self._note("all_gather")
+        return super().all_gather(*args, **kwargs)
+
+    def all_to_all(self, *args, **kwargs):
+        self._note("all_to_all")
+        return super().all_to_all(*args, **kwargs)
+
+    def all_reduce(self, *args, **kwargs):
+        self._note("all_reduce")
+        return super().all_reduce(*args, **kwargs)
+
+
+EVERY = ("all_gather", "all_to_all", "all_reduce")
+
+
+def _collectives_issued(check_sizes):
+    """Points sharded [3, 1] -> heads sharded [0, 2]; which collectives ran."""
+    import torch.distributed as dist
+
+    comm = CountingComm()
+    x = torch.randn(4, [3, 1][dist.get_rank()], 2, requires_grad=True)
+    y = all_to_all(x, [0, 2], 2, [3, 1], 1, comm=comm, check_sizes=check_sizes)
+    y.sum().backward()
+    return comm.calls
+
+
+def test_all_to_all_is_one_collective_each_way():
+    assert run_world(2, _collectives_issued, False) == [["all_to_all"] * 2] * 2
+    # the size check is one small all-gather before the forward's all-to-all
+    assert run_world(2, _collectives_issued, True) == [["all_gather"] + ["all_to_all"] * 2] * 2
+
+
+def _a2a_local(case):
+    """Bad sizes or dims that every rank sees: raised before any collective."""
+    import torch.distributed as dist
+
+    x = torch.zeros(4, [2, 3][dist.get_rank()])  # points along dim 1: concat_sizes [2, 3]
+    args = {"split sum": ([2, 1], 0, [2, 3], 1), "length": ([1, 1, 2], 0, [2, 3], 1),
+            "negative": ([5, -1], 0, [2, 3], 1), "same dim": ([2, 3], 1, [2, 3], 1),
+            "dim range": ([2, 2], 2, [2, 3], 1)}[case]
+    all_to_all(x, *args, comm=CountingComm(forbid=EVERY))
+
+
+A2A_LOCAL = {
+    "split sum": r"all_to_all: the tensor has 4 rows along split_dim 0 but sum\(split_sizes\) "
+                 r"is 3; pass sizes that sum to it",
+    "length": r"all_to_all: split_sizes=\[1, 1, 2\] must hold one int >= 0 per rank of the "
+              r"group \(2 ranks\)",
+    "negative": r"all_to_all: split_sizes=\[5, -1\] must hold one int >= 0",
+    "same dim": r"all_to_all: split_dim and concat_dim are both 1; an all-to-all moves",
+    "dim range": r"all_to_all: split_dim=2 is out of range for a tensor of shape",
+}
+
+
+@pytest.mark.parametrize("case", sorted(A2A_LOCAL))
+def test_all_to_all_bad_sizes_raise_before_any_collective(case):
+    expect_all_ranks_raise(2, _a2a_local, ValueError, A2A_LOCAL[case], case)
+
+
+def _disagree(kind):
+    """Ranks that disagree, or one rank's piece that does not match its sizes:
+    found by the check's all-gather, the only collective that may run."""
+    import torch.distributed as dist
+
+    rank, comm = dist.get_rank(), CountingComm(forbid=("all_to_all", "all_reduce"))
+    if kind == "piece":  # rank 0 holds 2 rows, told 3: rank 1 (fine) raises too
+        all_to_all(torch.zeros(4, [2, 3][rank]), [2, 2], 0, [3, 3], 1, comm=comm)
+    elif kind == "concat_sizes":  # rank 0: [2, 3], rank 1: [3, 3]; each holds its own rows
+        all_to_all(torch.zeros(4, [2, 3][rank]), [2, 2], 0, [[2, 3], [3, 3]][rank], 1, comm=comm)
+    elif kind == "split_dim":
+        all_to_all(torch.zeros(4, 2, 4), [2, 2], [0, 2][rank], [2, 2], 1, comm=comm)
+    elif kind == "shape":
+        all_to_all(torch.zeros(4, 2, 3 + rank), [2, 2], 0, [2, 2], 1, comm=comm)
+    elif kind == "gather":
+        gather_tensor(torch.zeros(2, 3), [[2, 2], [1, 2]][rank], comm=comm)
+    elif kind == "all_reduce":
+        reduce_scatter_tensor(torch.zeros(2, 3 + rank), None, comm=comm)
+    else:
+        all_reduce_grad(torch.zeros(2 + rank), comm=comm)
+
+
+DISAGREE = {
+    "piece": r"all_to_all: the tensor on rank 0 has 2 rows along concat_dim 1 but "
+             r"concat_sizes\[0\] is 3; pass sizes that match each rank's tensor",
+    "concat_sizes": r"all_to_all: concat_sizes differs across the ranks of the group "
+                    r"\(rank 0: \[2, 3\], rank 1: \[3, 3\]\); every rank must pass the same",
+    "split_dim": r"all_to_all: split_dim differs across the ranks of the group "
+                 r"\(rank 0: 0, rank 1: 2\)",
+    "shape": r"all_to_all: the tensors' shapes outside the sharded dims differ across the ranks "
+             r"of the group \(ranks \[1\] differ from rank 0; this rank has shape \(4, 2, [34]\)\)",
+    "gather": r"gather_tensor: sizes differs across the ranks of the group "
+              r"\(rank 0: \[2, 2\], rank 1: \[1, 2\]\)",
+    "all_reduce": r"reduce_scatter_tensor: the tensors' shapes outside the sharded dims differ",
+    "all_reduce_grad": r"all_reduce_grad: the tensors' shapes outside the sharded dims differ",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DISAGREE))
+def test_ranks_that_disagree_all_raise(kind):
+    expect_all_ranks_raise(2, _disagree, ValueError, DISAGREE[kind], kind)
+
+
+def test_all_to_all_and_all_reduce_grad_bad_arguments_single_process():
+    x = torch.zeros(4, 2)
+    with pytest.raises(TypeError, match="all_to_all: split_dim must be an int, got '0'"):
+        all_to_all(x, [4], "0", [2], 1)
+    with pytest.raises(TypeError, match="all_to_all: check_sizes must be a bool, got 1"):
+        all_to_all(x, [4], 0, [2], 1, check_sizes=1)
+    with pytest.raises(TypeError, match="all_reduce_grad: expected a tensor, got list"):
+        all_reduce_grad([1.0])
+
+
+def test_world_of_one_all_to_all_and_all_reduce_grad():
+    x = torch.randn(4, 3, requires_grad=True)
+    y = all_reduce_grad(all_to_all(x, [4], 0, [3], 1))
+    (y * 2).sum().backward()
+    torch.testing.assert_close(y, x)
+    torch.testing.assert_close(x.grad, torch.full((4, 3), 2.0))
+
+
+def _piece_unchecked():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:  # with check_sizes=False only the rank that sees it raises
+        all_to_all(torch.zeros(4, 2), [2, 2], 0, [3, 3], 1, check_sizes=False,
+                   comm=CountingComm(forbid=EVERY))
+    return "ran"
+
+
+def test_unchecked_piece_raises_on_its_rank_before_any_collective():
+    with pytest.raises(Exception) as err:
+        run_world(2, _piece_unchecked)
+    assert err.value.failures[0].message.startswith(
+        "all_to_all: the tensor on rank 0 has 2 rows along concat_dim 1 but concat_sizes[0] is 3")
+    assert err.value.results == {1: "ran"}

@@ -37,3 +37,10 @@ class Comm:
         """In-place all-reduce: norms, plan fingerprints, and under HSDP the
         reduced gradient shards across the replicate group."""
         dist.all_reduce(tensor, op=op, group=group)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list,
+                   input_split_sizes: list, group) -> None:
+        """Flat all-to-all: rank r sends its `input_split_sizes[j]` elements in
+        segment j to rank j and receives `output_split_sizes[j]` from rank j
+        (sizes may differ and be 0)."""
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
