@@ -10,7 +10,7 @@ its resolved flags. api.py checks that the ranks agree on it
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch.nn as nn
 
@@ -57,7 +57,8 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     `replicas`: HSDP's replicate size (grads are all-reduced over it); `note`
     ends placement errors (which group the placements split over)."""
     members = assign_params(list(named), specs)
-    slots = [plan_slots(spec, names, named, placement, world_size, note)
+    load = [0] * world_size  # bytes per rank so far: placements balance over the model
+    slots = [plan_slots(spec, names, named, placement, world_size, note, load)
              for spec, names in zip(specs, members)]
     registered = param_aliases(module)
     # Per bucket, per slot: [(module, attr, module FQN)] of every registration.
@@ -82,8 +83,10 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
 
 
 def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
-               world_size: int, note: str = "") -> list:
-    """The SlotPlans of one bucket's params (`names`), placements checked and bound."""
+               world_size: int, note: str = "", load: Optional[list] = None) -> list:
+    """The SlotPlans of one bucket's params (`names`), placements checked and
+    bound; `load` (bytes per rank of the buckets before, updated) lets them
+    balance over the whole model."""
     choice = spec.placement if spec.placement is not None else default
     entries = []
     for fqn in names:
@@ -98,7 +101,7 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
         except ValueError as e:
             raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}{note}") from None
         entries.append((param.shape, param.dtype.itemsize, placement))
-    bound = bind_placements(entries, world_size)
+    bound = bind_placements(entries, world_size, load)
     return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
                      tuple(pl.local_shape(named[fqn].shape, r, world_size)
                            for r in range(world_size)))

@@ -57,8 +57,8 @@ class PendingReduce(NamedTuple):
 
     work: Any  # dist.Work, or None at world size 1
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
-    held: tuple  # reduce input and unsharded grads, read on the reduce stream: kept until
-    #              finish_reduce's compute stream waited past their last use
+    held: tuple  # the reduce input, read by the collective on the reduce stream: kept
+    #              until finish_reduce's compute stream waited past its last use
     post_divide: Optional[float]  # what the reduced sum is still divided by (see _reduce_op)
 
 
@@ -451,19 +451,22 @@ class Bucket:
         send = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=self.storage.buffer.device)
         out = send if self.world_size == 1 or not sync else torch.empty(
             layout.segment_bytes, dtype=torch.uint8, device=send.device)
-        held = (send, self.pending_grads, *grads)
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
             self._pack(send, grads)
             if not sync:
                 self._accumulate_pending(send)
             else:
                 op = self._reduce_op()
-                work = self._reduce_scatter(send, out, op)
-            done = ctx.record(ctx.reduce)
+                self._add_pending_and_scale(send, op)
+            packed = ctx.record(ctx.reduce)
+            work = self._reduce_scatter(send, out, op) if sync else None
+        # Autograd frees the unsharded grads when backward returns, and a consumed
+        # no-sync sum dies here: the compute stream waits for the pack (not for the
+        # collective), so only the reduce input is held until finish_reduce.
+        ctx.wait(packed)
         if not sync:
-            ctx.wait(done)  # autograd frees the grads when backward returns: not before the pack
             return None
-        return PendingReduce(work, out, held, op.post_divide)
+        return PendingReduce(work, out, (send,), op.post_divide)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
         """Wait for a launched reduce-scatter; returns sharded grads per slot
@@ -528,14 +531,17 @@ class Bucket:
         post = 2.0 * mantissa
         return ReduceOp(2.0 ** (1 - exponent), None if post == 1.0 else post, dist.ReduceOp.SUM)
 
-    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: "ReduceOp") -> Any:
-        """On the reduce stream: add the no-sync sum, pre-scale, launch."""
-        layout = self.reduce_layout
+    def _add_pending_and_scale(self, send: torch.Tensor, op: "ReduceOp") -> None:
+        """On the reduce stream: add the no-sync sum, pre-scale."""
         if self.pending_grads is not None:
             self._typed(send).add_(self._typed(self.pending_grads))
-            self.pending_grads = None  # held by the PendingReduce until finish_reduce
+            self.pending_grads = None  # its last use: start_reduce's compute wait covers it
         if op.pre_scale is not None:
             self._typed(send).mul_(op.pre_scale)
+
+    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: "ReduceOp") -> Any:
+        """On the reduce stream: launch the reduce-scatter (None at world size 1)."""
+        layout = self.reduce_layout
         self.counters.reduces += 1
         if self.world_size == 1:
             return None
@@ -597,11 +603,13 @@ class _Unshard(torch.autograd.Function):
         # The reduce-scatter runs while the rest of backward does; the queue
         # delivers the sharded grads into .grad (at the latest when backward ends).
         bucket = ctx.bucket
+        # Every grad is known: the block's backward is done with its regathered params;
+        # dropped before the reduce buffers are made, so the two never coexist.
+        bucket.regathered = None
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
         pending = bucket.start_reduce(grads)
         if pending is not None and ctx.delivery is not None:
             ctx.delivery.expect(bucket.reduce_queue, pending.work,
                                 partial(bucket.finish_reduce, pending))
-        bucket.regathered = None  # every grad is known: the block's backward is done with them
         return None, anchor_grad(bucket.storage.buffer.device)
