@@ -210,6 +210,7 @@ class Bucket:
         # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(lay): self._layout_plans(lay)
                        for lay in (self.storage.layout, self.gather_layout)}
+        self._reduce_dense = self.reduce_layout.dense
         self._reduce_copies = plan_copies(self.reduce_layout,
                                           [slots[i] for i in self.grad_slots])
 
@@ -448,7 +449,10 @@ class Bucket:
         reduce stream without waiting; None under no-sync (the packed grads are
         kept for later)."""
         ctx, layout, sync = self.device_ctx, self.reduce_layout, self.requires_gradient_sync
-        send = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=self.storage.buffer.device)
+        # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
+        full = self._reduce_dense and all(grads[i] is not None for i in self.grad_slots)
+        send = (torch.empty if full else torch.zeros)(layout.wire_bytes, dtype=torch.uint8,
+                                                      device=self.storage.buffer.device)
         out = send if self.world_size == 1 or not sync else torch.empty(
             layout.segment_bytes, dtype=torch.uint8, device=send.device)
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated

@@ -74,6 +74,12 @@ class BucketLayout(NamedTuple):
         return copied * 16 <= self.ideal_bytes
 
     @property
+    def dense(self) -> bool:
+        """Whether the pieces cover every byte of every segment (no padding, no
+        alignment gaps): a buffer every piece is written into needs no zeroing."""
+        return self.ideal_bytes == self.wire_bytes
+
+    @property
     def ideal_bytes(self) -> int:
         """Bytes that must move: the sum of every rank's pieces."""
         return sum(sum(reg.nbytes) for reg in self.regions)
