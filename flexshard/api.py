@@ -131,6 +131,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     """
     _check_args(module, mesh, placement, mp_policy, reshard_after_forward)
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
+    _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())
     check_params(named)
     rank, world_size = _rank_and_world(mesh)
@@ -170,6 +171,32 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
                          f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass a slice such "
                          "as mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
     check_options(placement, mp_policy, reshard_after_forward)
+
+
+def _check_bucket_meshes(specs, mesh) -> None:
+    """A BucketSpec's own mesh: 1-D or 2-D, holding this rank, its ranks among
+    flex_shard's mesh's (the whole world when mesh is None)."""
+    world = (set(mesh.mesh.flatten().tolist()) if mesh is not None
+             else set(range(dist.get_world_size())) if dist.is_initialized() else {0})
+    for spec in specs:
+        own = spec.mesh
+        if own is None:
+            continue
+        if own.ndim not in (1, 2):
+            raise ValueError(f"bucket {spec.label!r}: its mesh must be 1-D (shard) or 2-D (HSDP: "
+                             f"replicate, shard), got a {own.ndim}-D mesh of shape "
+                             f"{tuple(own.shape)}; pass a slice such as mesh['ep_shard']")
+        ranks = set(own.mesh.flatten().tolist())
+        if not ranks <= world:
+            raise ValueError(f"bucket {spec.label!r}: its mesh holds rank(s) "
+                             f"{sorted(ranks - world)} outside flex_shard's mesh of ranks "
+                             f"{sorted(world)}; a bucket's mesh must be a sub-mesh or flattening "
+                             "of flex_shard's")
+        if own.get_coordinate() is None:
+            raise ValueError(f"bucket {spec.label!r}: this rank ({dist.get_rank()}) is not in its "
+                             f"mesh of ranks {sorted(ranks)}; every rank wraps the same buckets, "
+                             "each passing the bucket-mesh slice that holds it (e.g. "
+                             "mesh['ep_shard'])")
 
 
 def _rank_and_world(mesh) -> tuple:
@@ -239,6 +266,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
                         replicate_size=groups.replicate_size,
                         subgroups=_subgroups(state, groups.shard_group),
                         divide_factor=state.mesh_size)
+        bucket.mesh = groups.mesh
         if bucket.post_forward_size is not None:
             bucket.subgroups.of(bucket.rank, bucket.post_forward_size)  # made now, by every member
         bucket.load_full(lambda fqn: named[fqn].detach())

@@ -195,6 +195,7 @@ class Bucket:
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.subgroups = subgroups  # mesh.Subgroups of the shard group (int reshard)
+        self.mesh = None  # its DeviceMesh (its own or the model's; None without a process group)
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
