@@ -27,7 +27,7 @@ def _parallelize_hsdp(model, placement: str):
                         ep=1, world_size=WORLD, spmd_backend="partial_dtensor")
     with mock.patch.object(torchtitan_parallel_dims, "device_type", "cpu"):  # CPU meshes
         return parallelize_llama(
-            model, parallel_dims=dims, training=TrainingConfig(),
+            model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
             parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
                                           data_parallel_replicate_degree=REPLICATE),
             compile_config=CompileConfig(), ac_config=None, dump_folder="",
@@ -49,7 +49,8 @@ def _train_hsdp(placement: str) -> tuple:
         dist.all_reduce(total)
         losses.append(total.item())
     all_reduces = sum(b.counters.all_reduces for b in state.buckets)
-    return (losses, fs.full_state_dict(model) if rank == 0 else None,
+    full = fs.full_state_dict(model)  # gathers: every rank takes part
+    return (losses, full if rank == 0 else None,
             (state.replicate_size, state.world_size), all_reduces, len(state.buckets))
 
 
