@@ -239,6 +239,15 @@ def _reshard_not_dividing_bucket_mesh():
                                          name="dense")])
 
 
+def _three_dim_bucket_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+    fs.flex_shard(MoE(), comm=NoCollectives(),
+                  buckets=[fs.BucketSpec(["experts.*"], name="experts", mesh=cube),
+                           fs.BucketSpec(["embed.*", "router.*", "norm.*", "head.*"])])
+
+
 def _save_expert_checkpoint(directory):
     model, _ = _wrap(False)
     fs.save_checkpoint(directory, model, torch.optim.AdamW(model.parameters()), step=1)
@@ -249,6 +258,9 @@ def test_bad_input(tmp_path):
                            r"bucket 'experts': its mesh holds rank\(s\) \[\d\] outside "
                            r"flex_shard's mesh of ranks \[\d, \d\]; a bucket's mesh must be a "
                            r"sub-mesh or flattening of flex_shard's")
+    expect_all_ranks_raise(WORLD, _three_dim_bucket_mesh, ValueError,
+                           r"bucket 'experts': its mesh must be 1-D \(shard\) or 2-D \(HSDP: "
+                           r"replicate, shard\), got a 3-D mesh of shape \(1, 2, 2\)")
     expect_all_ranks_raise(WORLD, _owner_outside_bucket_mesh, ValueError,
                            r"parameter 'experts\.w_\w+' in bucket 'experts': Owned\(rank=2\) is outside "
                            r"the world of 2 rank\(s\).*the bucket's own mesh \(1, 2\)")

@@ -29,6 +29,7 @@ from .comm import Comm
 from .copyplan import plan_copies
 from .device import DeviceContexts, HostContext, on_stream
 from .layout import BucketLayout, SlotPlan, plan_layout
+from .postforward import PostForwardShard, keep_slice, usable
 from .delivery import GradRoute, anchor_grad
 from .reduction import ReduceQueue, in_backward
 from .storage import BucketStorage, gathered_param, typed_view
@@ -60,15 +61,6 @@ class PendingReduce(NamedTuple):
     held: tuple  # reduce input and unsharded grads, read on the reduce stream: kept until
     #              finish_reduce's compute stream waited past their last use
     post_divide: Optional[float]  # what the reduced sum is still divided by (see _reduce_op)
-
-
-class PostForwardShard(NamedTuple):
-    """An int reshard_after_forward N: what a rank keeps of the forward's gather
-    output, the 1/N of it its post-forward group needs from it."""
-
-    send: torch.Tensor  # this rank's S/N segments of the gather output (gather layout)
-    group: Any  # the N consecutive shard ranks backward all-gathers within
-    version: int  # storage version at forward: a later write makes it stale
 
 
 class ReduceOp(NamedTuple):
@@ -256,28 +248,20 @@ class Bucket:
         return None if isinstance(reshard, bool) else reshard
 
     def keep_post_forward_shard(self, keep: bool) -> None:
-        """After the forward's gather (int reshard): keep this rank's 1/N of the
-        gather output, the segments of the shard ranks i*S/N..(i+1)*S/N-1 where i
-        is its index in its post-forward group, so that the group's all-gather
-        of them rebuilds the whole output. Else drop what forward kept."""
+        """After the forward's gather (int reshard N): keep this rank's 1/N of
+        the gather output for backward (postforward.py); else drop it."""
         gathered, self._forward_gathered = self._forward_gathered, None
         self.post_forward = None
         n = self.post_forward_size
-        if not keep or gathered is None or n is None:
-            return
-        span = self.gather_layout.segment_bytes * (self.world_size // n)
-        start = (self.rank % n) * span
-        self.post_forward = PostForwardShard(gathered[start:start + span].clone(),
-                                             self.subgroups.of(self.rank, n),
-                                             tensor_version(self.storage.buffer))
+        if keep and gathered is not None and n is not None:
+            self.post_forward = keep_slice(gathered, self.gather_layout, self.rank, n,
+                                           self.subgroups.of(self.rank, n), self.storage.buffer)
 
     def _post_forward_source(self, layout: BucketLayout) -> Optional[PostForwardShard]:
         """The kept post-forward shard, when a gather in backward may start from it."""
-        pf = self.post_forward
-        if (pf is None or layout is not self.gather_layout or not in_backward()
-                or pf.version != tensor_version(self.storage.buffer)):
+        if layout is not self.gather_layout or not in_backward():
             return None
-        return pf
+        return usable(self.post_forward, self.storage.buffer)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:
