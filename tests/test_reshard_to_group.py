@@ -57,21 +57,27 @@ def _mesh(shape):
 
 
 # (mesh shape, placement, bf16, how N is set): a 1-D world of 4 and a (1, 4)
-# HSDP mesh; N given to flex_shard, to BucketSpecs, and by set_reshard_after_forward.
+# HSDP mesh; N given to flex_shard, to BucketSpecs, and by set_reshard_after_forward;
+# under the user's activation checkpointing (non-reentrant checkpoint() around each
+# block), whose recompute in backward gathers from the kept slices.
 CASES = [
     ((4,), fs.Shard(0), False, "flex_shard"),
     ((1, 4), fs.RaggedShard(), True, "buckets"),
     ((4,), fs.Owned(), False, "setter"),
+    ((4,), fs.Shard(0), False, "checkpoint"),
 ]
 
 
 def _wrap(shape, placement, bf16, how):
     from flexshard.planning.assign import default_buckets
 
-    model, comm = make_model(), GroupComm()
+    from test_activation_checkpoint import ac_model
+
+    model = ac_model("non_reentrant") if how == "checkpoint" else make_model()
+    comm = GroupComm()
     kwargs = dict(placement=placement, comm=comm,
                   mp_policy=BF16 if bf16 else fs.MixedPrecisionPolicy())
-    if how == "flex_shard":
+    if how in ("flex_shard", "checkpoint"):
         kwargs["reshard_after_forward"] = 2
     elif how == "buckets":  # the blocks reshard to 2 ranks, the root bucket keeps its params
         kwargs["buckets"] = [fs.BucketSpec(s.patterns, name=s.name,
