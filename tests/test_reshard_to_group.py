@@ -152,6 +152,8 @@ def test_dry_run_plans_the_int_reshard():
     plan = fs.describe(make_model(), mesh_shape=(2, 4), reshard_after_forward=2)
     blocks = [b for b in plan.buckets if b.module != ""]
     assert blocks and all(b.reshard_after_forward == 2 and b.regather_ranks == 2 for b in blocks)
+    assert f"all-gathers ({len(blocks)} within post-forward groups)" in plan.summary()
+    assert "to 2" in str(plan)
     root = next(b for b in plan.buckets if b.module == "")
     assert root.reshard_after_forward is False and root.regather_ranks == 0
     # N == S is a full reshard (True), N == 1 keeps the params (False), as FSDP2 reads them.

@@ -181,10 +181,13 @@ def _summary(plan: ShardingPlan) -> str:
     replicas, shards = plan.mesh_shape
     gather = sum(b.gather_wire_bytes for b in plan.buckets)
     reduce = sum(b.reduce_wire_bytes for b in plan.buckets)
+    in_groups = sum(1 for b in plan.buckets
+                    if not isinstance(b.reshard_after_forward, bool) and b.regather_ranks)
+    groups = f" ({in_groups} within post-forward groups)" if in_groups else ""
     return "\n".join([
         f"world size {plan.world_size} as mesh (replicate {replicas}, shard {shards}): "
-        f"{plan.gathers_per_step} all-gathers and {plan.reduces_per_step} reduce-scatters per step "
-        f"on the shard dim, {plan.all_reduces_per_step} all-reduces on the replicate dim",
+        f"{plan.gathers_per_step} all-gathers{groups} and {plan.reduces_per_step} reduce-scatters "
+        f"per step on the shard dim, {plan.all_reduces_per_step} all-reduces on the replicate dim",
         f"per rank: params {_span(plan.param_bytes)}, grads {_span(plan.grad_bytes)}, "
         f"AdamW state {_span(plan.adamw_bytes)}",
         f"wire bytes per step: shard dim {human(plan.shard_wire_bytes)} (all-gather "
