@@ -142,7 +142,11 @@ def step_while_held():
 
 
 def bad_flag():
-    fs.flex_shard(make_model()).set_reshard_after_forward(1)
+    fs.flex_shard(make_model()).set_reshard_after_forward("yes")
+
+
+def bad_group():
+    fs.flex_shard(make_model()).set_reshard_after_forward(3)
 
 
 def bad_async():
@@ -152,5 +156,8 @@ def bad_async():
 def test_misuse_raises_on_every_rank():
     expect_all_ranks_raise(2, step_while_held, RuntimeError,
                            r"bucket 'root': its sharded params changed .* module.reshard\(\)")
-    expect_all_ranks_raise(2, bad_flag, TypeError, r"set_reshard_after_forward expects a bool, got 1")
+    expect_all_ranks_raise(2, bad_flag, TypeError,
+                           r"set_reshard_after_forward: reshard_after_forward must be a bool or an int, got 'yes'")
+    expect_all_ranks_raise(2, bad_group, ValueError,
+                           r"bucket 'layers.0': reshard_after_forward=3 does not divide its shard group of 2")
     expect_all_ranks_raise(2, bad_async, TypeError, r"async_op to be a bool, got 'yes'")
