@@ -10,11 +10,11 @@ its resolved flags. api.py checks that the ranks agree on it
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch.nn as nn
 
-from ..config import BucketSpec, MixedPrecisionPolicy
+from ..config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from ..placements.contract import Placement
 from ..runtime.bucket import hooks_needed
 from ..runtime.layout import SlotPlan, bind_placements
@@ -39,6 +39,7 @@ class PlannedBucket(NamedTuple):
     reshard_after_forward: bool  # the spec's, else flex_shard's (never on the root module)
     needs_hooks: bool  # False when the sharded params are the full ones (runtime.bucket)
     used_in_nested_runner: bool  # a param is used inside another hooked bucket's runner
+    offload_policy: Optional[OffloadPolicy] = None  # the spec's, else flex_shard's; None: no offload
 
 
 class WrapPlan(NamedTuple):
@@ -49,13 +50,15 @@ class WrapPlan(NamedTuple):
 
 def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], placement,
               mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-              world_size: int, *, replicas: int = 1, note: str = "") -> WrapPlan:
+              world_size: int, *, replicas: int = 1, note: str = "",
+              offload_policy: Optional[OffloadPolicy] = None) -> WrapPlan:
     """Assign `named` (module.named_parameters()) to `specs`, bind placements
     (`placement` unless a spec names its own) and find each bucket's modules.
     Raises on parameters that match no or several specs and on placements
     that cannot split their parameter; warns on tied params the specs split.
     `replicas`: HSDP's replicate size (grads are all-reduced over it); `note`
-    ends placement errors (which group the placements split over)."""
+    ends placement errors (which group the placements split over);
+    `offload_policy`: flex_shard's, which a BucketSpec's overrides (False: none)."""
     members = assign_params(list(named), specs)
     slots = [plan_slots(spec, names, named, placement, world_size, note)
              for spec, names in zip(specs, members)]
@@ -67,7 +70,9 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     for spec, bucket, bucket_aliases, runner in zip(specs, slots, aliases, runners):
         _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
     mps = [spec.mp_policy or mp_policy for spec in specs]
-    hooked = [hooks_needed(bucket, mp, world_size, replicas) for bucket, mp in zip(slots, mps)]
+    offloads = [_offload(spec, offload_policy) for spec in specs]
+    hooked = [hooks_needed(bucket, mp, world_size, replicas, off is not None)
+              for bucket, mp, off in zip(slots, mps, offloads)]
     nested = _nested_use(module, runners, owners, hooked)
     return WrapPlan(tuple(
         PlannedBucket(
@@ -76,9 +81,16 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
             aliases=tuple(tuple((m, attr) for m, attr, _ in a) for a in bucket_aliases),
             runner=runner, mp_policy=mp,
             reshard_after_forward=_reshard(spec, reshard_after_forward, runner is module),
-            needs_hooks=needs, used_in_nested_runner=nest)
-        for spec, bucket, bucket_aliases, runner, mp, needs, nest
-        in zip(specs, slots, aliases, runners, mps, hooked, nested)))
+            needs_hooks=needs, used_in_nested_runner=nest, offload_policy=off)
+        for spec, bucket, bucket_aliases, runner, mp, needs, nest, off
+        in zip(specs, slots, aliases, runners, mps, hooked, nested, offloads)))
+
+
+def _offload(spec: BucketSpec, default: Optional[OffloadPolicy]) -> Optional[OffloadPolicy]:
+    """The spec's offload policy (False: none), else flex_shard's."""
+    if spec.offload_policy is None:
+        return default
+    return spec.offload_policy or None
 
 
 def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
