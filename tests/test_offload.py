@@ -329,3 +329,14 @@ def test_delivery_runs_host_waits_before_the_host_reads_grads():
     delivery.add([torch.ones(2)], lambda: seen.append("third"))
     (total,) = delivery.take()
     assert seen == ["first", "second", "third"] and torch.equal(total, torch.full((2,), 3.0))
+
+
+def test_training_example_with_offload_matches_without(tmp_path):
+    """examples/train.py --offload at 2 ranks: the same loss curve as without."""
+    from test_train_example import _main_in_world, losses_of
+
+    argv = ["--steps", "3", "--plot", str(tmp_path / "l.png")]
+    plain = run_world(2, _main_in_world, argv, timeout=120)[0]
+    offloaded = run_world(2, _main_in_world, [*argv, "--offload"], timeout=120)[0]
+    assert "offload True" in offloaded and "offload False" in plain
+    assert losses_of(offloaded) == losses_of(plain)
