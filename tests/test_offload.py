@@ -340,3 +340,32 @@ def test_training_example_with_offload_matches_without(tmp_path):
     offloaded = run_world(2, _main_in_world, [*argv, "--offload"], timeout=120)[0]
     assert "offload True" in offloaded and "offload False" in plain
     assert losses_of(offloaded) == losses_of(plain)
+
+
+def _checkpoint_round_trip(directory: str) -> tuple:
+    """Rank body: 2 steps offloaded, save; a fresh offloaded model loads it and
+    both take 2 more steps: (losses of the original, losses of the loaded)."""
+    import torch.distributed as dist
+
+    runs = []
+    for load in (False, True):
+        model = fs.flex_shard(make_model(seed=1 if load else 0), offload_policy=OFF,
+                              placement=owned_matrices)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if load:
+            step = fs.load_checkpoint(directory, model, opt)
+        else:
+            train(model, 2, opt=opt)
+            fs.save_checkpoint(directory, model, opt, step=2)
+            step = 2
+        runs.append(train(model, 2, opt=opt, first_step=step))
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        dist.barrier()
+    return tuple(runs)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    """An offloaded model's DCP checkpoint (params and AdamW state in host memory)
+    loads into a fresh offloaded model, which then trains identically."""
+    for original, loaded in run_world(2, _checkpoint_round_trip, str(tmp_path)):
+        assert original == loaded
