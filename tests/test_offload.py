@@ -210,9 +210,24 @@ def test_meta_init_then_to_empty():
         torch.testing.assert_close(full[k], v.detach(), rtol=0, atol=0, msg=k)
 
 
-def test_describe_dry_run_takes_offload_policy():
-    plan = fs.describe(make_model(), mesh_shape=(1, 2), offload_policy=OFF)
-    assert len(plan.buckets) == 3
+def _dry_and_wrapped(options: dict) -> tuple:
+    import torch.distributed as dist
+
+    model = make_model()
+    dry = fs.describe(model, mesh_shape=(1, dist.get_world_size()), **options)
+    fs.flex_shard(model, **options)
+    return dry, fs.describe(model)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dry_run_with_offload_matches_the_wrap(world):
+    """The dry run takes offload_policy and plans what flex_shard builds: at world
+    size 1 an offloaded bucket is hooked (its params are not on the compute device)."""
+    options = {"offload_policy": OFF, "buckets": half_offloaded()}
+    for dry, wrapped in run_world(world, _dry_and_wrapped, options):
+        assert wrapped == dry
+        hooked = {b.name: b.module is not None for b in dry.buckets}
+        assert hooked == {"layers.0.*": True, "kept": world > 1, "root": True}
 
 
 # Bad input.
