@@ -384,3 +384,22 @@ def test_checkpoint_round_trip(tmp_path):
     loads into a fresh offloaded model, which then trains identically."""
     for original, loaded in run_world(2, _checkpoint_round_trip, str(tmp_path)):
         assert original == loaded
+
+
+def _hsdp_offloaded(shape) -> tuple:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=("replicate", "shard"))
+    model = fs.flex_shard(make_model(), mesh, offload_policy=OFF, placement=fs.RaggedShard())
+    losses = train(model, 3)
+    full = fs.full_state_dict(model)
+    return losses, full if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+def test_hsdp_offloaded(shape):
+    """Under HSDP the replicas' all-reduce runs on the compute device, before the
+    grads come back to host memory."""
+    losses, full = run_world(2, _hsdp_offloaded, shape)[0]
+    check_against_reference(losses, full, 2, 3)
