@@ -45,6 +45,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
 
     _check_save_args(directory, optimizer, step, keep)
     state = get_state(model)
+    _check_bucket_meshes(state, "save_checkpoint")
     _check_writable(directory, state)
     final = os.path.join(directory, _STEP_DIR.format(step))
     tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))
@@ -77,6 +78,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load_checkpoint: path must be a str or os.PathLike, got {path!r}")
     state = get_state(model)
+    _check_bucket_meshes(state, "load_checkpoint")
     ckpt = find_checkpoint(os.fspath(path))
     metadata = _read_metadata(ckpt)
     model_sd, optim_sd = _state_dicts(model, optimizer)
@@ -135,6 +137,20 @@ def _state_dicts(model, optimizer) -> tuple:
         return get_model_state_dict(model), {}
     get_state(model).state_dict_hooks.optimizers.attach(optimizer)
     return get_state_dict(model, optimizer)
+
+
+def _check_bucket_meshes(state, what: str) -> None:
+    """A bucket whose own mesh spans part of the model's ranks (expert
+    parallelism) holds other params, under the same names, on the other ranks:
+    one file would keep one copy of each name."""
+    for bucket in state.buckets:
+        if bucket.mesh is not None and bucket.mesh.size() < state.mesh_size:
+            raise NotImplementedError(
+                f"{what}: bucket {bucket.name!r} runs on its own mesh of {bucket.mesh.size()} of "
+                f"the model's {state.mesh_size} ranks, whose other ranks hold other values under "
+                "the same parameter names (other experts); a checkpoint would keep one of them. "
+                "Save each bucket-mesh group's fs.full_state_dict(model), or give those "
+                "parameters names that differ across the groups")
 
 
 def _check_save_args(directory, optimizer, step, keep) -> None:

@@ -133,7 +133,7 @@ def _check_tied(reader, keys: list, shape: tuple) -> None:
 def _load_piece(reader, key: str, ref, state) -> None:
     slot = ref.slot
     local = ref.bucket.params[ref.index].detach()
-    boxes = piece_boxes(slot.placement, slot.shape, state.rank, state.world_size)
+    boxes = piece_boxes(slot.placement, slot.shape, ref.bucket.rank, ref.bucket.world_size)
     for box, view in zip(boxes, box_views(local, boxes)):
         view.copy_(reader.read(key, tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))))
 

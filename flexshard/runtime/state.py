@@ -31,6 +31,10 @@ class FlexShardState:
     mesh_group: Any = None  # every rank of the mesh: plan check, checkpoint files
     mesh_rank: int = 0
     mesh_size: int = 1
+    groups: Any = None  # mesh.MeshGroups of flex_shard's mesh (the fields above, as one record)
+    bucket_meshes: dict = field(default_factory=dict)  # id(mesh) -> (mesh, MeshGroups): buckets'
+    #                                                   own meshes (BucketSpec.mesh)
+    subgroups: dict = field(default_factory=dict)  # id(shard group) -> mesh.Subgroups
 
 
 def attach_state(module: nn.Module, state: FlexShardState) -> None:
