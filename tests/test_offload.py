@@ -403,3 +403,28 @@ def test_hsdp_offloaded(shape):
     grads come back to host memory."""
     losses, full = run_world(2, _hsdp_offloaded, shape)[0]
     check_against_reference(losses, full, 2, 3)
+
+
+def _int_reshard_offloaded() -> tuple:
+    """Rank body at 4 ranks: reshard_after_forward=2 (backward gathers from the
+    slice kept on the compute device, not from the host storage)."""
+    from flexshard.runtime.state import get_state
+
+    model = fs.flex_shard(make_model(), offload_policy=OFF, reshard_after_forward=2)
+    losses = train(model, 3)
+    buckets = get_state(model).buckets
+    counters = [(b.counters.gathers, b.counters.post_forward_gathers, b.counters.h2d_bytes,
+                 b.storage.layout.segment_bytes) for b in buckets]
+    return losses, fs.full_state_dict(model), counters
+
+
+def test_int_reshard_offloaded():
+    """A gather that starts from the post-forward slice stages nothing to the device:
+    H2D bytes count only the gathers that read the host storage."""
+    results = run_world(4, _int_reshard_offloaded, timeout=300)
+    losses, full, _ = results[0]
+    check_against_reference(losses, full, 4, 3)
+    for _, _, counters in results:
+        assert any(pf for _, pf, _, _ in counters)  # some gathers came from kept slices
+        for gathers, post_forward, h2d, segment in counters:
+            assert h2d == (gathers - post_forward) * segment
