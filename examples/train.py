@@ -57,6 +57,10 @@ def _sharding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reshard", action="store_true",
                    help="keep each block's parameters unsharded from forward to backward "
                         "(one gather per bucket per step instead of two; more memory)")
+    p.add_argument("--offload", action="store_true",
+                   help="CPU offload (fs.OffloadPolicy): sharded params, grads and AdamW state in "
+                        "(pinned) CPU memory, copied to the GPU for each gather; the optimizer "
+                        "steps on the CPU")
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -150,7 +154,8 @@ def build_model(args, env: Dist) -> torch.nn.Module:
         buckets = fs.plan_buckets(model, bucket_bytes=args.bucket_bytes,
                                   example_inputs=example)  # traced execution order
     return fs.flex_shard(model, buckets=buckets, placement=placement_for(args.placement),
-                         mp_policy=mp, reshard_after_forward=not args.no_reshard)
+                         mp_policy=mp, reshard_after_forward=not args.no_reshard,
+                         offload_policy=fs.OffloadPolicy() if args.offload else None)
 
 
 def mean_over_ranks(value: torch.Tensor, env: Dist) -> float:
@@ -214,7 +219,7 @@ def summary(args, env: Dist, model, result: RunResult) -> None:
     t = result.traffic
     print(f"\nsteps {len(result.losses)} ({result.steps_run} this run) on {env.world_size} "
           f"rank(s), {env.device.type}, placement {args.placement}, mp {args.mp}, "
-          f"reshard after forward {not args.no_reshard}")
+          f"reshard after forward {not args.no_reshard}, offload {args.offload}")
     print(f"tokens/s {tokens / max(result.seconds, 1e-9):,.0f} (all ranks)")
     measure = "CUDA max allocated" if env.device.type == "cuda" else "max RSS of the process"
     print(f"peak memory per rank ({measure}) " + ", ".join(f"r{r}: {b / 2**20:.1f} MiB"

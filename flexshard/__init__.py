@@ -7,7 +7,7 @@ from .checkpoint.pieces import ShardedPieces
 from .checkpoint.pretrained import PretrainedKeys, load_pretrained
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
-from .config import BucketSpec, MixedPrecisionPolicy
+from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from .placements import Owned, Placement, RaggedShard, Shard, shard_sizes
 from .planning.budget import plan_buckets
 from .planning.describe import describe
@@ -20,6 +20,7 @@ __all__ = [
     "Comm",
     "FlexShardModule",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "Owned",
     "Placement",
     "PretrainedKeys",

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .checkpoint.materialize import apply_to_buckets, init_parameters
 from .checkpoint.state_dict import StateDictHooks
-from .config import BucketSpec, MixedPrecisionPolicy
+from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from .placements.contract import Placement
 from .placements.shard import Shard
 from .planning.assign import default_buckets
@@ -122,21 +122,25 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
                placement: Placement = Shard(0),
                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                reshard_after_forward: Union[bool, int] = True,
+               offload_policy: Optional[OffloadPolicy] = None,
                comm: Optional[Comm] = None) -> nn.Module:
     """Shard `module`'s parameters over a 1-D mesh, bucket by bucket; a 2-D
     mesh is HSDP (dim 0 replicates, dim 1 shards, as FSDP2).
 
     Returns the same module, now also a FlexShardModule. Outside forward and
-    backward its parameters are this rank's local shards.
+    backward its parameters are this rank's local shards. With an
+    `offload_policy` they live in CPU memory and the forward computes on the
+    device the module's parameters are on now (see fs.OffloadPolicy).
     """
-    _check_args(module, mesh, placement, mp_policy, reshard_after_forward)
+    _check_args(module, mesh, placement, mp_policy, reshard_after_forward, offload_policy)
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
     _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())
     check_params(named)
     rank, world_size = _rank_and_world(mesh)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
-                     world_size, replicas=_replicas(mesh), note=_shard_dim_note(mesh))
+                     world_size, replicas=_replicas(mesh), note=_shard_dim_note(mesh),
+                     offload_policy=offload_policy)
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     state = _new_state(mesh_groups(mesh) if mesh is not None else single_process(),
@@ -154,7 +158,7 @@ def _wrapped_class(cls: type) -> type:
     return type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
 
 
-def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> None:
+def _check_args(module, mesh, placement, mp_policy, reshard_after_forward, offload_policy) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"flex_shard expects an nn.Module, got {type(module).__name__}")
     if find_state(module) is not None or isinstance(module, FlexShardModule):
@@ -170,7 +174,7 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (HSDP: replicate, shard), got a "
                          f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass a slice such "
                          "as mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
-    check_options(placement, mp_policy, reshard_after_forward)
+    check_options(placement, mp_policy, reshard_after_forward, offload_policy)
 
 
 def _check_bucket_meshes(specs, mesh) -> None:
@@ -265,7 +269,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
                         replicate_group=groups.replicate_group,
                         replicate_size=groups.replicate_size,
                         subgroups=_subgroups(state, groups.shard_group),
-                        divide_factor=state.mesh_size)
+                        divide_factor=state.mesh_size,
+                        offload_policy=planned.offload_policy)
         bucket.mesh = groups.mesh
         if bucket.post_forward_size is not None:
             bucket.subgroups.of(bucket.rank, bucket.post_forward_size)  # made now, by every member

@@ -21,7 +21,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     max_norm, norm_type = _check_clip_args(max_norm, norm_type)
     state = get_state(module)
     grads = [p.grad for b in state.buckets for p in b.params if p.grad is not None]
-    device = state.buckets[0].storage.buffer.device
+    device = state.buckets[0].compute_device  # CPU offload: some grads are in host memory
     if state.bucket_meshes:
         total = _norm_over_bucket_meshes(state, norm_type, device)
     else:
@@ -31,7 +31,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                            f"{total.item()}; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return total
 
 
@@ -50,7 +50,7 @@ def _check_clip_args(max_norm, norm_type) -> tuple:
 def _global_norm(grads, norm_type: float, device, state) -> torch.Tensor:
     """The norm over every rank's pieces: local p-th power sums (or max), one all-reduce."""
     if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
                              for g in grads])
     else:
         norms = torch.zeros(1, device=device)
@@ -74,7 +74,7 @@ def _norm_over_bucket_meshes(state, norm_type: float, device) -> torch.Tensor:
         grads = [p.grad for p in bucket.params if p.grad is not None and p.grad.numel()]
         if not grads:
             continue
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
                              for g in grads])
         if inf:
             local = torch.maximum(local, norms.max().reshape(1))

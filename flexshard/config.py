@@ -1,4 +1,4 @@
-"""Typed options users build: BucketSpec and MixedPrecisionPolicy."""
+"""Typed options users build: BucketSpec, MixedPrecisionPolicy and OffloadPolicy."""
 
 from __future__ import annotations
 
@@ -70,10 +70,44 @@ class MixedPrecisionPolicy:
 
 
 @dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep a bucket's sharded params, their grads and so the optimizer state
+    in CPU memory (FSDP2's CPUOffloadPolicy, per bucket here).
+
+    Each gather first copies this rank's shards to the compute device (the
+    device the model's forward runs on: where its params were at flex_shard,
+    or where `module.to_empty(device=...)` / `.to(...)` put it); the reduced
+    sharded grads are copied back to CPU memory, and the optimizer steps there.
+    pin_memory: page-lock the CPU buffers so the copies run asynchronously. It
+    applies only when the compute device is a CUDA device; on a CPU compute
+    device there is nothing to pin for, and it is ignored (the offload path
+    then runs with CPU-to-CPU copies).
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"OffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
+
+
+def check_offload_policy(where: str, policy, allow_false: bool) -> None:
+    """`policy` is an OffloadPolicy or None (or False, a BucketSpec's opt-out)."""
+    if policy is None or isinstance(policy, OffloadPolicy) or (allow_false and policy is False):
+        return
+    extra = ", None (inherit) or False (keep this bucket on the compute device)" if allow_false \
+        else " or None (no offload)"
+    raise TypeError(f"{where}: offload_policy must be a fs.OffloadPolicy{extra}, got "
+                    f"{policy!r}; e.g. offload_policy=fs.OffloadPolicy(pin_memory=True)")
+
+
+@dataclass(frozen=True)
 class BucketSpec:
     """One communication bucket: the parameters whose FQNs match `patterns`.
 
-    Fields left None inherit the value given to flex_shard().
+    Fields left None inherit the value given to flex_shard();
+    `offload_policy=False` keeps this bucket on the compute device even when
+    flex_shard offloads.
     `placement` is a Placement or a callable (fqn, param) -> Placement.
     `reshard_after_forward`: True (free the unsharded params after forward),
     False (keep them until backward) or an int N (keep them sharded over
@@ -89,6 +123,7 @@ class BucketSpec:
     reshard_after_forward: Optional[Union[bool, int]] = None
     name: Optional[str] = None
     mesh: Optional[Any] = None  # DeviceMesh: this bucket's own (1-D or 2-D HSDP) mesh
+    offload_policy: Union[OffloadPolicy, None, bool] = None  # False: never offload this bucket
 
     def __post_init__(self) -> None:
         patterns = (self.patterns,) if isinstance(self.patterns, str) else tuple(self.patterns)
@@ -125,6 +160,7 @@ class BucketSpec:
             raise TypeError(
                 f"BucketSpec {label}: mp_policy must be a fs.MixedPrecisionPolicy, got {self.mp_policy!r}"
             )
+        check_offload_policy(f"BucketSpec {label}", self.offload_policy, allow_false=True)
 
     @property
     def label(self) -> str:

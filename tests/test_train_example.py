@@ -119,7 +119,7 @@ def test_help_describes_every_flag(capsys):
         train.parse_args(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--steps", "--placement", "--bucket-bytes", "--mp", "--no-reshard",
+    for flag in ("--steps", "--placement", "--bucket-bytes", "--mp", "--no-reshard", "--offload",
                  "--checkpoint-dir", "--checkpoint-every", "--resume", "--seed"):
         assert re.search(rf"{flag}\b[^\n]*\n?\s+\S", text), f"{flag} has no description"
     for choice in ("shard", "owned", "ragged", "mixed"):

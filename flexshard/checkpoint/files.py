@@ -177,7 +177,7 @@ def _check_writable(directory, state) -> None:
         os.remove(probe)
     except OSError as e:
         problem = f"{type(e).__name__}: {e}"
-    failed = torch.tensor([1.0 if problem else 0.0], device=state.buckets[0].storage.buffer.device)
+    failed = torch.tensor([1.0 if problem else 0.0], device=state.buckets[0].compute_device)
     if state.mesh_group is not None and state.mesh_size > 1:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=state.mesh_group)
     if failed.item():

@@ -95,7 +95,9 @@ def _materialize(sub: nn.Module, entries) -> None:
     for attr, bucket, index in entries:
         slot, param = bucket.slots[index], bucket.params[index]
         sub._parameters[attr] = nn.Parameter(
-            torch.empty(slot.shape, dtype=slot.dtype, device=bucket.storage.buffer.device),
+            # On the compute device (not an offloaded bucket's host memory), so init
+            # functions run, and draw random numbers, where the unsharded model's would.
+            torch.empty(slot.shape, dtype=slot.dtype, device=bucket.compute_device),
             requires_grad=param.requires_grad)
 
 

@@ -23,7 +23,7 @@ from .report import ShardingPlan, bucket_plan
 
 # flex_shard's keyword arguments a dry run takes, with flex_shard's defaults.
 DRY_RUN_OPTIONS = {"buckets": None, "placement": Shard(0), "mp_policy": MixedPrecisionPolicy(),
-                   "reshard_after_forward": True}
+                   "reshard_after_forward": True, "offload_policy": None}
 
 
 def check_mesh_shape(mesh_shape) -> tuple:
@@ -49,13 +49,14 @@ def check_dry_run_options(options: dict) -> dict:
         raise TypeError(f"describe got unexpected keyword argument(s) {unknown}; a dry run takes "
                         f"mesh_shape and flex_shard's {', '.join(DRY_RUN_OPTIONS)}")
     merged = {**DRY_RUN_OPTIONS, **options}
-    check_options(merged["placement"], merged["mp_policy"], merged["reshard_after_forward"])
+    check_options(merged["placement"], merged["mp_policy"], merged["reshard_after_forward"],
+                  merged["offload_policy"])
     return merged
 
 
 def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Shard(0),
             mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-            reshard_after_forward=True) -> ShardingPlan:
+            reshard_after_forward=True, offload_policy=None) -> ShardingPlan:
     """The ShardingPlan flex_shard(module, **options) would make on a (R, S)
     mesh: flex_shard's own WrapPlan, and the layouts its buckets would have
     (mesh_shape and options already checked: see describe)."""
@@ -64,7 +65,7 @@ def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Sha
     named = dict(module.named_parameters())
     check_params(named)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
-                     shards, replicas=replicas)
+                     shards, replicas=replicas, offload_policy=offload_policy)
     names = {id(m): n for n, m in module.named_modules()}
     rows = tuple(_row(b, names, mesh_shape) for b in plan.buckets)
     return ShardingPlan(replicas * shards, rows, mesh_shape)

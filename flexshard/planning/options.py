@@ -3,18 +3,19 @@ them), checked before anything is planned."""
 
 from __future__ import annotations
 
-from ..config import BucketSpec, MixedPrecisionPolicy, check_reshard
+from ..config import BucketSpec, MixedPrecisionPolicy, check_offload_policy, check_reshard
 from ..placements.contract import Placement
 
 
-def check_options(placement, mp_policy, reshard_after_forward) -> None:
-    """flex_shard's placement, mp_policy and reshard_after_forward arguments."""
+def check_options(placement, mp_policy, reshard_after_forward, offload_policy=None) -> None:
+    """flex_shard's placement, mp_policy, reshard_after_forward and offload_policy arguments."""
     if not isinstance(placement, Placement) and not callable(placement):
         raise TypeError(f"placement {placement!r} is not a Placement or a callable "
                         "(fqn, param) -> Placement; use e.g. fs.Shard(0)")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a fs.MixedPrecisionPolicy, got {mp_policy!r}")
     check_reshard(reshard_after_forward)
+    check_offload_policy("flex_shard", offload_policy, allow_false=False)
 
 
 def resolve_reshard(value, shard_size: int, label: str):

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch.nn as nn
 
-from ..config import BucketSpec, MixedPrecisionPolicy
+from ..config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from ..placements.contract import Placement
 from ..runtime.bucket import hooks_needed
 from ..runtime.layout import SlotPlan, bind_placements
@@ -43,6 +43,7 @@ class PlannedBucket(NamedTuple):
     needs_hooks: bool  # False when the sharded params are the full ones (runtime.bucket)
     used_in_nested_runner: bool  # a param is used inside another hooked bucket's runner
     mesh_shape: tuple  # (replicas, shard size) of the bucket's mesh (its own or flex_shard's)
+    offload_policy: Optional[OffloadPolicy] = None  # the spec's, else flex_shard's; None: no offload
 
 
 class WrapPlan(NamedTuple):
@@ -53,14 +54,16 @@ class WrapPlan(NamedTuple):
 
 def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], placement,
               mp_policy: MixedPrecisionPolicy, reshard_after_forward,
-              world_size: int, *, replicas: int = 1, note: str = "") -> WrapPlan:
+              world_size: int, *, replicas: int = 1, note: str = "",
+              offload_policy: Optional[OffloadPolicy] = None) -> WrapPlan:
     """Assign `named` (module.named_parameters()) to `specs`, bind placements
     (`placement` unless a spec names its own) and find each bucket's modules.
     Raises on parameters that match no or several specs and on placements
     that cannot split their parameter; warns on tied params the specs split.
     `replicas`: HSDP's replicate size (grads are all-reduced over it); `note`
     ends placement errors (which group the placements split over). A spec
-    with its own mesh is planned on that mesh's (replicas, shard size)."""
+    with its own mesh is planned on that mesh's (replicas, shard size).
+    `offload_policy`: flex_shard's, which a BucketSpec's overrides (False: none)."""
     members = assign_params(list(named), specs)
     shapes = [(replicas, world_size) if spec.mesh is None else mesh_shape(spec.mesh)
               for spec in specs]
@@ -77,8 +80,9 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     for spec, bucket, bucket_aliases, runner in zip(specs, slots, aliases, runners):
         _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
     mps = [spec.mp_policy or mp_policy for spec in specs]
-    hooked = [hooks_needed(bucket, mp, shape[1], shape[0])
-              for bucket, mp, shape in zip(slots, mps, shapes)]
+    offloads = [_offload(spec, offload_policy) for spec in specs]
+    hooked = [hooks_needed(bucket, mp, shape[1], shape[0], off is not None)
+              for bucket, mp, shape, off in zip(slots, mps, shapes, offloads)]
     nested = _nested_use(module, runners, owners, hooked)
     return WrapPlan(tuple(
         PlannedBucket(
@@ -88,9 +92,16 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
             runner=runner, mp_policy=mp,
             reshard_after_forward=resolve_reshard(
                 _reshard(spec, reshard_after_forward, runner is module), shape[1], spec.label),
-            needs_hooks=needs, used_in_nested_runner=nest, mesh_shape=shape)
-        for spec, bucket, bucket_aliases, runner, mp, needs, nest, shape
-        in zip(specs, slots, aliases, runners, mps, hooked, nested, shapes)))
+            needs_hooks=needs, used_in_nested_runner=nest, mesh_shape=shape, offload_policy=off)
+        for spec, bucket, bucket_aliases, runner, mp, needs, nest, shape, off
+        in zip(specs, slots, aliases, runners, mps, hooked, nested, shapes, offloads)))
+
+
+def _offload(spec: BucketSpec, default: Optional[OffloadPolicy]) -> Optional[OffloadPolicy]:
+    """The spec's offload policy (False: none), else flex_shard's."""
+    if spec.offload_policy is None:
+        return default
+    return spec.offload_policy or None
 
 
 def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,

@@ -24,15 +24,16 @@ import torch.nn as nn
 from ..compat import POST_ACCUMULATE_GRAD_HOOKS, SAC_MODES as _SAC_MODES, get_dispatch_stack_at
 from ..compat import len_torch_dispatch_stack, pop_mode as _pop_mode, push_mode as _push_mode
 from ..compat import tensor_version
-from ..config import MixedPrecisionPolicy
+from ..config import MixedPrecisionPolicy, OffloadPolicy
 from .comm import Comm
 from .copyplan import plan_copies
 from .device import DeviceContexts, HostContext, on_stream
 from .layout import BucketLayout, SlotPlan, plan_layout
 from .postforward import PostForwardShard, keep_slice, usable
 from .delivery import GradRoute, anchor_grad
+from .offload import Offload
 from .reduction import ReduceQueue, in_backward
-from .storage import BucketStorage, gathered_param, typed_view
+from .storage import BucketStorage, gathered_param, segment_views, typed_view
 
 
 class BucketState(enum.Enum):
@@ -126,6 +127,8 @@ class BucketCounters:
     post_forward_gathers: int = 0  # int reshard: gathers within a post-forward group (in gathers)
     copy_in_bytes: int = 0
     copy_out_bytes: int = 0
+    h2d_bytes: int = 0  # CPU offload: storage bytes staged to the compute device
+    d2h_bytes: int = 0  # CPU offload: sharded grad bytes copied back to host memory
 
 
 def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
@@ -135,10 +138,11 @@ def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
 
 
 def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int,
-                 replicas: int = 1) -> bool:
-    """False at world size 1 without replicas or a cast when every piece has
-    the full shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
-    return (world_size > 1 or replicas > 1 or any(_gather_dtype(s, mp) != s.dtype for s in slots)
+                 replicas: int = 1, offload: bool = False) -> bool:
+    """False at world size 1 without replicas, offload or a cast when every piece
+    has the full shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
+    return (world_size > 1 or replicas > 1 or offload
+            or any(_gather_dtype(s, mp) != s.dtype for s in slots)
             or any(s.local_shapes[0] != s.shape for s in slots))
 
 
@@ -179,7 +183,8 @@ class Bucket:
                  group, rank: int, world_size: int, comm: Comm, device,
                  devices: Optional[DeviceContexts] = None, *,
                  replicate_group=None, replicate_size: int = 1, subgroups=None,
-                 divide_factor: Optional[float] = None) -> None:
+                 divide_factor: Optional[float] = None,
+                 offload_policy: Optional[OffloadPolicy] = None) -> None:
         self.name, self.slots, self.mp = name, tuple(slots), mp
         self.reshard_after_forward = reshard_after_forward
         # group, rank, world_size: the shard group. Under HSDP the reduced
@@ -191,7 +196,12 @@ class Bucket:
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
-        self.storage = BucketStorage(layouts.storage, slots, rank, device)
+        # CPU offload: the storage lives in host memory, `device` is the compute device.
+        self.offload = None if offload_policy is None else Offload(offload_policy, device)
+        self.storage = BucketStorage(layouts.storage, slots, rank,
+                                     device if self.offload is None else self.offload.storage_device)
+        if self.offload is not None:
+            self.storage.replace_buffer(self.offload.to_host(self.storage.buffer))
         self.gather_layout, self.reduce_layout = layouts.gather, layouts.reduce
         self.grad_slots = [i for i, t in enumerate(trainable) if t]
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
@@ -232,15 +242,22 @@ class Bucket:
         return plans if plans is not None else self._layout_plans(layout)
 
     @property
+    def compute_device(self) -> torch.device:
+        """Where the unsharded params and the collectives live: the storage's
+        device, or the compute device of an offloaded bucket."""
+        return self.storage.buffer.device if self.offload is None else self.offload.compute_device
+
+    @property
     def device_ctx(self) -> HostContext:
-        """Streams and events of the device the storage lives on now."""
-        return self.devices.get(self.storage.buffer.device)
+        """Streams and events of the compute device."""
+        return self.devices.get(self.compute_device)
 
     @property
     def needs_hooks(self) -> bool:
-        """False at world size 1 without a cast when every piece has the full
-        shape: the sharded params are the full ones."""
-        return hooks_needed(self.slots, self.mp, self.world_size, self.replicate_size)
+        """False at world size 1 without a cast or offload when every piece has
+        the full shape: the sharded params are the full ones."""
+        return hooks_needed(self.slots, self.mp, self.world_size, self.replicate_size,
+                            self.offload is not None)
 
     @property
     def post_forward_size(self) -> Optional[int]:
@@ -271,7 +288,7 @@ class Bucket:
     def check_apply(self, fn) -> None:
         """Refuse an nn.Module._apply `fn` that would change a param's dtype."""
         for slot in self.slots:
-            probe = fn(torch.empty(0, dtype=slot.dtype, device=self.storage.buffer.device))
+            probe = fn(torch.empty(0, dtype=slot.dtype, device=self.compute_device))
             if probe.dtype != slot.dtype:
                 raise NotImplementedError(
                     f"parameter {slot.fqn!r} (bucket {self.name!r}) would change dtype from "
@@ -284,13 +301,15 @@ class Bucket:
         .to(device)); the sharded params become views of the new buffer (new
         nn.Parameter objects, as nn.Module makes for incompatible tensors)."""
         self.assert_state(BucketState.SHARDED)
-        buffer = fn(self.storage.buffer)
-        if buffer is self.storage.buffer:
+        if self.pending_grads is not None:
+            self.pending_grads = fn(self.pending_grads)  # unreduced: on the compute device
+        offload, old = self.offload, self.storage.buffer
+        buffer = fn(old) if offload is None else offload.move(fn, old)
+        if buffer is old:
             return
         self.storage.replace_buffer(buffer)
-        self.params = [_moved_param(p, v, fn) for p, v in zip(self.params, self.storage.views)]
-        if self.pending_grads is not None:
-            self.pending_grads = fn(self.pending_grads)
+        grad_fn = fn if offload is None else offload.to_host  # offloaded grads stay on the host
+        self.params = [_moved_param(p, v, grad_fn) for p, v in zip(self.params, self.storage.views)]
         self.grad_route.clear()  # its _Deliver node takes the old params
 
     def load_full(self, fqn_to_tensor) -> None:
@@ -367,12 +386,13 @@ class Bucket:
     def new_anchor(self) -> None:
         """Start a new route for this bucket's grads into autograd (at the
         start of each forward; see delivery.py)."""
-        self.grad_route.renew(self.reduce_queue, self.params, bool(self.grad_slots))
+        self.grad_route.renew(self.reduce_queue, self.params, bool(self.grad_slots),
+                              self.compute_device)
 
     def _grad_anchor(self) -> torch.Tensor:
         """The input tying the unsharded params to this bucket's reduction."""
         return self.grad_route.anchor_for_unshard(self.reduce_queue, self.params,
-                                                  bool(self.grad_slots), self.storage.buffer.device)
+                                                  bool(self.grad_slots), self.compute_device)
 
     def mark_resharded(self) -> None:
         self.assert_state(BucketState.UNSHARDED, BucketState.SHARDED)
@@ -446,9 +466,9 @@ class Bucket:
         with torch.no_grad(), _hidden_from_checkpoint():
             send, gathered = self._gather_buffers(layout, plans, source)
             after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
-            if source is None and not plans.is_storage:
+            if source is None and (not plans.is_storage or self.offload is not None):
                 with on_stream(ctx, ctx.copy_in, ready):
-                    self._copy_in(send, layout)
+                    self._copy_in(send, layout, plans)
                     after = ctx.record(ctx.copy_in)
             work = None
             with on_stream(ctx, ctx.gather, after):
@@ -467,17 +487,27 @@ class Bucket:
     def _gather_buffers(self, layout: BucketLayout, plans: LayoutPlans,
                         source: Optional[PostForwardShard] = None) -> tuple:
         """(gather input, gather output), on the compute stream."""
-        device = self.storage.buffer.device
+        device = self.compute_device
         send = self.storage.buffer if source is None else source.send
-        if source is None and not plans.is_storage:
+        # an offloaded storage is staged to the compute device (see _copy_in)
+        if source is None and (not plans.is_storage or self.offload is not None):
             send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
         if self.world_size == 1:
             return send, send
         return send, torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
 
-    def _copy_in(self, send: torch.Tensor, layout: BucketLayout) -> None:
-        """This rank's pieces, cast to the layout's dtypes: one copy per param."""
-        for reg, slot, view in zip(layout.regions, self.slots, self.storage.views):
+    def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
+        """This rank's pieces, cast to the layout's dtypes: one copy per param.
+        An offloaded storage is first staged to the compute device (H2D): into
+        `send` itself when no cast follows, else into a temporary of this stream."""
+        views = self.storage.views
+        if self.offload is not None:
+            staged = self.offload.stage(self.storage.buffer, send if plans.is_storage else None)
+            self.counters.h2d_bytes += staged.numel()
+            if plans.is_storage:
+                return
+            views = segment_views(staged, self.storage.layout, self.slots, self.rank)
+        for reg, slot, view in zip(layout.regions, self.slots, views):
             typed_view(send, reg.offsets[self.rank], reg.dtype,
                        slot.local_shapes[self.rank]).copy_(view)
 
@@ -489,7 +519,7 @@ class Bucket:
         # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
         full = self._reduce_dense and all(grads[i] is not None for i in self.grad_slots)
         send = (torch.empty if full else torch.zeros)(layout.wire_bytes, dtype=torch.uint8,
-                                                      device=self.storage.buffer.device)
+                                                      device=self.compute_device)
         out = send if self.world_size == 1 or not sync else torch.empty(
             layout.segment_bytes, dtype=torch.uint8, device=send.device)
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
@@ -524,14 +554,22 @@ class Bucket:
             if pending.post_divide is not None:
                 self._typed(pending.output).div_(pending.post_divide)
             for view, target in targets:
-                if target is not view:
-                    target.copy_(view)
+                if target is not view:  # a cast, or offload's D2H (async into pinned memory)
+                    target.copy_(view, non_blocking=self.offload is not None)
             done = ctx.record(ctx.reduce)
         ctx.wait(done)  # now `pending` (its input, the grads) may die: see PendingReduce.held
+        if self.offload is not None:  # the host reads the grads only after host_wait()
+            self.offload.grads_copied = done
+            self.counters.d2h_bytes += sum(t.numel() * t.element_size() for _, t in targets)
         grads: list = [None] * len(self.slots)
         for i, (_, target) in zip(self.grad_slots, targets):
             grads[i] = target
         return grads
+
+    def host_wait(self) -> None:
+        """The host waits for the last D2H copy of this offloaded bucket's grads."""
+        if self.offload is not None:
+            self.device_ctx.synchronize(self.offload.grads_copied)
 
     def _typed(self, buf: torch.Tensor) -> torch.Tensor:
         dtype = self.reduce_layout.regions[0].dtype
@@ -595,18 +633,21 @@ class Bucket:
     def _grad_targets(self, out: torch.Tensor) -> list:
         """(view of the reduce output, sharded grad) per trainable slot; the
         grad is the view itself when no cast is needed, else a new tensor
-        (allocated here, on the compute stream)."""
-        targets = []
+        (allocated here, on the compute stream); offloaded: a host tensor."""
+        targets, offload = [], self.offload
         for j, i in enumerate(self.grad_slots):
             reg, slot = self.reduce_layout.regions[j], self.slots[i]
             shape = slot.local_shapes[self.rank]
             if math.prod(shape) == 0:  # a view would pin the whole reduce output
-                empty = torch.zeros(shape, dtype=slot.dtype, device=out.device)
+                empty = torch.zeros(shape, dtype=slot.dtype, device=self.storage.buffer.device)
                 targets.append((empty, empty))
                 continue
             view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
-            targets.append((view, view if reg.dtype == slot.dtype else
-                            torch.empty(shape, dtype=slot.dtype, device=out.device)))
+            if offload is not None:
+                targets.append((view, offload.host_empty(shape, slot.dtype)))
+            else:
+                targets.append((view, view if reg.dtype == slot.dtype else
+                                torch.empty(shape, dtype=slot.dtype, device=out.device)))
         return targets
 
 
@@ -653,5 +694,6 @@ class _Unshard(torch.autograd.Function):
         pending = bucket.start_reduce(grads)
         if pending is not None and ctx.delivery is not None:
             ctx.delivery.expect(bucket.reduce_queue, pending.work,
-                                partial(bucket.finish_reduce, pending))
-        return None, anchor_grad(bucket.storage.buffer.device)
+                                partial(bucket.finish_reduce, pending),
+                                bucket.host_wait if bucket.offload is not None else None)
+        return None, anchor_grad(bucket.compute_device)

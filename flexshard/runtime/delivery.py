@@ -32,32 +32,49 @@ class Delivery:
 
     def __init__(self) -> None:
         self.grads: Optional[list] = None
+        # CPU offload: host waits to run before the host reads the grads (a
+        # device may still be copying them into host memory).
+        self._host_waits: list = []
 
-    def add(self, grads: list) -> None:
+    def add(self, grads: list, host_wait: Optional[Callable[[], None]] = None) -> None:
+        if host_wait is not None:
+            self._host_waits.append(host_wait)
         if self.grads is None:
             self.grads = list(grads)
             return
+        self._wait_host()  # the sum reads both forwards' grads on the host
         self.grads = [a if b is None else b if a is None else a + b
                       for a, b in zip(self.grads, grads)]
 
     def take(self) -> list:
+        self._wait_host()
         grads, self.grads = self.grads, None
         return grads
 
-    def expect(self, queue: ReduceQueue, work, finish: Callable[[], list]) -> None:
+    def _wait_host(self) -> None:
+        waits, self._host_waits = self._host_waits, []
+        for wait in waits:
+            wait()
+
+    def expect(self, queue: ReduceQueue, work, finish: Callable[[], list],
+               host_wait: Optional[Callable[[], None]] = None) -> None:
         """A reduction was launched (`work`, its collective); `finish()` waits
-        for it and returns the sharded grads, which the queue adds here."""
-        queue.push(work, lambda: self.add(finish()))
+        for it and returns the sharded grads, which the queue adds here.
+        `host_wait()` (CPU offload) returns once the host may read them."""
+        queue.push(work, lambda: self.add(finish(), host_wait))
 
 
 class _Deliver(torch.autograd.Function):
     """Forward: sharded params -> an empty anchor. Backward: the reduced sharded grads."""
 
     @staticmethod
-    def forward(ctx, queue: ReduceQueue, delivery: Delivery, *params: torch.Tensor):
+    def forward(ctx, queue: ReduceQueue, delivery: Delivery, device, *params: torch.Tensor):
         # ctx keeps the Delivery alive for as long as the graph of this forward lives.
         ctx.queue, ctx.delivery, ctx.count = queue, delivery, len(params)
-        return params[0].new_empty(0) if params else torch.empty(0)
+        # The anchor lives on the compute device (not the params', which are in
+        # host memory under CPU offload), so autograd runs this node's backward
+        # on the same device thread as the _Unshard nodes and the ReduceQueue.
+        return torch.empty(0, device=device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -65,7 +82,7 @@ class _Deliver(torch.autograd.Function):
         # so finishing the queue here waits only for reductions already overlapped.
         ctx.queue.finish_all()
         grads = ctx.delivery.take() or [None] * ctx.count
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 class GradRoute:
@@ -76,13 +93,15 @@ class GradRoute:
         self.delivery: Optional[Delivery] = None
         self.anchor: Optional[torch.Tensor] = None
 
-    def renew(self, queue: ReduceQueue, params: Sequence[torch.Tensor], trainable: bool) -> None:
+    def renew(self, queue: ReduceQueue, params: Sequence[torch.Tensor], trainable: bool,
+              device: torch.device) -> None:
         """Start a new route (at the start of each forward; none under no_grad
-        or for a bucket without trainable params)."""
+        or for a bucket without trainable params); the anchor is on `device`,
+        the compute device."""
         self.delivery = self.anchor = None
         if trainable and torch.is_grad_enabled():
             self.delivery = Delivery()
-            self.anchor = _Deliver.apply(queue, self.delivery, *params)
+            self.anchor = _Deliver.apply(queue, self.delivery, device, *params)
 
     def clear(self) -> None:
         """Forget the route (the params it takes were replaced, e.g. a device move)."""
@@ -94,7 +113,7 @@ class GradRoute:
         is none, e.g. a module run on its own, or it lives on another device);
         an empty stand-in when no grads will flow. `self.delivery` is its Delivery."""
         if self.anchor is None or self.anchor.device != device:
-            self.renew(queue, params, trainable)
+            self.renew(queue, params, trainable, device)
         if self.anchor is None:
             return torch.empty(0, device=device)
         return self.anchor

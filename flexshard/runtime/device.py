@@ -50,6 +50,10 @@ class HostContext:
         """`tensor`, allocated while another stream was current, is now used by
         `stream`: keep the allocator from reusing it before `stream` is done."""
 
+    def synchronize(self, event: Any) -> None:
+        """Make the host wait for `event` (before it reads what a device copied
+        into host memory: CPU offload's sharded grads)."""
+
 
 class CudaContext(HostContext):
     """One CUDA device: three side streams made once, events per use."""
@@ -80,6 +84,10 @@ class CudaContext(HostContext):
         # The one deliberate record_stream: a gather launched under one compute
         # stream and consumed under another (design.md, "the one exception").
         tensor.record_stream(stream)
+
+    def synchronize(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
 
 
 class DeviceContexts:
