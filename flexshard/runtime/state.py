@@ -28,7 +28,8 @@ class FlexShardState:
     state_dict_hooks: Any = None  # state_dict.StateDictHooks: module and optimizer hooks
     replicate_group: Any = None  # HSDP's mesh dim 0; None for a 1-D mesh or one replica
     replicate_size: int = 1
-    mesh_group: Any = None  # every rank of the mesh: plan check, checkpoint files
+    mesh_group: Any = None  # every rank of the mesh: plan check, checkpoint files (the
+    # whole (dp, tp) mesh under tensor parallelism, after the plan check)
     mesh_rank: int = 0
     mesh_size: int = 1
 

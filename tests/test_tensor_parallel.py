@@ -1,0 +1,198 @@
+"""Tensor parallelism: a Llama-style model parallelized with torch's
+parallelize_module on mesh["tp"] of a (dp 2, tp 2) mesh, flex-sharded over
+mesh["dp"], against a single process trained on both dp ranks' batches.
+
+Every case runs in the one 4-rank world; each rank body runs several cases.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flexshard as fs
+from harness import expect_all_ranks_raise, run_world
+from test_parity import assert_rel_close
+from tp_model import batch, dp_tp_mesh, loss_fn, make_llama, tensor_parallel
+
+pytestmark = pytest.mark.world
+
+WORLD, DP = 4, 2
+STEPS = 5
+LR = 1e-2
+BF16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+PLACEMENTS = {"shard0": fs.Shard(0), "ragged": fs.RaggedShard(), "owned": fs.Owned()}
+# (placement, reshard after forward, bf16 compute)
+CASES = [("shard0", True, False), ("shard0", False, False), ("ragged", True, False),
+         ("ragged", False, False), ("owned", True, False), ("shard0", True, True),
+         ("ragged", False, True)]
+
+
+def tp_model(mesh, placement="shard0", reshard=True, bf16=False, **kw):
+    """The TP model on mesh['tp'], flex-sharded over mesh['dp']."""
+    model = tensor_parallel(make_llama(), mesh["tp"])
+    return fs.flex_shard(model, mesh["dp"], placement=PLACEMENTS[placement],
+                         reshard_after_forward=reshard, mp_policy=BF16 if bf16 else
+                         fs.MixedPrecisionPolicy(), **kw)
+
+
+def train_steps(model, dp_rank, opt, steps, first=0, step_fn=None) -> list:
+    """AdamW steps on this dp rank's batches; per-step losses averaged over dp."""
+    world = dist.get_world_size()
+    losses = []
+    for step in range(first, first + steps):
+        x, y = batch(step, dp_rank)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if step_fn is not None:
+            step_fn(model)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)  # the tp ranks of a dp rank hold the same loss
+        losses.append(mean.item() / world)
+    return losses
+
+
+def train_cases(cases) -> list:
+    """Rank body: every case in turn; (losses, full params, DTensor names in forward)."""
+    mesh = dp_tp_mesh()
+    out = []
+    for placement, reshard, bf16 in cases:
+        model = tp_model(mesh, placement, reshard, bf16)
+        seen = _dtensors_in_forward(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = train_steps(model, mesh.get_local_rank(0), opt, STEPS)
+        out.append((losses, fs.full_state_dict(model), sorted(seen)))
+    return out
+
+
+def _dtensors_in_forward(model) -> set:
+    """The names of params that are DTensors while their block's forward runs."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set = set()
+
+    def record(module, prefix):
+        for name, p in module.named_parameters():
+            if isinstance(p, DTensor):
+                seen.add(prefix + name)
+
+    for i, block in enumerate(model.layers):
+        # flexshard's pre-forward hook, registered first, has installed the unsharded params.
+        block.register_forward_pre_hook(lambda m, a, i=i: record(m, f"layers.{i}."))
+    return seen
+
+
+def reference(steps: int = STEPS, param_dtype=None, step_fn=None) -> tuple:
+    """One process on both dp ranks' batches: (losses, params)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the harness workers
+    try:
+        model = make_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for step in range(steps):
+            losses.append(_reference_grads(model, step, param_dtype))
+            if step_fn is not None:
+                step_fn(model)
+            opt.step()
+            opt.zero_grad()
+        return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_grads(model, step, param_dtype) -> float:
+    if param_dtype is None:
+        xs, ys = zip(*(batch(step, r) for r in range(DP)))
+        loss = loss_fn(model(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        return loss.item()
+    # Mixed precision: each dp rank's batch on a low-precision copy, fp32 grads averaged.
+    total, grads = 0.0, {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+    for r in range(DP):
+        low = copy.deepcopy(model).to(param_dtype)
+        x, y = batch(step, r)
+        loss = loss_fn(low(x), y)
+        loss.backward()
+        total += loss.item()
+        for k, p in low.named_parameters():
+            grads[k] += p.grad.float()
+    for k, p in model.named_parameters():
+        p.grad = grads[k] / DP
+    return total / DP
+
+
+def test_parity_with_a_single_process():
+    results = run_world(WORLD, train_cases, CASES, timeout=600)
+    refs = {bf16: reference(param_dtype=torch.bfloat16 if bf16 else None) for bf16 in (False, True)}
+    for i, (placement, reshard, bf16) in enumerate(CASES):
+        label = f"{placement} reshard={reshard} bf16={bf16}"
+        ref_losses, ref_params = refs[bf16]
+        losses, full, seen = results[0][i]
+        # bf16: TP's partial sums round in bf16 per tp rank, the reference's whole
+        # dot products once: the bf16 cases match to bf16's precision.
+        rtol = 2e-2 if bf16 else 1e-5
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol,
+                                   atol=0, msg=lambda m: f"{label}: {m}")
+        assert full.keys() == ref_params.keys(), label
+        for k, ref in ref_params.items():
+            assert_rel_close(full[k], ref, rtol, f"{label}: {k}")
+        assert len(seen) == 14 and all("attn.w" in n or "mlp." in n for n in seen), seen
+        for rank, per_case in enumerate(results):
+            assert per_case[i][0] == losses, f"{label}: rank {rank} disagrees on the loss"
+
+
+# Checkpoints: saved at (dp 2, tp 2), loaded into a 1-D world of 2 ranks without TP, and back.
+
+
+def _save_tp(root, steps) -> dict:
+    mesh = dp_tp_mesh()
+    model = tp_model(mesh, "ragged")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_steps(model, mesh.get_local_rank(0), opt, steps)
+    fs.save_checkpoint(root, model, opt, step=steps)
+    return fs.full_state_dict(model)
+
+
+def _load_flat_and_save(src, dst) -> tuple:
+    """A 1-D world of 2 ranks, no TP: load, check, one step, save."""
+    model = fs.flex_shard(make_llama(seed=1), placement=fs.Shard(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    step = fs.load_checkpoint(src, model, opt)
+    loaded = fs.full_state_dict(model)
+    train_steps(model, dist.get_rank(), opt, 1, first=step)
+    fs.save_checkpoint(dst, model, opt, step=step + 1)
+    return loaded, fs.full_state_dict(model)
+
+
+def _load_tp_and_step(src) -> tuple:
+    mesh = dp_tp_mesh()
+    model = tp_model(mesh, "shard0", reshard=False)
+    for p in model.parameters():  # other values than the checkpoint's
+        torch.nn.init.normal_(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    step = fs.load_checkpoint(src, model, opt)
+    train_steps(model, mesh.get_local_rank(0), opt, 1, first=step)
+    return step, fs.full_state_dict(model)
+
+
+def test_checkpoint_to_one_dimensional_and_back(tmp_path):
+    first, second = str(tmp_path / "tp"), str(tmp_path / "flat")
+    saved = run_world(WORLD, _save_tp, first, 2, timeout=300)[0]
+    flat = run_world(2, _load_flat_and_save, first + "/step_00000002", second, timeout=300)
+    for k, v in saved.items():
+        assert torch.equal(flat[0][0][k], v), k
+    _, ref_params = reference(steps=3)
+    for k, ref in ref_params.items():
+        assert_rel_close(flat[0][1][k], ref, 1e-5, f"after a step at 1-D: {k}")
+    back = run_world(WORLD, _load_tp_and_step, second, timeout=300)
+    assert [r[0] for r in back] == [3] * WORLD
+    _, ref_params = reference(steps=4)
+    for k, ref in ref_params.items():
+        for rank, (_, params) in enumerate(back):
+            assert_rel_close(params[k], ref, 1e-5, f"back at (2, 2), rank {rank}: {k}")
