@@ -16,7 +16,7 @@ LAYERS = [
     {"placements", "placements."},
     {"config"},
     {"runtime.layout", "runtime.copyplan", "runtime.storage", "runtime.state", "runtime.order",
-     "runtime.device",
+     "runtime.device", "runtime.dtensor_param",
      "runtime.mesh"},
     {"runtime.reduction"},
     {"runtime.delivery"},

@@ -196,3 +196,95 @@ def test_checkpoint_to_one_dimensional_and_back(tmp_path):
     for k, ref in ref_params.items():
         for rank, (_, params) in enumerate(back):
             assert_rel_close(params[k], ref, 1e-5, f"back at (2, 2), rank {rank}: {k}")
+
+
+# fs.clip_grad_norm_ over both dims.
+
+MAX_NORM = 0.05
+
+
+def _clip(norms):
+    def step_fn(model):
+        clip = fs.clip_grad_norm_ if isinstance(model, fs.FlexShardModule) else \
+            (lambda m, n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))
+        norms.append(float(clip(model, MAX_NORM)))
+    return step_fn
+
+
+def clipped_training() -> tuple:
+    mesh = dp_tp_mesh()
+    model = tp_model(mesh, "ragged")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    norms: list = []
+    losses = train_steps(model, mesh.get_local_rank(0), opt, 3, step_fn=_clip(norms))
+    return losses, fs.full_state_dict(model), norms
+
+
+def test_clip_grad_norm_over_dp_and_tp():
+    results = run_world(WORLD, clipped_training)
+    ref_norms: list = []
+    ref_losses, ref_params = reference(steps=3, step_fn=_clip(ref_norms))
+    losses, full, norms = results[0]
+    assert all(n > MAX_NORM for n in ref_norms), "the test must actually clip"
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for k, ref in ref_params.items():
+        assert_rel_close(full[k], ref, 1e-5, k)
+    assert all(r[2] == norms for r in results), "ranks disagree on the norm"
+
+
+# Bad input: every rank raises before any collective.
+
+
+def _whole_mesh():
+    mesh = dp_tp_mesh()
+    fs.flex_shard(tensor_parallel(make_llama(), mesh["tp"]), mesh)
+
+
+def _foreign_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    fs.flex_shard(tensor_parallel(make_llama(), tp), dp_tp_mesh()["dp"])
+
+
+def _partial_param():
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = dp_tp_mesh()
+    model = make_llama()
+    weight = model.head.weight.detach()
+    model.head.weight = torch.nn.Parameter(DTensor.from_local(weight, mesh["tp"], [Partial()]))
+    fs.flex_shard(model, mesh["dp"])
+
+
+def _one_dp_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    fs.flex_shard(tensor_parallel(make_llama(), mesh["tp"]), mesh["dp"])
+
+
+def _no_mesh():
+    fs.flex_shard(tensor_parallel(make_llama(), dp_tp_mesh()["tp"]))
+
+
+def test_bad_input():
+    expect_all_ranks_raise(WORLD, _whole_mesh, ValueError,
+                           r"flex_shard's mesh \(2, 2\) \('dp', 'tp'\) includes mesh dim 'tp', on "
+                           r"which DTensor parameter 'layers\.0\.attn\.wq\.weight' is already "
+                           r"sharded \(Shard\(dim=0\)\); .* pass e\.g\. mesh\['dp'\]")
+    expect_all_ranks_raise(WORLD, _foreign_mesh, ValueError,
+                           r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor on mesh \(4,\) "
+                           r"\('tp',\), which is not part of flex_shard's mesh \(2,\) \('dp',\)'s "
+                           r"parent: its dim 0 spans ranks \[0, 1, 2, 3\], 2 of them in "
+                           r"flex_shard's mesh; make both from one init_device_mesh")
+    expect_all_ranks_raise(WORLD, _partial_param, NotImplementedError,
+                           r"parameter 'head\.weight' has DTensor placement Partial\(sum\); "
+                           r"flex_shard shards DTensor params placed with Shard\(d\) or Replicate")
+    expect_all_ranks_raise(WORLD, _one_dp_rank, NotImplementedError,
+                           r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor and flex_shard's "
+                           r"mesh shards over 1 rank")
+    expect_all_ranks_raise(WORLD, _no_mesh, ValueError,
+                           r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor \(tensor "
+                           r"parallel\); pass flex_shard the data-parallel slice of its mesh")

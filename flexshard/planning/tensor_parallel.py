@@ -1,19 +1,20 @@
 """DTensor params from tensor parallelism, checked and swapped for their local
 tensors before planning (`runtime/dtensor_param.py` rebuilds the DTensors).
 
-flex_shard accepts a DTensor param when its mesh comes from the same
-init_device_mesh as flex_shard's mesh (they share a root mesh) and none of
-the mesh dims it is sharded on is one of flex_shard's: TP on mesh["tp"],
-flex_shard on mesh["dp"]. Every check runs on every rank before any collective.
+flex_shard accepts a DTensor param when its mesh and flex_shard's mesh are
+slices of one (dp, tp) mesh: each of the DTensor's mesh dims is either one of
+flex_shard's dims, on which it must be Replicate(), or crosses flex_shard's
+mesh at this rank only (checked on the ranks, as equal DeviceMeshes are
+interchangeable in torch's caches): TP on mesh["tp"], flex_shard on mesh["dp"]. Every check runs on every rank before any collective.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..compat import root_mesh
 from ..runtime.dtensor_param import tp_spec
 
 
@@ -54,24 +55,30 @@ def _check_one(fqn: str, param, mesh) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     own = param.device_mesh
-    if root_mesh(own) != root_mesh(mesh):  # equal: same ranks, dims and device type
-        raise ValueError(
-            f"parameter {fqn!r} is a DTensor on mesh {_describe(own)}, which is not part of "
-            f"flex_shard's mesh {_describe(mesh)}'s parent; make both from one "
-            "init_device_mesh(..., mesh_dim_names=('dp', 'tp')): parallelize over mesh['tp'], "
-            "flex_shard over mesh['dp']")
+    ours, me = set(mesh.mesh.flatten().tolist()), dist.get_rank()
+    shared = _shared_dims(own, mesh)
+    for dim in range(own.ndim):
+        along = _ranks_along(own, dim)
+        if dim not in shared and along & ours != {me}:  # TP's dim must cross flex_shard's
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor on mesh {_describe(own)}, which is not part of "
+                f"flex_shard's mesh {_describe(mesh)}'s parent: its dim {dim} spans ranks "
+                f"{sorted(along)}, {len(along & ours)} of them in flex_shard's mesh; make both "
+                "from one init_device_mesh(..., mesh_dim_names=('dp', 'tp')): parallelize over "
+                "mesh['tp'], flex_shard over mesh['dp']")
     for dim in _shared_dims(own, mesh):
         placement = param.placements[dim]
         if not isinstance(placement, Replicate):
             name = (own.mesh_dim_names or (None,) * own.ndim)[dim]
             raise ValueError(
                 f"flex_shard's mesh {_describe(mesh)} includes mesh dim {name or dim!r}, on "
-                f"which parameter {fqn!r} is sharded ({placement}) by tensor parallelism; pass "
-                "only the data-parallel dims, e.g. mesh['dp']")
+                f"which DTensor parameter {fqn!r} is already sharded ({placement!r}); flex_shard "
+                "shards over the data-parallel dims only: pass e.g. mesh['dp'] and keep tensor "
+                "parallelism on mesh['tp']")
     for placement in param.placements:
         if type(placement) not in (Shard, Replicate):  # _StridedShard, Partial, ...
             raise NotImplementedError(
-                f"parameter {fqn!r} has DTensor placement {placement}; flex_shard shards "
+                f"parameter {fqn!r} has DTensor placement {placement!r}; flex_shard shards "
                 "DTensor params placed with Shard(d) or Replicate() only")
 
 
@@ -81,6 +88,13 @@ def _shared_dims(own, mesh) -> list:
         return list(range(own.ndim))
     ours = set(mesh.mesh_dim_names or ())
     return [d for d, name in enumerate(own.mesh_dim_names or ()) if name in ours]
+
+
+def _ranks_along(mesh, dim: int) -> set:
+    """The ranks of `mesh` that differ from this rank's coordinate in `dim` only."""
+    index = list(mesh.get_coordinate())
+    index[dim] = slice(None)
+    return set(mesh.mesh[tuple(index)].flatten().tolist())
 
 
 def _describe(mesh) -> str:
