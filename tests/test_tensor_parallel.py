@@ -288,3 +288,30 @@ def test_bad_input():
     expect_all_ranks_raise(WORLD, _no_mesh, ValueError,
                            r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor \(tensor "
                            r"parallel\); pass flex_shard the data-parallel slice of its mesh")
+
+
+# Reshard after forward frees the unsharded params although autograd saved DTensors.
+
+
+def unsharded_after_forward(reshard: bool) -> tuple:
+    from training_helpers import UnshardedTracker
+
+    mesh = dp_tp_mesh()
+    model = tp_model(mesh, "shard0", reshard)
+    model.set_prefetch_depth(0)  # no gather in flight to count
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_steps(model, mesh.get_local_rank(0), opt, 1)
+    tracker = UnshardedTracker(model)
+    x, y = batch(1, mesh.get_local_rank(0))
+    loss = loss_fn(model(x), y)
+    after_forward = sorted(tracker.live_bytes())
+    loss.backward()
+    return after_forward, sorted(tracker.live_bytes())
+
+
+def test_reshard_after_forward_frees_dtensor_params():
+    for after_forward, after_backward in run_world(WORLD, unsharded_after_forward, True):
+        assert after_forward == ["root"]  # the blocks' saved DTensors became handles
+        assert after_backward == []
+    for after_forward, _ in run_world(WORLD, unsharded_after_forward, False):
+        assert after_forward == ["layers.0", "layers.1", "root"]
