@@ -345,3 +345,23 @@ def test_reshard_after_forward_frees_dtensor_params():
         assert after_backward == []
     for after_forward, _ in run_world(WORLD, unsharded_after_forward, False):
         assert after_forward == ["layers.0", "layers.1", "root"]
+
+
+# Full tensors in: load_pretrained and fs.load_full_state_dict read each rank's
+# dp piece of its TP-local block.
+
+
+def load_full_tensors() -> tuple:
+    mesh = dp_tp_mesh()
+    want = make_llama(seed=3).state_dict()
+    model = tp_model(mesh, "ragged")
+    fs.load_pretrained(model, want)
+    pretrained = fs.full_state_dict(model)
+    other = tp_model(mesh, "shard0")
+    fs.load_full_state_dict(other, want)
+    return all(torch.equal(pretrained[k], want[k]) for k in want), \
+        all(torch.equal(v, want[k]) for k, v in fs.full_state_dict(other).items())
+
+
+def test_full_tensors_load_into_the_tp_pieces():
+    assert run_world(WORLD, load_full_tensors) == [(True, True)] * WORLD

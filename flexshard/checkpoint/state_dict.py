@@ -78,7 +78,7 @@ def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> t
     if state.mesh is None:  # world size 1 without a process group: the piece is the tensor
         return local
     if ref.tp is not None:  # the dp pieces of the TP-local tensor, placed in the global one
-        return ShardedPieces(local, ref.shape, _boxes(state, ref))
+        return ShardedPieces(local, ref.shape, slot_boxes(state, ref))
     placements = dtensor_placements(state, slot)
     if placements is not None:
         from torch.distributed.tensor import DTensor
@@ -90,7 +90,7 @@ def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> t
     return ShardedPieces(local, slot.shape, boxes)
 
 
-def _boxes(state: FlexShardState, ref: SlotRef) -> tuple:
+def slot_boxes(state: FlexShardState, ref: SlotRef) -> tuple:
     """Where this rank's piece lies in the full tensor (the global one under TP)."""
     slot = ref.slot
     boxes = piece_boxes(slot.placement, slot.shape, state.rank, state.world_size)
@@ -131,7 +131,7 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
     slot = ref.slot
     local_shape = slot.local_shapes[state.rank]
     if isinstance(value, ShardedPieces):
-        if value.boxes != _boxes(state, ref):
+        if value.boxes != slot_boxes(state, ref):
             raise ValueError(f"{key!r} holds the pieces of another layout; load a sharded "
                              "checkpoint with torch.distributed.checkpoint.load into "
                              "model.state_dict(), or pass full tensors")
