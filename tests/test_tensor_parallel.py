@@ -365,3 +365,54 @@ def load_full_tensors() -> tuple:
 
 def test_full_tensors_load_into_the_tp_pieces():
     assert run_world(WORLD, load_full_tensors) == [(True, True)] * WORLD
+
+
+# A DTensor on the whole (dp, tp) mesh, Replicate() on dp: flex_shard shards its local tensor too.
+
+
+class _Colwise2D(torch.nn.Module):
+    """y = x W^T with W sharded over tp on the 2-D mesh (replicated over dp)."""
+
+    def __init__(self, mesh) -> None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        super().__init__()
+        torch.manual_seed(0)
+        full = torch.randn(6, 10)
+        self.mesh = mesh
+        self.weight = torch.nn.Parameter(distribute_tensor(full, mesh, [Replicate(), Shard(0)]))
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        x = DTensor.from_local(x, self.mesh, [Replicate(), Replicate()], run_check=False)
+        y = torch.nn.functional.linear(x, self.weight)  # Shard(-1) over tp
+        return y.redistribute(self.mesh, [Replicate(), Replicate()]).to_local()
+
+
+def two_dim_dtensor() -> tuple:
+    mesh = dp_tp_mesh()
+    model = fs.flex_shard(_Colwise2D(mesh), mesh["dp"], placement=fs.RaggedShard())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(mesh.get_local_rank(0))
+    for _ in range(3):
+        x = torch.randn(4, 10, generator=g)
+        (model(x) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return fs.full_state_dict(model)["weight"]
+
+
+def test_dtensor_on_the_whole_mesh_replicated_over_dp():
+    results = run_world(WORLD, two_dim_dtensor)
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 10))
+    opt = torch.optim.AdamW([weight], lr=LR)
+    gens = [torch.Generator().manual_seed(r) for r in range(DP)]
+    for _ in range(3):
+        x = torch.cat([torch.randn(4, 10, generator=g) for g in gens])
+        (torch.nn.functional.linear(x, weight) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for got in results:
+        assert_rel_close(got, weight.detach(), 1e-5, "weight")
