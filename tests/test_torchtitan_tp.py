@@ -84,3 +84,35 @@ def test_tensor_parallel_matches_single_process_training(placement, reshard):
         err = (full[k] - ref).norm() / ref.norm()
         assert err < 1e-5, f"{k}: relative error {err:.2e}"
 
+
+
+def _init_on_meta_tp() -> dict:
+    """As torchtitan's Trainer: build on meta, parallelize (TP, then flex_shard),
+    to_empty, init_weights."""
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    cfg = debugmodel_config()
+    set_llama3_sharding_config(cfg, enable_sp=ParallelismConfig().enable_sequence_parallel)
+    with torch.device("meta"):
+        model = cfg.build()
+    model, _ = parallelize_tp(model, "ragged")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=None)
+    return fs.full_state_dict(model)
+
+
+@pytest.mark.world(4)
+def test_meta_model_initialises_like_the_unsharded_one():
+    from flexshard.integrations.torchtitan.parallelize import _init_own_parameters
+
+    results = run_world(DP * TP, _init_on_meta_tp, timeout=300)
+    ref = debugmodel_config().build()
+    torch.manual_seed(0)
+    with torch.no_grad():  # flex_shard initialises one module at a time, in order, at full size
+        for module in ref.modules():
+            _init_own_parameters(module)
+    for params in results:
+        assert params.keys() == dict(ref.named_parameters()).keys()
+        for k, p in ref.named_parameters():
+            assert torch.equal(params[k], p), k

@@ -5,7 +5,8 @@ flex_shard accepts a DTensor param when its mesh and flex_shard's mesh are
 slices of one (dp, tp) mesh: each of the DTensor's mesh dims is either one of
 flex_shard's dims, on which it must be Replicate(), or crosses flex_shard's
 mesh at this rank only (checked on the ranks, as equal DeviceMeshes are
-interchangeable in torch's caches): TP on mesh["tp"], flex_shard on mesh["dp"]. Every check runs on every rank before any collective.
+interchangeable in torch's caches): TP on mesh["tp"], flex_shard on mesh["dp"].
+Every check runs on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ def check_dtensor_params(named: dict, mesh) -> None:
 
 
 def _check_one(fqn: str, param, mesh) -> None:
-    from torch.distributed.tensor import Replicate, Shard
+    _check_crossing(fqn, param.device_mesh, mesh)
+    _check_placements(fqn, param, mesh)
 
-    own = param.device_mesh
+
+def _check_crossing(fqn: str, own, mesh) -> None:
+    """Each dim of the DTensor's mesh `own` that is not flex_shard's meets
+    flex_shard's mesh at this rank only."""
     ours, me = set(mesh.mesh.flatten().tolist()), dist.get_rank()
     shared = _shared_dims(own, mesh)
     for dim in range(own.ndim):
@@ -66,6 +71,13 @@ def _check_one(fqn: str, param, mesh) -> None:
                 f"{sorted(along)}, {len(along & ours)} of them in flex_shard's mesh; make both "
                 "from one init_device_mesh(..., mesh_dim_names=('dp', 'tp')): parallelize over "
                 "mesh['tp'], flex_shard over mesh['dp']")
+
+
+def _check_placements(fqn: str, param, mesh) -> None:
+    """Replicate() on flex_shard's dims; Shard(d) or Replicate() elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    own = param.device_mesh
     for dim in _shared_dims(own, mesh):
         placement = param.placements[dim]
         if not isinstance(placement, Replicate):
