@@ -256,6 +256,8 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", choices=MODELS, default=None,
                    help="run the grid on these models (default grid: odd and even as it "
                         "lists them; engine grid: llama)")
+    p.add_argument("--reshard", nargs="+", choices=("on", "off"), default=["on"],
+                   help="engine grid: reshard after forward on, off or both (memory targets)")
     p.add_argument("--steps", type=int, default=12, help="timed (paired) steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -267,7 +269,8 @@ def _parse(argv) -> argparse.Namespace:
 
 def _grid(args, world_sizes) -> list:
     if args.grid == "engine":
-        grid = GRIDS["engine"](tuple(world_sizes), tuple(args.models or ("llama",)))
+        grid = GRIDS["engine"](tuple(world_sizes), tuple(args.models or ("llama",)),
+                               tuple(r == "on" for r in args.reshard))
     else:
         grid = GRIDS["default"](tuple(world_sizes))
         if args.models:  # the same variants on these models instead

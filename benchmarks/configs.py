@@ -64,11 +64,11 @@ def default_grid(world_sizes=(1, 2, 4)) -> list:
     return [Config(ws, **v) for ws in world_sizes for v in variants]
 
 
-def engine_grid(world_sizes=(2,), models=("llama",)) -> list:
+def engine_grid(world_sizes=(2,), models=("llama",), reshards=(True,)) -> list:
     """Issue 12's targets: Shard(0), RaggedShard and Owned buckets, fp32 and bf16,
-    reshard after forward on, per model."""
-    return [Config(ws, placement=p, param_dtype=d, model=m)
-            for ws in world_sizes for m in models
+    reshard after forward on (and off, for the memory target), per model."""
+    return [Config(ws, placement=p, param_dtype=d, model=m, reshard=r)
+            for ws in world_sizes for m in models for r in reshards
             for p in ("shard", "ragged", "owned") for d in PARAM_DTYPES]
 
 

@@ -31,14 +31,14 @@ def _cpu_per_step(runner, steps: int) -> float:
     return (time.process_time() - start) / steps
 
 
-def _profile(runner, steps: int, top: int) -> str:
+def _profile(runner, steps: int, top: int, sort: str = "cumulative") -> str:
     prof = cProfile.Profile()
     prof.enable()
     for i in range(steps):
         runner.step(i)
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(_PATTERN, top)
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(_PATTERN, top)
     return out.getvalue()
 
 
@@ -50,6 +50,9 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--model", choices=("odd", "even", "llama"), default="odd")
+    p.add_argument("--placement", choices=("shard", "ragged", "owned"), default="shard")
+    p.add_argument("--sort", choices=("cumulative", "tottime"), default="cumulative")
     p.add_argument("--steps", type=int, default=20, help="steps timed per runner")
     p.add_argument("--top", type=int, default=12, help="functions listed per profile")
     args = p.parse_args(argv)
@@ -61,12 +64,13 @@ def main(argv=None) -> None:
     try:
         for kind in ("fsdp2", "flexshard"):
             for reshard in (True, False):
-                cfg = Config(1, param_dtype=args.dtype, reshard=reshard)
+                cfg = Config(1, placement=args.placement, param_dtype=args.dtype,
+                             reshard=reshard, model=args.model)
                 runner = Runner(kind, cfg, mesh, torch.device("cpu"), 0)
                 _cpu_per_step(runner, 3)  # warm up
                 cpu = _cpu_per_step(runner, args.steps)
                 print(f"=== {kind}, {cfg.name}: {cpu * 1e3:.1f} ms CPU per step")
-                print(_profile(runner, 5, args.top))
+                print(_profile(runner, 5, args.top, args.sort))
     finally:
         dist.destroy_process_group()
 

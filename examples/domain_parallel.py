@@ -18,8 +18,8 @@ and a head. On 4 ranks the DeviceMesh is (dp=2, model=2):
   reduce-scatters (sums) over all 4 ranks and divides by its divide factor:
   set to the dp size (2), that is the sum over the model group and the mean
   over data-parallel replicas, the gradient of the mean loss.
-- reshard after forward (the default) recomputes each block's forward in
-  backward, all-to-alls included: 12 all-to-alls per step instead of 8.
+- reshard after forward (the default) regathers only the params in backward,
+  never a block's forward: 8 all-to-alls per step, resharding or not.
 
     torchrun --standalone --nproc-per-node 4 examples/domain_parallel.py
     python examples/domain_parallel.py          # one process, the same model

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,8 @@ from .placements.contract import Placement
 from .placements.shard import Shard
 from .planning.assign import default_buckets
 from .planning.fingerprint import check_ranks_agree
-from .planning.options import check_options, check_params, check_specs
+from .config import check_reshard
+from .planning.options import check_options, check_params, check_specs, resolve_reshard
 from .planning.plan import WrapPlan, plan_wrap
 from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,
                                        to_local_params)
@@ -25,7 +26,7 @@ from .runtime.bucket import Bucket
 from .runtime.comm import Comm
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.device import DeviceContexts
-from .runtime.mesh import MeshGroups, mesh_groups, root_group, single_process
+from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
 from .runtime.reshard import SavedParams
@@ -55,13 +56,18 @@ class FlexShardModule:
         for bucket in get_state(self).buckets:
             bucket.gradient_divide_factor = float(factor)
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward) -> None:
         """Whether every bucket frees its unsharded params after its module's
-        forward (and regathers them in backward); the root bucket included."""
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
-        for bucket in get_state(self).buckets:
-            bucket.reshard_after_forward = reshard_after_forward
+        forward (and regathers them in backward); the root bucket included. An
+        int N keeps them sharded over groups of N consecutive shard ranks,
+        where backward gathers (N must divide every bucket's shard group)."""
+        check_reshard(reshard_after_forward, "set_reshard_after_forward: ")
+        buckets = get_state(self).buckets
+        values = [resolve_reshard(reshard_after_forward, b.world_size, b.name) for b in buckets]
+        for bucket, value in zip(buckets, values):
+            bucket.reshard_after_forward = value
+            if bucket.post_forward_size is not None:
+                bucket.subgroups.of(bucket.rank, value)  # made now, by every member
 
     def set_prefetch_depth(self, depth: int) -> None:
         """How many buckets ahead (in recorded execution order) to launch
@@ -117,7 +123,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
                buckets: Optional[Sequence[BucketSpec]] = None,
                placement: Placement = Shard(0),
                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-               reshard_after_forward: bool = True,
+               reshard_after_forward: Union[bool, int] = True,
                comm: Optional[Comm] = None) -> nn.Module:
     """Shard `module`'s parameters over a 1-D mesh, bucket by bucket; a 2-D
     mesh is HSDP (dim 0 replicates, dim 1 shards, as FSDP2).
@@ -129,6 +135,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     """
     _check_args(module, mesh, placement, mp_policy, reshard_after_forward)
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
+    _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())
     check_params(named, allow_dtensor=True)
     check_dtensor_params(named, mesh)
@@ -155,7 +162,7 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
                        comm or Comm())
     check_ranks_agree(state, plan)  # over flex_shard's mesh: TP ranks may hold other shapes
     if local.specs:  # checkpoints are written by every rank of the (dp, tp) mesh
-        state.mesh_group, state.mesh_rank, state.mesh_size = root_group(mesh)
+        state.files_group, state.files_rank, _ = root_group(mesh)
     _build(module, state, plan, named, device, local.specs)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
@@ -183,6 +190,32 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward) -> No
                          f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass a slice such "
                          "as mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
     check_options(placement, mp_policy, reshard_after_forward)
+
+
+def _check_bucket_meshes(specs, mesh) -> None:
+    """A BucketSpec's own mesh: 1-D or 2-D, holding this rank, its ranks among
+    flex_shard's mesh's (the whole world when mesh is None)."""
+    world = (set(mesh.mesh.flatten().tolist()) if mesh is not None
+             else set(range(dist.get_world_size())) if dist.is_initialized() else {0})
+    for spec in specs:
+        own = spec.mesh
+        if own is None:
+            continue
+        if own.ndim not in (1, 2):
+            raise ValueError(f"bucket {spec.label!r}: its mesh must be 1-D (shard) or 2-D (HSDP: "
+                             f"replicate, shard), got a {own.ndim}-D mesh of shape "
+                             f"{tuple(own.shape)}; pass a slice such as mesh['ep_shard']")
+        ranks = set(own.mesh.flatten().tolist())
+        if not ranks <= world:
+            raise ValueError(f"bucket {spec.label!r}: its mesh holds rank(s) "
+                             f"{sorted(ranks - world)} outside flex_shard's mesh of ranks "
+                             f"{sorted(world)}; a bucket's mesh must be a sub-mesh or flattening "
+                             "of flex_shard's")
+        if own.get_coordinate() is None:
+            raise ValueError(f"bucket {spec.label!r}: this rank ({dist.get_rank()}) is not in its "
+                             f"mesh of ranks {sorted(ranks)}; every rank wraps the same buckets, "
+                             "each passing the bucket-mesh slice that holds it (e.g. "
+                             "mesh['ep_shard'])")
 
 
 def _rank_and_world(mesh) -> tuple:
@@ -229,7 +262,7 @@ def _new_state(groups: MeshGroups, comm: Comm) -> FlexShardState:
     return FlexShardState(groups.mesh, groups.shard_group, groups.shard_rank, groups.shard_size,
                           comm, replicate_group=groups.replicate_group,
                           replicate_size=groups.replicate_size, mesh_group=groups.mesh_group,
-                          mesh_rank=groups.mesh_rank, mesh_size=groups.mesh_size)
+                          mesh_rank=groups.mesh_rank, mesh_size=groups.mesh_size, groups=groups)
 
 
 def _replicas(mesh) -> int:
@@ -245,11 +278,17 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict) -
     reduce_queue.listeners.append(state.prefetcher.end_backward)
     by_runner: dict = {}
     for planned in plan.buckets:
+        groups = _bucket_groups(state, planned.spec.mesh)
         bucket = Bucket(planned.spec.label, planned.slots, planned.trainable, planned.mp_policy,
-                        planned.reshard_after_forward, state.group, state.rank,
-                        state.world_size, state.comm, device, devices,
-                        replicate_group=state.replicate_group,
-                        replicate_size=state.replicate_size)
+                        planned.reshard_after_forward, groups.shard_group, groups.shard_rank,
+                        groups.shard_size, state.comm, device, devices,
+                        replicate_group=groups.replicate_group,
+                        replicate_size=groups.replicate_size,
+                        subgroups=_subgroups(state, groups.shard_group),
+                        divide_factor=state.mesh_size)
+        bucket.mesh = groups.mesh
+        if bucket.post_forward_size is not None:
+            bucket.subgroups.of(bucket.rank, bucket.post_forward_size)  # made now, by every member
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
@@ -263,3 +302,20 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict) -
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, saved))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
+
+
+def _bucket_groups(state, mesh) -> MeshGroups:
+    """The groups a bucket's collectives run on: its own mesh's, else flex_shard's."""
+    if mesh is None:
+        return state.groups
+    if id(mesh) not in state.bucket_meshes:  # one set of groups per mesh
+        state.bucket_meshes[id(mesh)] = (mesh, mesh_groups(mesh))
+    return state.bucket_meshes[id(mesh)][1]
+
+
+def _subgroups(state, shard_group) -> Subgroups:
+    """One Subgroups per shard group (int reshard's post-forward groups)."""
+    key = id(shard_group)
+    if key not in state.subgroups:
+        state.subgroups[key] = Subgroups(shard_group)
+    return state.subgroups[key]

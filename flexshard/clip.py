@@ -22,7 +22,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     state = get_state(module)
     grads = _grads_by_group(state)
     device = state.buckets[0].storage.buffer.device
-    total = _global_norm(grads, norm_type, device, state)
+    if state.bucket_meshes:
+        total = _norm_over_bucket_meshes(state, norm_type, device)
+    else:
+        total = _global_norm(grads, norm_type, device, state)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"{total.item()}; pass error_if_nonfinite=False to clip anyway")
@@ -90,3 +93,26 @@ def _local_part(grads: list, norm_type: float, device) -> torch.Tensor:
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
                          for g in grads])
     return norms.max().reshape(1) if math.isinf(norm_type) else norms.pow(norm_type).sum().reshape(1)
+
+
+def _norm_over_bucket_meshes(state, norm_type: float, device) -> torch.Tensor:
+    """The norm when buckets run on their own meshes: every rank adds its pieces,
+    each bucket's weighted 1/(its replicas), and one all-reduce over the model's
+    whole mesh counts every piece once (ranks outside a bucket's mesh hold other
+    params: other experts). The inf-norm needs no weights."""
+    inf = math.isinf(norm_type)
+    local = torch.zeros(1, device=device)
+    for bucket in state.buckets:
+        grads = [p.grad for p in bucket.params if p.grad is not None and p.grad.numel()]
+        if not grads:
+            continue
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                             for g in grads])
+        if inf:
+            local = torch.maximum(local, norms.max().reshape(1))
+        else:
+            local += norms.pow(norm_type).sum() / bucket.replicate_size
+    if state.mesh_size > 1:
+        state.comm.all_reduce(local, state.mesh_group,
+                              op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    return local[0] if inf else local[0].pow(1.0 / norm_type)

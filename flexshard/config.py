@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +24,26 @@ def _check_float_dtype(field: str, dtype: Optional[torch.dtype]) -> None:
             f"MixedPrecisionPolicy.{field}={dtype} is not a floating-point dtype; "
             "use torch.float32, torch.bfloat16 or torch.float16 (or None to keep the parameter dtype)"
         )
+
+
+def check_reshard(value, where: str = "", allowed: str = "a bool or an int") -> None:
+    """reshard_after_forward is True, False or an int N >= 1 (N ranks per
+    post-forward group; whether N divides the shard group is checked when the
+    bucket's mesh is known)."""
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(f"{where}reshard_after_forward must be {allowed}, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{where}reshard_after_forward={value}: an int is the number of ranks "
+                         "to reshard to after forward and must be >= 1; pass a divisor of the "
+                         "shard group's size, True or False")
+
+
+def _is_mesh(value) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(value, DeviceMesh)
 
 
 @dataclass(frozen=True)
@@ -55,13 +75,20 @@ class BucketSpec:
 
     Fields left None inherit the value given to flex_shard().
     `placement` is a Placement or a callable (fqn, param) -> Placement.
+    `reshard_after_forward`: True (free the unsharded params after forward),
+    False (keep them until backward) or an int N (keep them sharded over
+    groups of N consecutive ranks of the shard group: backward gathers within
+    that group only; N must divide the shard group's size).
+    `mesh`: a DeviceMesh of the bucket's own (a sub-mesh or flattening of
+    flex_shard's mesh, 1-D or 2-D HSDP) its gathers and reductions run on.
     """
 
     patterns: Union[str, Sequence[str]]
     placement: Optional[PlacementChoice] = None
     mp_policy: Optional[MixedPrecisionPolicy] = None
-    reshard_after_forward: Optional[bool] = None
+    reshard_after_forward: Optional[Union[bool, int]] = None
     name: Optional[str] = None
+    mesh: Optional[Any] = None  # DeviceMesh: this bucket's own (1-D or 2-D HSDP) mesh
 
     def __post_init__(self) -> None:
         patterns = (self.patterns,) if isinstance(self.patterns, str) else tuple(self.patterns)
@@ -88,11 +115,12 @@ class BucketSpec:
                 f"BucketSpec {label}: placement {self.placement!r} is not a Placement "
                 "or a callable (fqn, param) -> Placement; use e.g. fs.Shard(0)"
             )
-        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(
-                f"BucketSpec {label}: reshard_after_forward must be a bool or None (inherit), "
-                f"got {self.reshard_after_forward!r}"
-            )
+        if self.reshard_after_forward is not None:
+            check_reshard(self.reshard_after_forward, f"BucketSpec {label}: ",
+                          "a bool, an int or None (inherit)")
+        if self.mesh is not None and not _is_mesh(self.mesh):
+            raise TypeError(f"BucketSpec {label}: mesh must be a DeviceMesh or None (inherit "
+                            f"flex_shard's), got {type(self.mesh).__name__}")
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise TypeError(
                 f"BucketSpec {label}: mp_policy must be a fs.MixedPrecisionPolicy, got {self.mp_policy!r}"

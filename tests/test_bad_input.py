@@ -81,7 +81,7 @@ WRAP_CASES = {
     "mp_policy not a policy": (_wrap(mp_policy={"param_dtype": torch.bfloat16}), TypeError,
                                r"mp_policy must be a fs\.MixedPrecisionPolicy"),
     "reshard_after_forward not bool": (_wrap(reshard_after_forward="yes"), TypeError,
-                                       r"reshard_after_forward must be a bool, got 'yes'"),
+                                       r"reshard_after_forward must be a bool or an int, got 'yes'"),
     "mesh not a DeviceMesh": (_wrap(mesh="cpu"), TypeError, r"mesh must be a DeviceMesh or None, got str"),
     "flex_shard twice": (_twice, ValueError, r"FlexShardTinyGPT is already wrapped by flex_shard; call "
                                              r"flex_shard once"),
@@ -103,8 +103,12 @@ CONFIG_CASES = {
                              r"BucketSpec 'layers\.\*': placement 3 is not a Placement"),
     "BucketSpec mp_policy": (lambda: fs.BucketSpec("layers.*", mp_policy=torch.bfloat16), TypeError,
                              r"BucketSpec 'layers\.\*': mp_policy must be a fs\.MixedPrecisionPolicy"),
-    "BucketSpec reshard": (lambda: fs.BucketSpec("layers.*", reshard_after_forward=1), TypeError,
-                           r"BucketSpec 'layers\.\*': reshard_after_forward must be a bool or None"),
+    "BucketSpec reshard": (lambda: fs.BucketSpec("layers.*", reshard_after_forward=1.5), TypeError,
+                           r"BucketSpec 'layers\.\*': reshard_after_forward must be a bool, an int "
+                           r"or None \(inherit\), got 1\.5"),
+    "BucketSpec reshard 0": (lambda: fs.BucketSpec("layers.*", reshard_after_forward=0), ValueError,
+                             r"BucketSpec 'layers\.\*': reshard_after_forward=0: an int is the "
+                             r"number of ranks to reshard to after forward and must be >= 1"),
     "BucketSpec name": (lambda: fs.BucketSpec("layers.*", name=3), TypeError,
                         r"BucketSpec 'layers\.\*': name 3 is not a non-empty string"),
     "non-floating MP dtype": (lambda: fs.MixedPrecisionPolicy(param_dtype=torch.int32), ValueError,

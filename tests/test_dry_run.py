@@ -279,8 +279,11 @@ def test_bad_flex_shard_options_raise_as_flex_shard_does():
     model = make_model()
     with pytest.raises(TypeError, match="placement 'shard' is not a Placement or a callable"):
         fs.describe(model, mesh_shape=(1, 2), placement="shard")
-    with pytest.raises(TypeError, match="reshard_after_forward must be a bool, got 2"):
-        fs.describe(model, mesh_shape=(1, 2), reshard_after_forward=2)
+    with pytest.raises(TypeError, match="reshard_after_forward must be a bool or an int, got 2.0"):
+        fs.describe(model, mesh_shape=(1, 2), reshard_after_forward=2.0)
+    with pytest.raises(ValueError, match=r"bucket 'layers.0': reshard_after_forward=3 does not "
+                                         r"divide its shard group of 4 rank\(s\); pass a divisor of 4"):
+        fs.describe(model, mesh_shape=(2, 4), reshard_after_forward=3)
     with pytest.raises(TypeError, match="mp_policy must be a fs.MixedPrecisionPolicy"):
         fs.describe(model, mesh_shape=(1, 2), mp_policy=torch.bfloat16)
     with pytest.raises(ValueError, match="buckets is empty"):

@@ -17,7 +17,7 @@ LAYERS = [
     {"config"},
     {"runtime.layout", "runtime.copyplan", "runtime.storage", "runtime.state", "runtime.order",
      "runtime.device", "runtime.dtensor_param",
-     "runtime.mesh"},
+     "runtime.mesh", "runtime.postforward"},
     {"runtime.reduction"},
     {"runtime.delivery"},
     {"runtime.bucket"},

@@ -11,9 +11,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import flexshard as fs
+from flexshard.compat import get_dispatch_stack_at, len_torch_dispatch_stack
 from flexshard.runtime.state import get_state
 from harness import run_world
 from models import batch, loss_fn
@@ -70,12 +70,16 @@ def test_saved_bytes_equal_unwrapped_without_reshard():
         assert alive == ["layers.0", "layers.1", "layers.2", "root"]
 
 
+def _dispatch_modes() -> list:
+    return [get_dispatch_stack_at(i) for i in range(len_torch_dispatch_stack())]
+
+
 def forward_calls_and_modes() -> dict:
     """Rank body: per block, forward calls in one step and the dispatch modes
     active while its forward and its backward run."""
     model = fs.flex_shard(make_model(layers=3))
     calls, modes = {}, []
-    probe = lambda *_: modes.append(str(_get_current_dispatch_mode_stack()))  # noqa: E731
+    probe = lambda *_: modes.append(str(_dispatch_modes()))  # noqa: E731
     for i, layer in enumerate(model.layers):
         def pre(module, args, i=i):
             calls[i] = calls.get(i, 0) + 1

@@ -126,6 +126,23 @@ def test_reduce_packs_after_the_grads_and_compute_waits_for_the_sharded_grads():
     assert not any(x[0] == "op" and x[1] == "compute" for x in log)  # nothing on compute
 
 
+def test_grads_are_let_go_after_the_pack_and_only_the_reduce_input_is_held():
+    """The unsharded grads die when _Unshard.backward returns: start_reduce makes
+    the compute stream wait for the pack (not for the collective) before it
+    returns, so the PendingReduce holds the reduce input alone."""
+    bucket, ctx = _bucket()
+    grads = [torch.ones(s.shape) for s in bucket.slots]
+    with OpLog(ctx):
+        pending = bucket.start_reduce(grads)
+    log = ctx.log
+    scatter = next(i for i, x in enumerate(log) if x == ("comm", "reduce", "reduce_scatter"))
+    packed = max(i for i, x in enumerate(log[:scatter]) if x[:2] == ("record", "reduce"))
+    assert max(i for i, x in enumerate(log[:scatter]) if x[:2] == ("op", "reduce")) < packed
+    assert ("wait", "compute", log[packed][2]) in log[scatter:]
+    assert len(pending.held) == 1 and pending.held[0].numel() == bucket.reduce_layout.wire_bytes
+    assert not any(g is h for g in grads for h in pending.held)
+
+
 def test_a_gather_consumed_on_another_stream_is_waited_there_and_adopted():
     """unshard(async_op=True) under one stream, forward (UnshardHandle.wait) under another."""
     bucket, ctx = _bucket()

@@ -212,7 +212,6 @@ def test_mixed_precision_and_reshard_come_from_torchtitan_config(policy, blocks_
 
 @pytest.mark.parametrize("field, value, flag", [
     ("cp", 2, "--parallelism.context_parallel_degree > 1"),
-    ("dp_replicate", 2, "--parallelism.data_parallel_replicate_degree > 1"),
     ("pp", 2, "--parallelism.pipeline_parallel_degree > 1"),
 ])
 def test_other_parallelisms_are_refused(field, value, flag):

@@ -132,7 +132,7 @@ def _check_tied(reader, keys: list, shape: tuple) -> None:
 
 def _load_piece(reader, key: str, ref, state) -> None:
     local = ref.bucket.params[ref.index].detach()
-    boxes = slot_boxes(state, ref)  # in the global tensor under tensor parallelism
+    boxes = slot_boxes(ref)  # in the global tensor under tensor parallelism
     for box, view in zip(boxes, box_views(local, boxes)):
         view.copy_(reader.read(key, tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))))
 

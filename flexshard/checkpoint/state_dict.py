@@ -74,34 +74,34 @@ def named_slots(module: nn.Module, state: FlexShardState) -> dict:
 def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> torch.Tensor:
     """`local` (this rank's piece of the slot, or a tensor shaped like it) as
     a value with the full shape that DCP saves and reshards."""
-    slot = ref.slot
-    if state.mesh is None:  # world size 1 without a process group: the piece is the tensor
+    slot, bucket = ref.slot, ref.bucket  # on the bucket's mesh (its own, or the model's)
+    if bucket.mesh is None:  # world size 1 without a process group: the piece is the tensor
         return local
     if ref.tp is not None:  # the dp pieces of the TP-local tensor, placed in the global one
-        return ShardedPieces(local, ref.shape, slot_boxes(state, ref))
-    placements = dtensor_placements(state, slot)
+        return ShardedPieces(local, ref.shape, slot_boxes(ref))
+    placements = dtensor_placements(bucket, slot)
     if placements is not None:
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, state.mesh, placements, run_check=False,
+        return DTensor.from_local(local, bucket.mesh, placements, run_check=False,
                                   shape=slot.shape, stride=_contiguous_stride(slot.shape))
     # Under HSDP the replicas hold the same boxes; DCP saves each chunk once.
-    boxes = piece_boxes(slot.placement, slot.shape, state.rank, state.world_size)
+    boxes = piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size)
     return ShardedPieces(local, slot.shape, boxes)
 
 
-def slot_boxes(state: FlexShardState, ref: SlotRef) -> tuple:
+def slot_boxes(ref: SlotRef) -> tuple:
     """Where this rank's piece lies in the full tensor (the global one under TP)."""
-    slot = ref.slot
-    boxes = piece_boxes(slot.placement, slot.shape, state.rank, state.world_size)
+    slot, bucket = ref.slot, ref.bucket
+    boxes = piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size)
     return boxes if ref.tp is None else shift_boxes(ref.tp, boxes)
 
 
-def dtensor_placements(state: FlexShardState, slot):
-    """The DTensor placements of a slot on the state's mesh ((Replicate(),
+def dtensor_placements(bucket, slot):
+    """The DTensor placements of a slot on its bucket's mesh ((Replicate(),
     Shard(d)) under HSDP), or None when its pieces are not DTensor chunks."""
-    dshard = dtensor_shard(slot.placement, slot.shape, state.world_size)
-    if dshard is None or state.mesh.ndim == 1:
+    dshard = dtensor_shard(slot.placement, slot.shape, bucket.world_size)
+    if dshard is None or bucket.mesh.ndim == 1:
         return None if dshard is None else (dshard,)
     from torch.distributed.tensor import Replicate
 
@@ -128,25 +128,25 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
     full tensor). A DTensor of another layout is gathered (a collective)."""
     from torch.distributed.tensor import DTensor
 
-    slot = ref.slot
-    local_shape = slot.local_shapes[state.rank]
+    slot, bucket = ref.slot, ref.bucket
+    local_shape = slot.local_shapes[bucket.rank]
     if isinstance(value, ShardedPieces):
-        if value.boxes != slot_boxes(state, ref):
+        if value.boxes != slot_boxes(ref):
             raise ValueError(f"{key!r} holds the pieces of another layout; load a sharded "
                              "checkpoint with torch.distributed.checkpoint.load into "
                              "model.state_dict(), or pass full tensors")
         return value.local
     if isinstance(value, DTensor):
-        same = (state.mesh is not None and value.device_mesh == state.mesh and ref.tp is None
-                and tuple(value.placements) == dtensor_placements(state, slot))
+        same = (bucket.mesh is not None and value.device_mesh == bucket.mesh and ref.tp is None
+                and tuple(value.placements) == dtensor_placements(bucket, slot))
         if same and tuple(value.to_local().shape) == tuple(local_shape):
             return value.to_local()
         value = value.full_tensor()
     if ref.tp is not None:
         value = ref.tp.local_of(value)
-    if state.mesh is None:
+    if bucket.mesh is None:
         return value
-    return slot.placement.shard(value, state.rank, state.world_size)
+    return slot.placement.shard(value, bucket.rank, bucket.world_size)
 
 
 # Module hooks: on every module that registers a sharded param (tied aliases

@@ -29,8 +29,9 @@ class Placement(abc.ABC):
              rank_bytes: Sequence[int]) -> "Placement":
         """Return this placement with every free choice made.
 
-        `rank_bytes[r]` is how many bytes of the bucket rank r already holds,
-        so a placement may balance (Owned picks its owner here). The result
+        `rank_bytes[r]` is how many bytes rank r already holds (the params
+        bound before this one: of this bucket and of the buckets planned
+        before it), so a placement may balance (Owned picks its owner here). The result
         must be deterministic: every rank calls bind with the same arguments.
         """
 

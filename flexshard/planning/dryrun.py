@@ -55,7 +55,7 @@ def check_dry_run_options(options: dict) -> dict:
 
 def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Shard(0),
             mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-            reshard_after_forward: bool = True) -> ShardingPlan:
+            reshard_after_forward=True) -> ShardingPlan:
     """The ShardingPlan flex_shard(module, **options) would make on a (R, S)
     mesh: flex_shard's own WrapPlan, and the layouts its buckets would have
     (mesh_shape and options already checked: see describe)."""
@@ -73,6 +73,7 @@ def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Sha
 def _row(planned, names: dict, mesh_shape: tuple):
     """A bucket's record; backward regathers a resharding bucket (assuming
     autograd saves one of its params, as every matmul does)."""
+    mesh_shape = planned.mesh_shape  # a bucket's own mesh, else the dry run's
     layouts = plan_bucket_layouts(planned.slots, planned.trainable, planned.mp_policy,
                                   mesh_shape[1])
     hooked = planned.needs_hooks

@@ -43,6 +43,7 @@ class BucketFingerprint(NamedTuple):
     local_shapes: tuple
     reshard_after_forward: tuple
     mp_policy: tuple
+    mesh_shape: tuple  # (replicas, shard size) of the bucket's mesh
 
 
 _FIELDS = BucketFingerprint._fields
@@ -54,7 +55,8 @@ def _text(value) -> str:
 
 
 def bucket_fingerprint(name: str, slots: Sequence, trainable: Sequence[bool],
-                       reshard_after_forward, mp_policy) -> BucketFingerprint:
+                       reshard_after_forward, mp_policy,
+                       mesh_shape: tuple = (1, 1)) -> BucketFingerprint:
     """The fingerprint of one planned bucket (slots are layout.SlotPlan)."""
 
     def per_param(values) -> tuple:
@@ -70,6 +72,7 @@ def bucket_fingerprint(name: str, slots: Sequence, trainable: Sequence[bool],
         local_shapes=per_param([tuple(x) for x in s.local_shapes] for s in slots),
         reshard_after_forward=(_text(reshard_after_forward),),
         mp_policy=(_text(mp_policy),),
+        mesh_shape=(_text(tuple(mesh_shape)),),
     )
 
 
@@ -77,7 +80,7 @@ def check_ranks_agree(state, plan) -> None:
     """flex_shard's check, after planning and before building any bucket: raise
     on every rank if the ranks planned different buckets (`plan`: plan.WrapPlan)."""
     prints = [bucket_fingerprint(b.spec.label, b.slots, b.trainable, b.reshard_after_forward,
-                                 b.mp_policy)
+                                 b.mp_policy, b.mesh_shape)
               for b in plan.buckets]
     # Over the whole mesh: under HSDP the replicas of a shard rank must agree too.
     check_plans_agree(prints, state.comm, state.mesh_group, state.mesh_rank, state.mesh_size,

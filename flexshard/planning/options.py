@@ -3,7 +3,7 @@ them), checked before anything is planned."""
 
 from __future__ import annotations
 
-from ..config import BucketSpec, MixedPrecisionPolicy
+from ..config import BucketSpec, MixedPrecisionPolicy, check_reshard
 from ..placements.contract import Placement
 
 
@@ -14,8 +14,24 @@ def check_options(placement, mp_policy, reshard_after_forward) -> None:
                         "(fqn, param) -> Placement; use e.g. fs.Shard(0)")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a fs.MixedPrecisionPolicy, got {mp_policy!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    check_reshard(reshard_after_forward)
+
+
+def resolve_reshard(value, shard_size: int, label: str):
+    """A bucket's reshard_after_forward on a shard group of `shard_size` ranks,
+    as FSDP2 reads it: an int N must divide the group; N == 1 keeps the params
+    (False), N == shard_size frees them (True), else N stays (post-forward
+    groups of N ranks)."""
+    if isinstance(value, bool):
+        return value
+    if shard_size % value:
+        raise ValueError(f"bucket {label!r}: reshard_after_forward={value} does not divide its "
+                         f"shard group of {shard_size} rank(s); pass a divisor of {shard_size} "
+                         "(ranks per post-forward group), True to reshard fully or False to "
+                         "keep the params unsharded")
+    if value == 1:
+        return False
+    return True if value == shard_size else value
 
 
 def check_specs(buckets) -> list:

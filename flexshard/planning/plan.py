@@ -10,7 +10,7 @@ its resolved flags. api.py checks that the ranks agree on it
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch.nn as nn
 
@@ -18,6 +18,7 @@ from ..config import BucketSpec, MixedPrecisionPolicy
 from ..placements.contract import Placement
 from ..runtime.bucket import hooks_needed
 from ..runtime.layout import SlotPlan, bind_placements
+from ..runtime.mesh import mesh_shape
 from .assign import (
     assign_params,
     claimed_elsewhere,
@@ -25,6 +26,7 @@ from .assign import (
     running_module,
     used_in_nested_runner,
 )
+from .options import resolve_reshard
 
 
 class PlannedBucket(NamedTuple):
@@ -36,9 +38,11 @@ class PlannedBucket(NamedTuple):
     aliases: tuple  # per slot: every (module, attr) registering the param
     runner: nn.Module  # the module whose forward unshards the bucket
     mp_policy: MixedPrecisionPolicy  # the spec's, else flex_shard's
-    reshard_after_forward: bool  # the spec's, else flex_shard's (never on the root module)
+    reshard_after_forward: object  # bool, or int N (post-forward groups of N ranks): the
+    #                               spec's, else flex_shard's (never on the root module)
     needs_hooks: bool  # False when the sharded params are the full ones (runtime.bucket)
     used_in_nested_runner: bool  # a param is used inside another hooked bucket's runner
+    mesh_shape: tuple  # (replicas, shard size) of the bucket's mesh (its own or flex_shard's)
 
 
 class WrapPlan(NamedTuple):
@@ -48,17 +52,23 @@ class WrapPlan(NamedTuple):
 
 
 def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], placement,
-              mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
+              mp_policy: MixedPrecisionPolicy, reshard_after_forward,
               world_size: int, *, replicas: int = 1, note: str = "") -> WrapPlan:
     """Assign `named` (module.named_parameters()) to `specs`, bind placements
     (`placement` unless a spec names its own) and find each bucket's modules.
     Raises on parameters that match no or several specs and on placements
     that cannot split their parameter; warns on tied params the specs split.
     `replicas`: HSDP's replicate size (grads are all-reduced over it); `note`
-    ends placement errors (which group the placements split over)."""
+    ends placement errors (which group the placements split over). A spec
+    with its own mesh is planned on that mesh's (replicas, shard size)."""
     members = assign_params(list(named), specs)
-    slots = [plan_slots(spec, names, named, placement, world_size, note)
-             for spec, names in zip(specs, members)]
+    shapes = [(replicas, world_size) if spec.mesh is None else mesh_shape(spec.mesh)
+              for spec in specs]
+    loads: dict = {}  # bytes per rank so far, per group size: placements balance over the model
+    slots = [plan_slots(spec, names, named, placement, shape[1],
+                        note if spec.mesh is None else _bucket_mesh_note(shape),
+                        loads.setdefault(shape[1], [0] * shape[1]))
+             for spec, names, shape in zip(specs, members, shapes)]
     registered = param_aliases(module)
     # Per bucket, per slot: [(module, attr, module FQN)] of every registration.
     aliases = [[registered[id(named[s.fqn])] for s in bucket] for bucket in slots]
@@ -67,7 +77,8 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     for spec, bucket, bucket_aliases, runner in zip(specs, slots, aliases, runners):
         _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
     mps = [spec.mp_policy or mp_policy for spec in specs]
-    hooked = [hooks_needed(bucket, mp, world_size, replicas) for bucket, mp in zip(slots, mps)]
+    hooked = [hooks_needed(bucket, mp, shape[1], shape[0])
+              for bucket, mp, shape in zip(slots, mps, shapes)]
     nested = _nested_use(module, runners, owners, hooked)
     return WrapPlan(tuple(
         PlannedBucket(
@@ -75,15 +86,18 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
             trainable=tuple(named[s.fqn].requires_grad for s in bucket),
             aliases=tuple(tuple((m, attr) for m, attr, _ in a) for a in bucket_aliases),
             runner=runner, mp_policy=mp,
-            reshard_after_forward=_reshard(spec, reshard_after_forward, runner is module),
-            needs_hooks=needs, used_in_nested_runner=nest)
-        for spec, bucket, bucket_aliases, runner, mp, needs, nest
-        in zip(specs, slots, aliases, runners, mps, hooked, nested)))
+            reshard_after_forward=resolve_reshard(
+                _reshard(spec, reshard_after_forward, runner is module), shape[1], spec.label),
+            needs_hooks=needs, used_in_nested_runner=nest, mesh_shape=shape)
+        for spec, bucket, bucket_aliases, runner, mp, needs, nest, shape
+        in zip(specs, slots, aliases, runners, mps, hooked, nested, shapes)))
 
 
 def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
-               world_size: int, note: str = "") -> list:
-    """The SlotPlans of one bucket's params (`names`), placements checked and bound."""
+               world_size: int, note: str = "", load: Optional[list] = None) -> list:
+    """The SlotPlans of one bucket's params (`names`), placements checked and
+    bound; `load` (bytes per rank of the buckets before, updated) lets them
+    balance over the whole model."""
     choice = spec.placement if spec.placement is not None else default
     entries = []
     for fqn in names:
@@ -98,19 +112,23 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
         except ValueError as e:
             raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}{note}") from None
         entries.append((param.shape, param.dtype.itemsize, placement))
-    bound = bind_placements(entries, world_size)
+    bound = bind_placements(entries, world_size, load)
     return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
                      tuple(pl.local_shape(named[fqn].shape, r, world_size)
                            for r in range(world_size)))
             for fqn, pl in zip(names, bound)]
 
 
-def _reshard(spec: BucketSpec, default: bool, on_root: bool) -> bool:
+def _reshard(spec: BucketSpec, default, on_root: bool):
     """The spec's reshard_after_forward, else flex_shard's; by default never for
     the bucket the root module runs: backward needs its params at once."""
     if spec.reshard_after_forward is not None:
         return spec.reshard_after_forward
-    return default and not on_root
+    return False if on_root else default
+
+
+def _bucket_mesh_note(shape: tuple) -> str:
+    return f" (the bucket's own mesh {shape}: placements split over its {shape[1]} shard rank(s))"
 
 
 def _warn_split_aliases(module, runner, spec, specs, slots, slot_aliases) -> None:

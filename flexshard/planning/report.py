@@ -29,8 +29,9 @@ class BucketPlan(NamedTuple):
     local_bytes: tuple  # per rank: bytes of its pieces (no padding)
     unsharded_bytes: int  # bytes of the unsharded params (gather dtype)
     padding_bytes: int  # bytes a gather moves beyond the pieces (alignment, uneven ranks)
-    reshard_after_forward: bool
+    reshard_after_forward: object  # bool, or int N: backward gathers within N shard ranks
     gathers_per_step: int  # all-gathers in one forward + backward (shard dim)
+    regather_ranks: int  # ranks backward's regather spans: S, N for an int reshard, 0 if none
     reduces_per_step: int  # reduce-scatters in one backward (shard dim)
     storage_bytes: int  # each rank's storage buffer: its pieces, aligned, padded to the segment
     grad_bytes: tuple  # per rank: its sharded grads (trainable pieces, in the param dtype)
@@ -112,6 +113,7 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
     storage, gather, reduce = layouts
     hooked, grads = module_name is not None, any(trainable)
     gathers = (1 + regather) if hooked and shards > 1 else 0
+    regather_ranks = 0 if gathers < 2 else (shards if isinstance(reshard, bool) else reshard)
     reduces = 1 if hooked and shards > 1 and grads else 0
     all_reduces = 1 if hooked and replicas > 1 and grads else 0
     return BucketPlan(
@@ -125,7 +127,7 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         unsharded_bytes=gather.ideal_bytes,
         padding_bytes=gather.wire_bytes - gather.ideal_bytes,
         reshard_after_forward=reshard,
-        gathers_per_step=gathers, reduces_per_step=reduces,
+        gathers_per_step=gathers, regather_ranks=regather_ranks, reduces_per_step=reduces,
         storage_bytes=storage.segment_bytes,
         grad_bytes=tuple(sum(r.nbytes[rank] for r, t in zip(storage.regions, trainable) if t)
                          for rank in range(shards)),
@@ -144,6 +146,7 @@ def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
     mesh_shape = (state.replicate_size, state.world_size)
     rows = []
     for bucket in state.buckets:
+        shape = (bucket.replicate_size, bucket.world_size)  # its own mesh's, or the model's
         runner = runners.get(id(bucket))
         layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout)
         trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
@@ -151,7 +154,7 @@ def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
         rows.append(bucket_plan(
             bucket.name, bucket.slots, layouts, trainable, bucket.reshard_after_forward,
             None if runner is None else names.get(id(runner), ""),
-            runner is not None and regather, mesh_shape))
+            runner is not None and regather, shape))
     return ShardingPlan(state.replicate_size * state.world_size, tuple(rows), mesh_shape)
 
 
@@ -178,10 +181,13 @@ def _summary(plan: ShardingPlan) -> str:
     replicas, shards = plan.mesh_shape
     gather = sum(b.gather_wire_bytes for b in plan.buckets)
     reduce = sum(b.reduce_wire_bytes for b in plan.buckets)
+    in_groups = sum(1 for b in plan.buckets
+                    if not isinstance(b.reshard_after_forward, bool) and b.regather_ranks)
+    groups = f" ({in_groups} within post-forward groups)" if in_groups else ""
     return "\n".join([
         f"world size {plan.world_size} as mesh (replicate {replicas}, shard {shards}): "
-        f"{plan.gathers_per_step} all-gathers and {plan.reduces_per_step} reduce-scatters per step "
-        f"on the shard dim, {plan.all_reduces_per_step} all-reduces on the replicate dim",
+        f"{plan.gathers_per_step} all-gathers{groups} and {plan.reduces_per_step} reduce-scatters "
+        f"per step on the shard dim, {plan.all_reduces_per_step} all-reduces on the replicate dim",
         f"per rank: params {_span(plan.param_bytes)}, grads {_span(plan.grad_bytes)}, "
         f"AdamW state {_span(plan.adamw_bytes)}",
         f"wire bytes per step: shard dim {human(plan.shard_wire_bytes)} (all-gather "
@@ -199,9 +205,22 @@ def _row(b: BucketPlan) -> tuple:
     module = "-" if b.module is None else (b.module or "<root>")
     return (b.name, module, str(len(b.params)), dtypes, f"{b.storage_bytes:,}", local,
             f"{b.unsharded_bytes:,}", f"{b.padding_bytes:,}",
-            "yes" if b.reshard_after_forward else "no", str(b.gathers_per_step),
+            _reshard_text(b.reshard_after_forward), _gathers_text(b),
             str(b.reduces_per_step), str(b.all_reduces_per_step),
             f"{b.gather_wire_bytes + b.reduce_wire_bytes:,}", f"{b.all_reduce_bytes:,}")
+
+
+def _reshard_text(reshard) -> str:
+    if isinstance(reshard, bool):
+        return "yes" if reshard else "no"
+    return f"to {reshard}"
+
+
+def _gathers_text(b: BucketPlan) -> str:
+    """'2', or '2 (1 in 2 ranks)' when backward regathers within a post-forward group."""
+    if isinstance(b.reshard_after_forward, bool) or not b.regather_ranks:
+        return str(b.gathers_per_step)
+    return f"{b.gathers_per_step} (1 in {b.regather_ranks} ranks)"
 
 
 def _table(plan: ShardingPlan) -> str:

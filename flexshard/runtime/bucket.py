@@ -29,9 +29,10 @@ from .comm import Comm
 from .copyplan import plan_copies
 from .device import DeviceContexts, HostContext, on_stream
 from .layout import BucketLayout, SlotPlan, plan_layout
+from .postforward import PostForwardShard, keep_slice, usable
 from .delivery import GradRoute, anchor_grad
 from .dtensor_param import wrap_unsharded
-from .reduction import ReduceQueue
+from .reduction import ReduceQueue, in_backward
 from .storage import BucketStorage, gathered_param, typed_view
 
 
@@ -58,8 +59,8 @@ class PendingReduce(NamedTuple):
 
     work: Any  # dist.Work, or None at world size 1
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
-    held: tuple  # reduce input and unsharded grads, read on the reduce stream: kept until
-    #              finish_reduce's compute stream waited past their last use
+    held: tuple  # the reduce input, read by the collective on the reduce stream: kept
+    #              until finish_reduce's compute stream waited past its last use
     post_divide: Optional[float]  # what the reduced sum is still divided by (see _reduce_op)
 
 
@@ -123,6 +124,7 @@ class BucketCounters:
     reduce_ideal_bytes: int = 0
     all_reduces: int = 0  # HSDP: all-reduces of reduced shards across the replicate group
     all_reduce_bytes: int = 0
+    post_forward_gathers: int = 0  # int reshard: gathers within a post-forward group (in gathers)
     copy_in_bytes: int = 0
     copy_out_bytes: int = 0
 
@@ -174,16 +176,21 @@ class Bucket:
     """The sharded parameters of one BucketSpec and their collectives."""
 
     def __init__(self, name: str, slots: Sequence[SlotPlan], trainable: Sequence[bool],
-                 mp: MixedPrecisionPolicy, reshard_after_forward: bool,
+                 mp: MixedPrecisionPolicy, reshard_after_forward,
                  group, rank: int, world_size: int, comm: Comm, device,
                  devices: Optional[DeviceContexts] = None, *,
-                 replicate_group=None, replicate_size: int = 1) -> None:
+                 replicate_group=None, replicate_size: int = 1, subgroups=None,
+                 divide_factor: Optional[float] = None) -> None:
         self.name, self.slots, self.mp = name, tuple(slots), mp
         self.reshard_after_forward = reshard_after_forward
         # group, rank, world_size: the shard group. Under HSDP the reduced
         # shards are then all-reduced across replicate_group (None: no replicas).
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
+        self.subgroups = subgroups  # mesh.Subgroups of the shard group (int reshard)
+        self.mesh = None  # its DeviceMesh (its own or the model's; None without a process group)
+        self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
+        self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
         self.storage = BucketStorage(layouts.storage, slots, rank, device)
         self.gather_layout, self.reduce_layout = layouts.gather, layouts.reduce
@@ -195,8 +202,9 @@ class Bucket:
         # resharding forward our hooks saw (None: none seen yet); False: no regather in backward
         self.saved_version = -1  # storage version when its unsharded params were registered
         self.requires_gradient_sync = True
-        # reduced grads are divided by it: the mean over every rank, replicas included
-        self.gradient_divide_factor = float(world_size * replicate_size)
+        # reduced grads are divided by it: the mean over every rank of flex_shard's mesh
+        # (a bucket mesh's grads hold every rank's tokens: see design.md, "A mesh per bucket")
+        self.gradient_divide_factor = float(divide_factor or world_size * replicate_size)
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.counters = BucketCounters()
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
@@ -212,6 +220,7 @@ class Bucket:
         # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(lay): self._layout_plans(lay)
                        for lay in (self.storage.layout, self.gather_layout)}
+        self._reduce_dense = self.reduce_layout.dense
         self._reduce_copies = plan_copies(self.reduce_layout,
                                           [slots[i] for i in self.grad_slots])
 
@@ -234,6 +243,28 @@ class Bucket:
         """False at world size 1 without a cast when every piece has the full
         shape: the sharded params are the full ones."""
         return hooks_needed(self.slots, self.mp, self.world_size, self.replicate_size)
+
+    @property
+    def post_forward_size(self) -> Optional[int]:
+        """N for an int reshard_after_forward N (1 < N < world_size), else None."""
+        reshard = self.reshard_after_forward
+        return None if isinstance(reshard, bool) else reshard
+
+    def keep_post_forward_shard(self, keep: bool) -> None:
+        """After the forward's gather (int reshard N): keep this rank's 1/N of
+        the gather output for backward (postforward.py); else drop it."""
+        gathered, self._forward_gathered = self._forward_gathered, None
+        self.post_forward = None
+        n = self.post_forward_size
+        if keep and gathered is not None and n is not None:
+            self.post_forward = keep_slice(gathered, self.gather_layout, self.rank, n,
+                                           self.subgroups.of(self.rank, n), self.storage.buffer)
+
+    def _post_forward_source(self, layout: BucketLayout) -> Optional[PostForwardShard]:
+        """The kept post-forward shard, when a gather in backward may start from it."""
+        if layout is not self.gather_layout or not in_backward():
+            return None
+        return usable(self.post_forward, self.storage.buffer)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:
@@ -290,6 +321,7 @@ class Bucket:
         self.assert_state(BucketState.UNSHARDED)
         # The sharded params are views of the buffer: an in-place step bumps this version.
         self.held, self._held_version = outs, tensor_version(self.storage.buffer)
+        self._forward_gathered = None
         self.install(outs)
 
     def release(self) -> None:
@@ -362,6 +394,8 @@ class Bucket:
         pending = self._take_inflight(layout) or self._launch(layout, async_op=False)
         plans = self._plans_for(layout)
         self._await_gather(pending)
+        if self.post_forward_size is not None and not in_backward() and layout is self.gather_layout:
+            self._forward_gathered = pending.gathered  # for keep_post_forward_shard
         outs = []
         with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
             for i, slot in enumerate(self.slots):  # copy-out on the compute stream
@@ -414,30 +448,34 @@ class Bucket:
         gather stream. Both buffers are allocated first, on the compute stream,
         and the side streams start after an event recorded after that."""
         ctx, plans, version = self.device_ctx, self._plans_for(layout), tensor_version(self.storage.buffer)
+        source = self._post_forward_source(layout)  # int reshard, in backward
         with torch.no_grad(), _hidden_from_checkpoint():
-            send, gathered = self._gather_buffers(layout, plans)
+            send, gathered = self._gather_buffers(layout, plans, source)
             after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
-            if not plans.is_storage:
+            if source is None and not plans.is_storage:
                 with on_stream(ctx, ctx.copy_in, ready):
                     self._copy_in(send, layout)
                     after = ctx.record(ctx.copy_in)
             work = None
             with on_stream(ctx, ctx.gather, after):
                 if self.world_size > 1:
-                    work = self.comm.all_gather(gathered, send, self.group, async_op=async_op)
+                    group = self.group if source is None else source.group
+                    work = self.comm.all_gather(gathered, send, group, async_op=async_op)
                 done = ctx.record(ctx.gather)
         self.counters.gathers += 1
-        self.counters.copy_in_bytes += plans.copy_in_bytes
+        self.counters.post_forward_gathers += source is not None
+        self.counters.copy_in_bytes += plans.copy_in_bytes if source is None else 0
         self.counters.gather_wire_bytes += layout.wire_bytes if self.world_size > 1 else 0
         self.counters.gather_ideal_bytes += layout.ideal_bytes if self.world_size > 1 else 0
         return PendingGather(work if async_op else None, gathered, layout, version, send, done,
                              ctx.current())
 
-    def _gather_buffers(self, layout: BucketLayout, plans: LayoutPlans) -> tuple:
+    def _gather_buffers(self, layout: BucketLayout, plans: LayoutPlans,
+                        source: Optional[PostForwardShard] = None) -> tuple:
         """(gather input, gather output), on the compute stream."""
         device = self.storage.buffer.device
-        send = self.storage.buffer
-        if not plans.is_storage:
+        send = self.storage.buffer if source is None else source.send
+        if source is None and not plans.is_storage:
             send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
         if self.world_size == 1:
             return send, send
@@ -454,22 +492,28 @@ class Bucket:
         reduce stream without waiting; None under no-sync (the packed grads are
         kept for later)."""
         ctx, layout, sync = self.device_ctx, self.reduce_layout, self.requires_gradient_sync
-        send = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=self.storage.buffer.device)
+        # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
+        full = self._reduce_dense and all(grads[i] is not None for i in self.grad_slots)
+        send = (torch.empty if full else torch.zeros)(layout.wire_bytes, dtype=torch.uint8,
+                                                      device=self.storage.buffer.device)
         out = send if self.world_size == 1 or not sync else torch.empty(
             layout.segment_bytes, dtype=torch.uint8, device=send.device)
-        held = (send, self.pending_grads, *grads)
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
             self._pack(send, grads)
             if not sync:
                 self._accumulate_pending(send)
             else:
                 op = self._reduce_op()
-                work = self._reduce_scatter(send, out, op)
-            done = ctx.record(ctx.reduce)
+                self._add_pending_and_scale(send, op)
+            packed = ctx.record(ctx.reduce)
+            work = self._reduce_scatter(send, out, op) if sync else None
+        # Autograd frees the unsharded grads when backward returns, and a consumed
+        # no-sync sum dies here: the compute stream waits for the pack (not for the
+        # collective), so only the reduce input is held until finish_reduce.
+        ctx.wait(packed)
         if not sync:
-            ctx.wait(done)  # autograd frees the grads when backward returns: not before the pack
             return None
-        return PendingReduce(work, out, held, op.post_divide)
+        return PendingReduce(work, out, (send,), op.post_divide)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
         """Wait for a launched reduce-scatter; returns sharded grads per slot
@@ -534,14 +578,17 @@ class Bucket:
         post = 2.0 * mantissa
         return ReduceOp(2.0 ** (1 - exponent), None if post == 1.0 else post, dist.ReduceOp.SUM)
 
-    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: "ReduceOp") -> Any:
-        """On the reduce stream: add the no-sync sum, pre-scale, launch."""
-        layout = self.reduce_layout
+    def _add_pending_and_scale(self, send: torch.Tensor, op: "ReduceOp") -> None:
+        """On the reduce stream: add the no-sync sum, pre-scale."""
         if self.pending_grads is not None:
             self._typed(send).add_(self._typed(self.pending_grads))
-            self.pending_grads = None  # held by the PendingReduce until finish_reduce
+            self.pending_grads = None  # its last use: start_reduce's compute wait covers it
         if op.pre_scale is not None:
             self._typed(send).mul_(op.pre_scale)
+
+    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: "ReduceOp") -> Any:
+        """On the reduce stream: launch the reduce-scatter (None at world size 1)."""
+        layout = self.reduce_layout
         self.counters.reduces += 1
         if self.world_size == 1:
             return None
@@ -603,11 +650,14 @@ class _Unshard(torch.autograd.Function):
         # The reduce-scatter runs while the rest of backward does; the queue
         # delivers the sharded grads into .grad (at the latest when backward ends).
         bucket = ctx.bucket
+        # Every grad is known: the block's backward is done with its regathered params;
+        # dropped before the reduce buffers are made, so the two never coexist.
+        bucket.regathered = None
+        bucket.post_forward = None  # the int reshard's kept slice (postforward.py)
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
         pending = bucket.start_reduce(grads)
         if pending is not None and ctx.delivery is not None:
             ctx.delivery.expect(bucket.reduce_queue, pending.work,
                                 partial(bucket.finish_reduce, pending))
-        bucket.regathered = None  # every grad is known: the block's backward is done with them
         return None, anchor_grad(bucket.storage.buffer.device)

@@ -61,6 +61,9 @@ class ModuleHooks:
                 continue
             outs = bucket.unshard()
             bucket.install(outs)
+            # An int reshard keeps 1/N of the gather for backward (also under the user's
+            # activation checkpoint, whose recompute then gathers within the N ranks).
+            bucket.keep_post_forward_shard(handled and bool(bucket.reshard_after_forward))
             if handled and bucket.reshard_after_forward:
                 self._pushed = self._pushed or self.saved.push()
                 self.saved.register(bucket, outs)

@@ -74,6 +74,12 @@ class BucketLayout(NamedTuple):
         return copied * 16 <= self.ideal_bytes
 
     @property
+    def dense(self) -> bool:
+        """Whether the pieces cover every byte of every segment (no padding, no
+        alignment gaps): a buffer every piece is written into needs no zeroing."""
+        return self.ideal_bytes == self.wire_bytes
+
+    @property
     def ideal_bytes(self) -> int:
         """Bytes that must move: the sum of every rank's pieces."""
         return sum(sum(reg.nbytes) for reg in self.regions)
@@ -84,12 +90,17 @@ class BucketLayout(NamedTuple):
         return self.segment_bytes * self.world_size
 
 
-def bind_placements(entries: Sequence[tuple], world_size: int) -> list:
+def bind_placements(entries: Sequence[tuple], world_size: int,
+                    rank_bytes: Optional[list] = None) -> list:
     """Bind each (shape, itemsize, placement) entry, largest first, balancing
-    bytes across ranks. Returns the bound placements in input order."""
+    bytes across ranks. Returns the bound placements in input order.
+    `rank_bytes`: bytes each rank already holds (the buckets planned before
+    this one), updated in place; balancing over the whole model keeps one rank
+    from being the heavy one of every bucket."""
     order = sorted(range(len(entries)),
                    key=lambda i: -math.prod(entries[i][0]) * entries[i][1])
-    rank_bytes = [0] * world_size
+    if rank_bytes is None:
+        rank_bytes = [0] * world_size
     bound: list = [None] * len(entries)
     for i in order:
         shape, itemsize, placement = entries[i]

@@ -35,6 +35,11 @@ class MeshGroups(NamedTuple):
         return (self.replicate_size, self.shard_size)
 
 
+def mesh_shape(mesh) -> tuple:
+    """(replicas, shard size) of a 1-D or 2-D DeviceMesh."""
+    return (1, mesh.size()) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
+
+
 def single_process() -> MeshGroups:
     """World size 1 without a process group."""
     return MeshGroups(None, None, 0, 1, None, 1, None, 0, 1)
@@ -70,3 +75,23 @@ def _whole_group(mesh) -> Optional[Any]:
     if ranks == list(range(dist.get_world_size())):
         return dist.group.WORLD
     return dist.new_group(ranks, use_local_synchronization=True)
+
+
+class Subgroups:
+    """Process groups of consecutive ranks of one shard group, made once each:
+    the post-forward groups of an int reshard_after_forward (FSDP2's
+    'reshard to a smaller group')."""
+
+    def __init__(self, shard_group) -> None:
+        # Global ranks in shard-group rank order (what an all-gather orders by).
+        self.ranks = tuple(dist.get_process_group_ranks(shard_group)) if shard_group else (0,)
+        self._groups: dict = {}
+
+    def of(self, shard_rank: int, size: int):
+        """The group of the `size` consecutive shard ranks holding `shard_rank`.
+        Only its members make it (use_local_synchronization), when they first need it."""
+        first = shard_rank - shard_rank % size
+        ranks = self.ranks[first:first + size]
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        return self._groups[ranks]

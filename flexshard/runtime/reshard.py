@@ -205,3 +205,4 @@ class SavedParams:
         """Backward ended (a ReduceQueue listener): drop every regathered param."""
         for bucket in self.buckets:
             bucket.regathered = None
+            bucket.post_forward = None  # an int reshard's slice, if backward never used it

@@ -44,7 +44,6 @@ def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
         (parallel_dims.cp_enabled, "--parallelism.context_parallel_degree > 1"),
         (parallel_dims.pp_enabled, "--parallelism.pipeline_parallel_degree > 1"),
         (parallel_dims.ep_enabled, "--parallelism.expert_parallel_degree > 1"),
-        (parallel_dims.dp_replicate_enabled, "--parallelism.data_parallel_replicate_degree > 1"),
         (parallelism.spmd_backend != "partial_dtensor",
          f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)"),
         (compile_config.enable and "model" in compile_config.components,
@@ -68,8 +67,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     unsupported = _unsupported(parallel_dims, training, parallelism, compile_config)
     if unsupported:
         raise NotImplementedError(
-            "flexshard's torchtitan parallelize supports data parallelism over the fsdp "
-            f"mesh and tensor parallelism only; drop {', '.join(unsupported)}")
+            "flexshard's torchtitan parallelize supports data parallelism (fsdp, and "
+            f"dp_replicate as HSDP) and tensor parallelism only; drop {', '.join(unsupported)}")
     placement = (flex_shard or FlexShardConfig()).build_placement()
     if parallel_dims.tp_enabled:  # torchtitan's TP plan first: DTensor params on mesh "tp"
         model.parallelize(parallel_dims)
@@ -80,7 +79,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     mp = fs.MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                                  reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                                  cast_forward_inputs=False)
-    mesh = parallel_dims.get_mesh("fsdp") if parallel_dims.world_size > 1 else None
+    mesh = _dp_mesh(parallel_dims)
     on_meta = any(p.is_meta for p in model.parameters())
     model = fs.flex_shard(model, mesh, buckets=llama_buckets(model, reshard),
                           placement=placement, mp_policy=mp, reshard_after_forward=reshard)
@@ -92,6 +91,16 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
         # this rank's piece, as the unsharded model would be initialised.
         model.init_weights = functools.partial(init_weights, model)
     return model
+
+
+def _dp_mesh(parallel_dims: ParallelDims):
+    """torchtitan's data-parallel mesh: (dp_replicate, fsdp) is HSDP (dim 0
+    replicates, dim 1 shards), as torchtitan hands fully_shard; else fsdp."""
+    if parallel_dims.world_size == 1:
+        return None
+    if parallel_dims.dp_replicate_enabled:
+        return parallel_dims.get_mesh(["dp_replicate", "fsdp"])
+    return parallel_dims.get_mesh("fsdp")
 
 
 def _init_own_parameters(module: nn.Module) -> None:

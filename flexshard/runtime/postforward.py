@@ -1,0 +1,40 @@
+"""An int reshard_after_forward N (FSDP2's "reshard to a smaller group"): what a
+rank keeps of a bucket's forward gather for backward.
+
+The shard group's S ranks form S/N post-forward groups of N consecutive ranks.
+Rank r, index i = r mod N in its group, keeps segments i*S/N .. (i+1)*S/N - 1
+of the gather output; the group's all-gather of those slices, rank-major, is
+the whole gather output again, so backward's regather stays within N ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from ..compat import tensor_version
+from .layout import BucketLayout
+
+
+class PostForwardShard(NamedTuple):
+    """This rank's 1/N of a forward's gather output, kept for backward."""
+
+    send: torch.Tensor  # its S/N segments of the gather output (gather layout)
+    group: Any  # the N consecutive shard ranks backward all-gathers within
+    version: int  # storage version at forward: a later write makes it stale
+
+
+def keep_slice(gathered: torch.Tensor, layout: BucketLayout, rank: int, n: int, group,
+               storage: torch.Tensor) -> PostForwardShard:
+    """The slice of `gathered` rank `rank` keeps in its post-forward group of `n`."""
+    span = layout.segment_bytes * (layout.world_size // n)
+    start = (rank % n) * span
+    return PostForwardShard(gathered[start:start + span].clone(), group, tensor_version(storage))
+
+
+def usable(shard: Optional[PostForwardShard], storage: torch.Tensor) -> Optional[PostForwardShard]:
+    """`shard` while the sharded params are still those it was cut from."""
+    if shard is None or shard.version != tensor_version(storage):
+        return None
+    return shard
