@@ -87,13 +87,13 @@ def _dtensors_in_forward(model) -> set:
     return seen
 
 
-def reference(steps: int = STEPS, param_dtype=None, step_fn=None) -> tuple:
+def reference(steps: int = STEPS, param_dtype=None, step_fn=None, sgd=False) -> tuple:
     """One process on both dp ranks' batches: (losses, params)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the harness workers
     try:
         model = make_llama()
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = _optimizer(model, sgd)
         losses = []
         for step in range(steps):
             losses.append(_reference_grads(model, step, param_dtype))
@@ -104,6 +104,28 @@ def reference(steps: int = STEPS, param_dtype=None, step_fn=None) -> tuple:
         return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
     finally:
         torch.set_num_threads(threads)
+
+
+def _optimizer(model, sgd: bool):
+    # SGD's step scales with the gradient: it pins the mean over dp that AdamW hides.
+    if sgd:
+        return torch.optim.SGD(model.parameters(), lr=0.5)
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def sgd_training() -> tuple:
+    mesh = dp_tp_mesh()
+    model = tp_model(mesh, "ragged")
+    losses = train_steps(model, mesh.get_local_rank(0), _optimizer(model, True), 3)
+    return losses, fs.full_state_dict(model)
+
+
+def test_sgd_steps_pin_the_mean_over_dp():
+    losses, full = run_world(WORLD, sgd_training)[0]
+    ref_losses, ref_params = reference(steps=3, sgd=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for k, ref in ref_params.items():
+        assert_rel_close(full[k], ref, 1e-5, k)
 
 
 def _reference_grads(model, step, param_dtype) -> float:
