@@ -20,11 +20,13 @@ from .planning.fingerprint import check_ranks_agree
 from .config import check_reshard
 from .planning.options import check_options, check_params, check_specs, resolve_reshard
 from .planning.plan import WrapPlan, plan_wrap
+from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,
+                                       to_local_params)
 from .runtime.bucket import Bucket
 from .runtime.comm import Comm
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.device import DeviceContexts
-from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, single_process
+from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.prefetch import Prefetcher
 from .runtime.reduction import ReduceQueue
 from .runtime.reshard import SavedParams
@@ -130,14 +132,31 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     Returns the same module, now also a FlexShardModule. Outside forward and
     backward its parameters are this rank's local shards. With an
     `offload_policy` they live in CPU memory and the forward computes on the
-    device the module's parameters are on now (see fs.OffloadPolicy).
+    device the module's parameters are on now (see fs.OffloadPolicy). DTensor
+    params (tensor parallelism over other dims of the mesh `mesh` was sliced
+    from) are sharded by their local tensors and are DTensors again in forward.
     """
     _check_args(module, mesh, placement, mp_policy, reshard_after_forward, offload_policy)
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
     _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())
-    check_params(named)
-    rank, world_size = _rank_and_world(mesh)
+    check_params(named, allow_dtensor=True)
+    check_dtensor_params(named, mesh)
+    local = to_local_params(module, named)  # DTensor params: their TP-local tensors
+    try:
+        _plan_and_build(module, mesh, local, specs, placement, mp_policy,
+                        reshard_after_forward, offload_policy, comm)
+    except BaseException:
+        restore_params(local)
+        raise
+    module.__class__ = _wrapped_class(type(module))
+    return module
+
+
+def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_after_forward,
+                    offload_policy, comm) -> None:
+    named = local.named
+    _, world_size = _rank_and_world(mesh)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
                      world_size, replicas=_replicas(mesh), note=_shard_dim_note(mesh),
                      offload_policy=offload_policy)
@@ -145,12 +164,12 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     state = _new_state(mesh_groups(mesh) if mesh is not None else single_process(),
                        comm or Comm())
-    check_ranks_agree(state, plan)
-    _build(module, state, plan, named, device)
+    check_ranks_agree(state, plan)  # over flex_shard's mesh: TP ranks may hold other shapes
+    if local.specs:  # checkpoints are written by every rank of the (dp, tp) mesh
+        state.files_group, state.files_rank, _ = root_group(mesh)
+    _build(module, state, plan, named, device, local.specs)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
-    module.__class__ = _wrapped_class(type(module))
-    return module
 
 
 @functools.cache  # one class per original class, as FSDP2 does, not one per call
@@ -254,9 +273,10 @@ def _replicas(mesh) -> int:
     return 1 if mesh is None or mesh.ndim == 1 else mesh.size(0)
 
 
-def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
+def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict) -> None:
     """The runtime of `plan`: buckets filled with this rank's pieces and installed
-    on their modules, forward hooks on each running module and on the root."""
+    on their modules, forward hooks on each running module and on the root.
+    `tp_specs`: FQN -> TPSpec of the params that were DTensors."""
     state.prefetcher, reduce_queue = _new_prefetcher(), ReduceQueue()
     devices = DeviceContexts()  # one set of streams per device, shared by the buckets
     reduce_queue.listeners.append(state.prefetcher.end_backward)
@@ -277,6 +297,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device) -> None:
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
+        bucket.tp_specs = slot_specs(planned.slots, tp_specs)
         bucket.attach(planned.aliases)
         state.buckets.append(bucket)
         if planned.needs_hooks:

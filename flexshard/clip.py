@@ -20,7 +20,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     the unsharded model, with one all-reduce. norm_type: any p > 0 or inf."""
     max_norm, norm_type = _check_clip_args(max_norm, norm_type)
     state = get_state(module)
-    grads = [p.grad for b in state.buckets for p in b.params if p.grad is not None]
+    grads = _grads_by_group(state)
     device = state.buckets[0].compute_device  # CPU offload: some grads are in host memory
     if state.bucket_meshes:
         total = _norm_over_bucket_meshes(state, norm_type, device)
@@ -30,7 +30,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"{total.item()}; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in (g for part in grads.values() for g in part):
         g.mul_(coef.to(g.device, g.dtype))
     return total
 
@@ -47,20 +47,52 @@ def _check_clip_args(max_norm, norm_type) -> tuple:
     return float(max_norm), float(norm_type)
 
 
-def _global_norm(grads, norm_type: float, device, state) -> torch.Tensor:
-    """The norm over every rank's pieces: local p-th power sums (or max), one all-reduce."""
-    if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
-                             for g in grads])
-    else:
-        norms = torch.zeros(1, device=device)
-    if math.isinf(norm_type):
-        local, op = norms.max().reshape(1), dist.ReduceOp.MAX
-    else:
-        local, op = norms.pow(norm_type).sum().reshape(1), dist.ReduceOp.SUM
+def _grads_by_group(state) -> dict:
+    """The sharded grads keyed by the extra groups their norms sum over: () for
+    plain params and TP replicas, the process groups of the mesh dims a DTensor
+    param is sharded on (tensor parallel) otherwise. Insertion order is the
+    buckets' order, the same on every rank."""
+    out: dict = {(): []}
+    for b in state.buckets:
+        specs = b.tp_specs or (None,) * len(b.params)
+        for p, spec in zip(b.params, specs):
+            if p.grad is not None:
+                out.setdefault(_tp_groups(spec), []).append(p.grad)
+    return out
+
+
+def _tp_groups(spec) -> tuple:
+    if spec is None or not spec.sharded_over_tp:
+        return ()
+    from torch.distributed.tensor import Shard
+
+    return tuple(spec.mesh.get_group(d) for d, pl in enumerate(spec.placements)
+                 if isinstance(pl, Shard))
+
+
+def _global_norm(grads: dict, norm_type: float, device, state) -> torch.Tensor:
+    """The norm over every rank's pieces: local p-th power sums (or max) per
+    group key, one all-reduce over the shard group, one more per TP group."""
+    inf = math.isinf(norm_type)
+    parts = [_local_part(g, norm_type, device) for g in grads.values()]
+    local, op = torch.cat(parts), dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     if state.world_size > 1:  # the shard group: under HSDP the replicas hold the same pieces
         state.comm.all_reduce(local, state.group, op=op)
-    return local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
+    for i, groups in enumerate(grads):
+        for group in groups:  # sum (max) the TP pieces over each mesh dim they split on
+            part = local[i:i + 1].clone()
+            state.comm.all_reduce(part, group, op=op)
+            local[i] = part[0]
+    total = local.max() if inf else local.sum()
+    return total if inf else total.pow(1.0 / norm_type)
+
+
+def _local_part(grads: list, norm_type: float, device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros(1, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
+                         for g in grads])
+    return norms.max().reshape(1) if math.isinf(norm_type) else norms.pow(norm_type).sum().reshape(1)
 
 
 def _norm_over_bucket_meshes(state, norm_type: float, device) -> torch.Tensor:

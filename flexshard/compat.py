@@ -114,6 +114,17 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return getattr(tensor, VERSION)
 
 
+# Device meshes (planning/tensor_parallel.py): the mesh a slice such as mesh["tp"] was
+# cut from, to tell whether a DTensor param's mesh and flex_shard's share one root.
+_get_root_mesh = resolve("torch.distributed.device_mesh:DeviceMesh._get_root_mesh",
+                         "to check that a DTensor param's mesh and flex_shard's mesh share a root")
+
+
+def root_mesh(mesh):
+    """The DeviceMesh `mesh` was sliced from (itself for a root mesh)."""
+    return _get_root_mesh(mesh)
+
+
 # Optimizers: torch's global step pre-hooks (an OrderedDict it iterates on every step).
 global_optimizer_pre_hooks = resolve("torch.optim.optimizer:_global_optimizer_pre_hooks",
                                      "to count flexshard's one global optimizer hook")

@@ -181,11 +181,11 @@ def _three_dim_mesh():
 
 def _dtensor_param():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = _model()
-    model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.detach(), mesh, [Replicate()]))
+    model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.detach(), mesh, [Shard(0)]))
     fs.flex_shard(model, mesh, comm=NoCollectives())
 
 
@@ -198,5 +198,6 @@ def test_mesh_neither_one_nor_two_dimensional():
 
 @pytest.mark.world
 def test_dtensor_parameters():
-    expect_all_ranks_raise(2, _dtensor_param, NotImplementedError,
-                           r"parameter 'head\.weight' is a DTensor; flex_shard shards plain tensors")
+    expect_all_ranks_raise(2, _dtensor_param, ValueError,
+                           r"flex_shard's mesh \(2,\) \(\) includes mesh dim 0, on which DTensor "
+                           r"parameter 'head\.weight' is already sharded \(Shard\(dim=0\)\)")

@@ -221,6 +221,21 @@ def _private_torch_names(path: pathlib.Path) -> list:
     return out
 
 
+@pytest.mark.world
+def test_root_mesh_is_the_mesh_a_slice_was_cut_from():
+    from harness import run_world
+
+    assert run_world(2, _root_meshes) == [(True, True, True)] * 2
+
+
+def _root_meshes() -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    return (compat.root_mesh(mesh["dp"]) is mesh, compat.root_mesh(mesh["tp"]) is mesh,
+            compat.root_mesh(mesh) is mesh)
+
+
 def test_only_compat_names_private_torch_apis():
     found = {str(p.relative_to(PKG)): _private_torch_names(p) for p in PKG.rglob("*.py")
              if p.name != "compat.py"}

@@ -348,6 +348,7 @@ def test_bad_input():
                            r"group, dim 1 of the \(2, 2\) mesh")
     expect_all_ranks_raise(WORLD, _already_wrapped, ValueError,
                            r"is already wrapped by flex_shard; call flex_shard once")
-    expect_all_ranks_raise(WORLD, _fully_sharded, NotImplementedError,
-                           r"parameter '.*' is a DTensor; flex_shard shards plain tensors")
+    expect_all_ranks_raise(WORLD, _fully_sharded, ValueError,
+                           r"flex_shard's mesh \(2, 2\) \('replicate', 'shard'\) includes mesh "
+                           r"dim 'shard', on which DTensor parameter '.*' is already sharded")
 

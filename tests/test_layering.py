@@ -16,7 +16,7 @@ LAYERS = [
     {"placements", "placements."},
     {"config"},
     {"runtime.layout", "runtime.copyplan", "runtime.storage", "runtime.state", "runtime.order",
-     "runtime.device", "runtime.offload",
+     "runtime.device", "runtime.offload", "runtime.dtensor_param",
      "runtime.mesh", "runtime.postforward"},
     {"runtime.reduction"},
     {"runtime.delivery"},

@@ -211,14 +211,14 @@ def test_mixed_precision_and_reshard_come_from_torchtitan_config(policy, blocks_
 
 
 @pytest.mark.parametrize("field, value, flag", [
-    ("tp", 2, "--parallelism.tensor_parallel_degree > 1"),
+    ("cp", 2, "--parallelism.context_parallel_degree > 1"),
     ("pp", 2, "--parallelism.pipeline_parallel_degree > 1"),
 ])
 def test_other_parallelisms_are_refused(field, value, flag):
     degrees = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
     degrees[field] = value
     dims = ParallelDims(**degrees, world_size=2, spmd_backend="partial_dtensor")
-    pattern = rf"data parallelism .* drop {flag.replace('>', '.')}"
+    pattern = rf"data parallelism .* and tensor parallelism only; drop {flag.replace('>', '.')}"
     with pytest.raises(NotImplementedError, match=pattern):
         parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
                           parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),

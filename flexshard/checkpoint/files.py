@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..runtime.state import get_state
+from ..runtime.state import files_group, get_state
 
 _STEP_DIR = "step_{:08d}"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -49,15 +49,16 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     _check_writable(directory, state)
     final = os.path.join(directory, _STEP_DIR.format(step))
     tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))
-    if state.mesh_rank == 0:
+    group, rank, _ = files_group(state)  # under TP: every rank of the (dp, tp) mesh
+    if rank == 0:
         _remove_leftovers(directory)
     _barrier(state)
     model_sd, optim_sd = _state_dicts(model, optimizer)
     with _single_process_quiet(state):
         dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
-                 process_group=state.mesh_group)
+                 process_group=group)
     _barrier(state)  # every rank wrote its files and rank 0 the metadata
-    if state.mesh_rank == 0:
+    if rank == 0:
         _publish(tmp, final)
         if keep is not None:
             _prune(directory, keep)
@@ -85,7 +86,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     _check_compatible(ckpt, metadata.state_dict_metadata, model_sd, optim_sd)
     holder = {"model": model_sd, "optim": optim_sd, "step": -1}
     with _single_process_quiet(state):
-        dcp.load(holder, checkpoint_id=ckpt, process_group=state.mesh_group)
+        dcp.load(holder, checkpoint_id=ckpt, process_group=files_group(state)[0])
     if optimizer is None:
         set_model_state_dict(model, model_sd)
     else:
@@ -168,18 +169,18 @@ def _check_save_args(directory, optimizer, step, keep) -> None:
 
 def _check_writable(directory, state) -> None:
     """Raise ValueError on every rank unless every rank can write `directory`."""
-    problem = ""
+    problem, (group, rank, size) = "", files_group(state)
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".probe-rank{state.mesh_rank}")
+        probe = os.path.join(directory, f".probe-rank{rank}")
         with open(probe, "wb") as f:
             f.write(b"ok")
         os.remove(probe)
     except OSError as e:
         problem = f"{type(e).__name__}: {e}"
     failed = torch.tensor([1.0 if problem else 0.0], device=state.buckets[0].compute_device)
-    if state.mesh_group is not None and state.mesh_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=state.mesh_group)
+    if group is not None and size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if failed.item():
         raise ValueError(f"save_checkpoint: cannot write checkpoints to {os.fspath(directory)!r} "
                          f"({problem or 'another rank could not write it'}); pass a directory "
@@ -247,5 +248,6 @@ def _single_process_quiet(state):
 
 
 def _barrier(state) -> None:
-    if state.mesh_group is not None and state.mesh_size > 1:
-        dist.barrier(group=state.mesh_group)
+    group, _, size = files_group(state)
+    if group is not None and size > 1:
+        dist.barrier(group=group)

@@ -97,18 +97,28 @@ def _materialize(sub: nn.Module, entries) -> None:
         sub._parameters[attr] = nn.Parameter(
             # On the compute device (not an offloaded bucket's host memory), so init
             # functions run, and draw random numbers, where the unsharded model's would.
-            torch.empty(slot.shape, dtype=slot.dtype, device=bucket.compute_device),
+            torch.empty(_full_shape(bucket, index), dtype=slot.dtype, device=bucket.compute_device),
             requires_grad=param.requires_grad)
+
+
+def _full_shape(bucket, index) -> tuple:
+    """The shape init functions see: the global one for a DTensor param (TP), so
+    that every TP rank keeps its block of the unsharded model's values."""
+    spec = bucket.tp_specs[index] if bucket.tp_specs is not None else None
+    return tuple(bucket.slots[index].shape) if spec is None else tuple(spec.shape)
 
 
 def _store_piece(sub, attr, bucket, index, name) -> None:
     """Copy this rank's piece of what `sub` now registers under `attr` into storage."""
     value = sub._parameters[attr]
-    slot = bucket.slots[index]
-    if value is None or tuple(value.shape) != tuple(slot.shape):
+    slot, shape = bucket.slots[index], _full_shape(bucket, index)
+    if value is None or tuple(value.shape) != shape:
         raise ValueError(
             f"the init function left {name + '.' if name else ''}{attr} as "
             f"{None if value is None else tuple(value.shape)}, expected a tensor of shape "
-            f"{tuple(slot.shape)}; initialise the parameter in place")
-    piece = slot.placement.shard(value.detach().to(slot.dtype), bucket.rank, bucket.world_size)
+            f"{shape}; initialise the parameter in place")
+    value = value.detach()
+    if bucket.tp_specs is not None and bucket.tp_specs[index] is not None:
+        value = bucket.tp_specs[index].local_of(value)  # this TP rank's block
+    piece = slot.placement.shard(value.to(slot.dtype), bucket.rank, bucket.world_size)
     bucket.storage.views[index].copy_(piece)

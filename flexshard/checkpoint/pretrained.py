@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 from ..runtime.state import get_state
-from .pieces import box_views, piece_boxes
-from .state_dict import check_tied_values, named_slots
+from .pieces import box_views
+from .state_dict import check_tied_values, named_slots, slot_boxes
 
 
 class PretrainedKeys(NamedTuple):
@@ -57,7 +57,7 @@ def load_pretrained(model: nn.Module, source, *, key_map: Optional[Callable] = N
                              "pass key_map to rename, or strict=False")
         _check_shapes(reader, params, buffers, state)
         for keys, ref in params:
-            _check_tied(reader, keys, tuple(ref.slot.shape))
+            _check_tied(reader, keys, ref.shape)
         with torch.no_grad():
             for keys, ref in params:
                 _load_piece(reader, keys[0], ref, state)
@@ -103,10 +103,10 @@ def _persistent_buffers(model: nn.Module) -> list:
 def _check_shapes(reader, params, buffers, state) -> None:
     for keys, ref in params:
         for key in keys:
-            if reader.shape(key) != tuple(ref.slot.shape):
+            if reader.shape(key) != ref.shape:  # the global shape of a DTensor param
                 raise ValueError(f"load_pretrained: source tensor {key!r} has shape "
                                  f"{reader.shape(key)} but parameter {ref.slot.fqn!r} is "
-                                 f"{tuple(ref.slot.shape)}; check key_map")
+                                 f"{ref.shape}; check key_map")
     for key, buf in buffers:
         if reader.shape(key) != tuple(buf.shape):
             raise ValueError(f"load_pretrained: source tensor {key!r} has shape "
@@ -131,9 +131,8 @@ def _check_tied(reader, keys: list, shape: tuple) -> None:
 
 
 def _load_piece(reader, key: str, ref, state) -> None:
-    slot = ref.slot
     local = ref.bucket.params[ref.index].detach()
-    boxes = piece_boxes(slot.placement, slot.shape, ref.bucket.rank, ref.bucket.world_size)
+    boxes = slot_boxes(ref)  # in the global tensor under tensor parallelism
     for box, view in zip(boxes, box_views(local, boxes)):
         view.copy_(reader.read(key, tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))))
 

@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..compat import ASSIGN_METADATA_KEY
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
+from ..runtime.dtensor_param import shift_boxes
 from .pieces import ShardedPieces, dtensor_shard, piece_boxes
 
 
@@ -40,6 +41,17 @@ class SlotRef(NamedTuple):
     @property
     def slot(self):
         return self.bucket.slots[self.index]
+
+    @property
+    def tp(self):
+        """The slot's TPSpec when the param was a DTensor (tensor parallel), else None."""
+        specs = self.bucket.tp_specs
+        return None if specs is None else specs[self.index]
+
+    @property
+    def shape(self) -> tuple:
+        """The full shape: the global one for a DTensor param."""
+        return tuple(self.tp.shape) if self.tp is not None else tuple(self.slot.shape)
 
 
 def slot_refs(state: FlexShardState) -> dict:
@@ -65,6 +77,8 @@ def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> t
     slot, bucket = ref.slot, ref.bucket  # on the bucket's mesh (its own, or the model's)
     if bucket.mesh is None:  # world size 1 without a process group: the piece is the tensor
         return local
+    if ref.tp is not None:  # the dp pieces of the TP-local tensor, placed in the global one
+        return ShardedPieces(local, ref.shape, slot_boxes(ref))
     placements = dtensor_placements(bucket, slot)
     if placements is not None:
         from torch.distributed.tensor import DTensor
@@ -74,6 +88,13 @@ def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> t
     # Under HSDP the replicas hold the same boxes; DCP saves each chunk once.
     boxes = piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size)
     return ShardedPieces(local, slot.shape, boxes)
+
+
+def slot_boxes(ref: SlotRef) -> tuple:
+    """Where this rank's piece lies in the full tensor (the global one under TP)."""
+    slot, bucket = ref.slot, ref.bucket
+    boxes = piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size)
+    return boxes if ref.tp is None else shift_boxes(ref.tp, boxes)
 
 
 def dtensor_placements(bucket, slot):
@@ -93,13 +114,13 @@ def _contiguous_stride(shape) -> tuple:
 
 def check_value_shape(key: str, value, ref: SlotRef, what: str = "load_state_dict") -> None:
     """ValueError naming `key` when `value` is not a tensor of the full shape."""
-    slot = ref.slot
+    shape = ref.shape
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: {key!r} is a {type(value).__name__}, expected a tensor of "
-                        f"shape {tuple(slot.shape)}")
-    if tuple(value.shape) != tuple(slot.shape):
+                        f"shape {shape}")
+    if tuple(value.shape) != shape:
         raise ValueError(f"{what}: {key!r} has shape {tuple(value.shape)} but the parameter is "
-                         f"{tuple(slot.shape)}; load a checkpoint of the same model")
+                         f"{shape}; load a checkpoint of the same model")
 
 
 def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tensor) -> torch.Tensor:
@@ -110,17 +131,19 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
     slot, bucket = ref.slot, ref.bucket
     local_shape = slot.local_shapes[bucket.rank]
     if isinstance(value, ShardedPieces):
-        if value.boxes != piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size):
+        if value.boxes != slot_boxes(ref):
             raise ValueError(f"{key!r} holds the pieces of another layout; load a sharded "
                              "checkpoint with torch.distributed.checkpoint.load into "
                              "model.state_dict(), or pass full tensors")
         return value.local
     if isinstance(value, DTensor):
-        same = (bucket.mesh is not None and value.device_mesh == bucket.mesh
+        same = (bucket.mesh is not None and value.device_mesh == bucket.mesh and ref.tp is None
                 and tuple(value.placements) == dtensor_placements(bucket, slot))
         if same and tuple(value.to_local().shape) == tuple(local_shape):
             return value.to_local()
         value = value.full_tensor()
+    if ref.tp is not None:
+        value = ref.tp.local_of(value)
     if bucket.mesh is None:
         return value
     return slot.placement.shard(value, bucket.rank, bucket.world_size)
@@ -310,13 +333,15 @@ class StateDictHooks:
 
 
 def full_state_dict(module: nn.Module) -> dict:
-    """Full parameters on every rank, keyed by the original FQNs (one gather per bucket)."""
+    """Full parameters on every rank, keyed by the original FQNs (one gather per
+    bucket; under tensor parallelism, then one gather over tp per DTensor param)."""
     out = {}
     with torch.no_grad():
         for bucket in get_state(module).buckets:
             fulls = bucket.gather_params(bucket.storage.layout)
-            for slot, full in zip(bucket.slots, fulls):
-                out[slot.fqn] = full.clone()
+            specs = bucket.tp_specs or (None,) * len(fulls)
+            for slot, full, spec in zip(bucket.slots, fulls, specs):
+                out[slot.fqn] = full.clone() if spec is None else spec.full_of(full)
     return out
 
 
@@ -334,7 +359,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
                        f"{unexpected}; the state dict must hold exactly the module's parameters "
                        "(a tied parameter under one or more of its names)")
-    shapes = {s.fqn: s.shape for b in state.buckets for s in b.slots}
+    refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
+    shapes = {fqn: ref.shape for fqn, ref in refs.items()}
     for fqn, found in present.items():
         for key in found:
             if tuple(state_dict[key].shape) != tuple(shapes[fqn]):
@@ -343,7 +369,12 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
                                  f"{tuple(shapes[fqn])}")
         check_tied_values(found, state_dict.__getitem__, "load_full_state_dict")
     for bucket in state.buckets:
-        bucket.load_full(lambda fqn: state_dict[present[fqn][0]])
+        bucket.load_full(lambda fqn: _tp_local(refs[fqn], state_dict[present[fqn][0]]))
+
+
+def _tp_local(ref: SlotRef, full: torch.Tensor) -> torch.Tensor:
+    """A full tensor as the slot holds it: its TP-local block for a DTensor param."""
+    return full if ref.tp is None else ref.tp.local_of(full)
 
 
 def names_by_slot(module: nn.Module, state: FlexShardState) -> dict:

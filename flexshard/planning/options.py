@@ -54,14 +54,15 @@ def check_specs(buckets) -> list:
     return specs
 
 
-def check_params(named: dict) -> None:
-    """The module's parameters (FQN -> tensor) can be sharded."""
+def check_params(named: dict, allow_dtensor: bool = False) -> None:
+    """The module's parameters (FQN -> tensor) can be sharded; DTensor params
+    only where `allow_dtensor` (flex_shard checks them in tensor_parallel.py)."""
     from torch.distributed.tensor import DTensor
 
     if not named:
         raise ValueError("the module has no parameters to shard")
     for fqn, p in named.items():
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and not allow_dtensor:
             raise NotImplementedError(
-                f"parameter {fqn!r} is a DTensor; flex_shard shards plain tensors. Apply "
-                "flex_shard before other parallelisms, or pass a module with local parameters")
+                f"parameter {fqn!r} is a DTensor; this dry run plans plain tensors only: "
+                "describe the model before parallelize_module")

@@ -32,6 +32,7 @@ from .layout import BucketLayout, SlotPlan, plan_layout
 from .postforward import PostForwardShard, keep_slice, usable
 from .delivery import GradRoute, anchor_grad
 from .offload import Offload
+from .dtensor_param import wrap_unsharded
 from .reduction import ReduceQueue, in_backward
 from .storage import BucketStorage, gathered_param, segment_views, typed_view
 
@@ -219,6 +220,7 @@ class Bucket:
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
         self.aliases: tuple = ()  # per slot: every (module, attr) registering it (see attach)
+        self.tp_specs: Optional[tuple] = None  # per slot: a DTensor param's TPSpec, or None
         self.held: Optional[list] = None  # unsharded params held by module.unshard()
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
@@ -372,7 +374,11 @@ class Bucket:
         self.install_sharded()
 
     def install(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
-        """Point every alias of each slot at the given tensor (None unregisters)."""
+        """Point every alias of each slot at the given unsharded tensor (a DTensor
+        again for a TP slot; None unregisters)."""
+        self._install(wrap_unsharded(self.tp_specs, tensors))
+
+    def _install(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
         for slot_aliases, tensor in zip(self.aliases, tensors):
             for module, attr in slot_aliases:
                 # Straight into _parameters: setattr would refuse the unsharded
@@ -381,7 +387,7 @@ class Bucket:
 
     def install_sharded(self) -> None:
         """Put the sharded params back on the modules."""
-        self.install(self.params)
+        self._install(self.params)
 
     def new_anchor(self) -> None:
         """Start a new route for this bucket's grads into autograd (at the

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
+from ..compat import root_mesh
+
 
 class MeshGroups(NamedTuple):
     """The process groups and ranks of one mesh, as flex_shard uses them."""
@@ -55,6 +57,14 @@ def mesh_groups(mesh) -> MeshGroups:
     whole = _whole_group(mesh)
     return MeshGroups(mesh, mesh.get_group(1), shard_rank, shards, replicate_group, replicas,
                       whole, dist.get_rank(group=whole), replicas * shards)
+
+
+def root_group(mesh) -> tuple:
+    """(group, rank in it, size) of every rank of the mesh `mesh` was sliced
+    from: under tensor parallelism checkpoint files span the dp and tp dims."""
+    root = root_mesh(mesh)
+    group = _whole_group(root)
+    return group, dist.get_rank(group=group), root.mesh.numel()
 
 
 def _whole_group(mesh) -> Optional[Any]:

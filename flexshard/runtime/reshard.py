@@ -31,6 +31,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..compat import tensor_version, top_saved_tensors_default_hooks
+from .dtensor_param import TPSpec
 from .reduction import ReduceQueue
 
 
@@ -73,6 +74,19 @@ class _Activation(NamedTuple):
                 f"{tensor_version(t)}; expected version {self.version} instead (saved in a "
                 "flexshard bucket's forward)")
         return t
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class _DTensorHandle(NamedTuple):
+    """A saved DTensor whose local tensor views an unsharded param (TP)."""
+
+    local: ParamHandle
+    spec: TPSpec  # mesh, placements, global shape and stride of the saved DTensor
 
 
 class SavedParams:
@@ -128,6 +142,10 @@ class SavedParams:
     # The hooks.
 
     def pack(self, t: torch.Tensor):
+        if self._by_storage and _is_dtensor(t):
+            handle = self._pack_dtensor(t)
+            if handle is not None:
+                return handle
         found = None
         if type(t) is torch.Tensor and t.layout is torch.strided:  # never a subclass or sparse
             found = self._by_storage.get(t.untyped_storage().data_ptr())
@@ -142,9 +160,24 @@ class SavedParams:
         return ParamHandle(bucket, slot, t.dtype, tuple(t.shape), t.stride(),
                            t.storage_offset(), bucket.saved_version)
 
+    def _pack_dtensor(self, t) -> Optional[_DTensorHandle]:
+        """A DTensor over a registered storage (a TP param or a view of one)."""
+        with torch.no_grad():
+            local = t.to_local()  # a view of the DTensor's local tensor, same storage
+        packed = self.pack(local)
+        if not isinstance(packed, ParamHandle):
+            return None
+        spec = TPSpec(t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride()),
+                      (), tuple(local.shape))
+        return _DTensorHandle(packed, spec)
+
     def unpack(self, packed):
         if isinstance(packed, _Activation):
             return packed.check()
+        if isinstance(packed, _DTensorHandle):
+            local = self.unpack(packed.local)
+            with torch.no_grad():
+                return packed.spec.to_param(local)
         base = self.regathered(packed)[packed.slot]
         with torch.no_grad():
             if base.dtype == packed.dtype:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from .comm import Comm
@@ -31,10 +32,21 @@ class FlexShardState:
     mesh_group: Any = None  # every rank of the mesh: plan check, checkpoint files
     mesh_rank: int = 0
     mesh_size: int = 1
+    # Checkpoint files and their barriers: the mesh group, or under tensor
+    # parallelism every rank of the (dp, tp) mesh (None: the mesh group).
+    files_group: Any = None
+    files_rank: int = 0
     groups: Any = None  # mesh.MeshGroups of flex_shard's mesh (the fields above, as one record)
     bucket_meshes: dict = field(default_factory=dict)  # id(mesh) -> (mesh, MeshGroups): buckets'
     #                                                   own meshes (BucketSpec.mesh)
     subgroups: dict = field(default_factory=dict)  # id(shard group) -> mesh.Subgroups
+
+
+def files_group(state: FlexShardState) -> tuple:
+    """(group, this rank in it, its size) that checkpoint files are written by."""
+    if state.files_group is None:
+        return state.mesh_group, state.mesh_rank, state.mesh_size
+    return state.files_group, state.files_rank, dist.get_world_size(state.files_group)
 
 
 def attach_state(module: nn.Module, state: FlexShardState) -> None:

@@ -41,7 +41,6 @@ def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
                  parallelism: ParallelismConfig, compile_config: CompileConfig) -> list:
     """The torchtitan options flex_shard does not compose with, as CLI flags."""
     checks = [
-        (parallel_dims.tp_enabled, "--parallelism.tensor_parallel_degree > 1"),
         (parallel_dims.cp_enabled, "--parallelism.context_parallel_degree > 1"),
         (parallel_dims.pp_enabled, "--parallelism.pipeline_parallel_degree > 1"),
         (parallel_dims.ep_enabled, "--parallelism.expert_parallel_degree > 1"),
@@ -59,7 +58,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       training: TrainingConfig, parallelism: ParallelismConfig,
                       compile_config: CompileConfig, ac_config, dump_folder: str,
                       flex_shard: Optional[FlexShardConfig] = None) -> nn.Module:
-    """Apply activation checkpointing (if configured) and flex_shard to a Llama 3 model.
+    """Apply tensor parallelism and activation checkpointing (if configured), then
+    flex_shard over the fsdp mesh, to a Llama 3 model.
 
     Gradients are summed over ranks, not averaged: torchtitan's loss is already
     divided by the global token count (FSDP2 there runs with divide factor 1 too).
@@ -68,8 +68,10 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     if unsupported:
         raise NotImplementedError(
             "flexshard's torchtitan parallelize supports data parallelism (fsdp, and "
-            f"dp_replicate as HSDP) only; drop {', '.join(unsupported)}")
+            f"dp_replicate as HSDP) and tensor parallelism only; drop {', '.join(unsupported)}")
     placement = (flex_shard or FlexShardConfig()).build_placement()
+    if parallel_dims.tp_enabled:  # torchtitan's TP plan first: DTensor params on mesh "tp"
+        model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward,

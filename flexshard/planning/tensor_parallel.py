@@ -1,0 +1,150 @@
+"""DTensor params from tensor parallelism, checked and swapped for their local
+tensors before planning (`runtime/dtensor_param.py` rebuilds the DTensors).
+
+flex_shard accepts a DTensor param when its mesh and flex_shard's mesh are
+slices of one (dp, tp) mesh: each of the DTensor's mesh dims is either one of
+flex_shard's dims, on which it must be Replicate(), or crosses flex_shard's
+mesh at this rank only (checked on the ranks, as equal DeviceMeshes are
+interchangeable in torch's caches): TP on mesh["tp"], flex_shard on mesh["dp"].
+Every check runs on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..runtime.dtensor_param import tp_spec
+
+
+class LocalParams(NamedTuple):
+    """The module's params with every DTensor replaced by its local tensor."""
+
+    named: dict  # FQN -> plain tensor (the registered nn.Parameter)
+    specs: dict  # FQN -> TPSpec, for the params that were DTensors
+    restore: list  # (module, attr, original param): undo on a failed wrap
+
+
+def dtensor_fqns(named: dict) -> list:
+    from torch.distributed.tensor import DTensor
+
+    return [fqn for fqn, p in named.items() if isinstance(p, DTensor)]
+
+
+def check_dtensor_params(named: dict, mesh) -> None:
+    """ValueError / NotImplementedError for DTensor params flex_shard cannot
+    shard over `mesh` (its data-parallel mesh)."""
+    fqns = dtensor_fqns(named)
+    if not fqns:
+        return
+    if mesh is None:
+        raise ValueError(f"parameter {fqns[0]!r} is a DTensor (tensor parallel); pass flex_shard "
+                         "the data-parallel slice of its mesh, e.g. mesh['dp'] of "
+                         "init_device_mesh(..., ('dp', 'tp'))")
+    for fqn in fqns:
+        _check_one(fqn, named[fqn], mesh)
+    if mesh.size(mesh.ndim - 1) == 1:
+        raise NotImplementedError(
+            f"parameter {fqns[0]!r} is a DTensor and flex_shard's mesh shards over 1 rank; "
+            "flex_shard composes with tensor parallelism when the dp dim has 2 or more ranks: "
+            "run the TP model without flex_shard")
+
+
+def _check_one(fqn: str, param, mesh) -> None:
+    _check_crossing(fqn, param.device_mesh, mesh)
+    _check_placements(fqn, param, mesh)
+
+
+def _check_crossing(fqn: str, own, mesh) -> None:
+    """Each dim of the DTensor's mesh `own` that is not flex_shard's meets
+    flex_shard's mesh at this rank only."""
+    ours, me = set(mesh.mesh.flatten().tolist()), dist.get_rank()
+    shared = _shared_dims(own, mesh)
+    for dim in range(own.ndim):
+        along = _ranks_along(own, dim)
+        if dim not in shared and along & ours != {me}:  # TP's dim must cross flex_shard's
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor on mesh {_describe(own)}, which is not part of "
+                f"flex_shard's mesh {_describe(mesh)}'s parent: its dim {dim} spans ranks "
+                f"{sorted(along)}, {len(along & ours)} of them in flex_shard's mesh; make both "
+                "from one init_device_mesh(..., mesh_dim_names=('dp', 'tp')): parallelize over "
+                "mesh['tp'], flex_shard over mesh['dp']")
+
+
+def _check_placements(fqn: str, param, mesh) -> None:
+    """Replicate() on flex_shard's dims; Shard(d) or Replicate() elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    own = param.device_mesh
+    for dim in _shared_dims(own, mesh):
+        placement = param.placements[dim]
+        if not isinstance(placement, Replicate):
+            name = (own.mesh_dim_names or (None,) * own.ndim)[dim]
+            raise ValueError(
+                f"flex_shard's mesh {_describe(mesh)} includes mesh dim {name or dim!r}, on "
+                f"which DTensor parameter {fqn!r} is already sharded ({placement!r}); flex_shard "
+                "shards over the data-parallel dims only: pass e.g. mesh['dp'] and keep tensor "
+                "parallelism on mesh['tp']")
+    for placement in param.placements:
+        if type(placement) not in (Shard, Replicate):  # _StridedShard, Partial, ...
+            raise NotImplementedError(
+                f"parameter {fqn!r} has DTensor placement {placement!r}; flex_shard shards "
+                "DTensor params placed with Shard(d) or Replicate() only")
+
+
+def _shared_dims(own, mesh) -> list:
+    """The dims of a DTensor's mesh `own` that are also flex_shard's (`mesh`)."""
+    if own == mesh:
+        return list(range(own.ndim))
+    ours = set(mesh.mesh_dim_names or ())
+    return [d for d, name in enumerate(own.mesh_dim_names or ()) if name in ours]
+
+
+def _ranks_along(mesh, dim: int) -> set:
+    """The ranks of `mesh` that differ from this rank's coordinate in `dim` only."""
+    index = list(mesh.get_coordinate())
+    index[dim] = slice(None)
+    return set(mesh.mesh[tuple(index)].flatten().tolist())
+
+
+def _describe(mesh) -> str:
+    return f"{tuple(mesh.shape)} {tuple(mesh.mesh_dim_names or ())}"
+
+
+def to_local_params(module: nn.Module, named: dict) -> LocalParams:
+    """Register each DTensor param's local tensor in its place (one new
+    nn.Parameter per DTensor, shared by its tied aliases)."""
+    fqns = dtensor_fqns(named)
+    if not fqns:
+        return LocalParams(named, {}, [])
+    replaced: dict = {}  # id(DTensor param) -> (local param, spec)
+    for fqn in fqns:
+        param = named[fqn]
+        if id(param) not in replaced:
+            local = param.to_local().detach()
+            replaced[id(param)] = (nn.Parameter(local, requires_grad=param.requires_grad),
+                                   tp_spec(param))
+    restore = []
+    for sub in module.modules():
+        for attr, param in list(sub._parameters.items()):
+            if param is not None and id(param) in replaced:
+                restore.append((sub, attr, param))
+                sub._parameters[attr] = replaced[id(param)][0]
+    local_named = {fqn: replaced[id(p)][0] if id(p) in replaced else p
+                   for fqn, p in named.items()}
+    specs = {fqn: replaced[id(named[fqn])][1] for fqn in fqns}
+    return LocalParams(local_named, specs, restore)
+
+
+def restore_params(local: LocalParams) -> None:
+    """Put the DTensor params back (flex_shard failed after to_local_params)."""
+    for sub, attr, param in local.restore:
+        sub._parameters[attr] = param
+
+
+def slot_specs(slots, specs: dict) -> Optional[tuple]:
+    """Per slot of one bucket: its TPSpec or None; None when no slot has one."""
+    out = tuple(specs.get(slot.fqn) for slot in slots)
+    return out if any(s is not None for s in out) else None

@@ -1,0 +1,118 @@
+"""torchtitan with --parallelism.tensor_parallel_degree 2: flexshard's
+parallelize_llama applies torchtitan's TP plan, then flex_shard over the fsdp
+mesh; 4 ranks as (dp 2, tp 2) on the debugmodel with SDPA, against a single
+process trained on both dp ranks' batches."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import parallel_dims as torchtitan_parallel_dims
+
+import flexshard as fs
+from flexshard.integrations.torchtitan import FlexShardConfig, parallelize_llama
+from harness import run_world
+from test_torchtitan import (BATCH, LR, SEQ, STEPS, _train_reference, debugmodel_config,
+                             titan_loss, tokens)
+
+DP, TP = 2, 2
+
+
+def tp_debugmodel() -> torch.nn.Module:
+    """The debugmodel (SDPA, seed 0) with torchtitan's TP sharding declarations, as its
+    Trainer fills them in (update_from_config); they do not change the initial values."""
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    cfg = debugmodel_config()
+    set_llama3_sharding_config(cfg, enable_sp=ParallelismConfig().enable_sequence_parallel)
+    torch.manual_seed(0)
+    model = cfg.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def parallelize_tp(model, placement: str = "shard", reshard: str = "default"):
+    dims = ParallelDims(dp_replicate=1, dp_shard=DP, cp=1, tp=TP, pp=1, ep=1,
+                        world_size=DP * TP, spmd_backend="partial_dtensor")
+    with mock.patch.object(torchtitan_parallel_dims, "device_type", "cpu"):  # CPU meshes
+        model = parallelize_llama(
+            model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
+            parallelism=ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=TP,
+                                          data_parallel_shard_degree=DP,
+                                          fsdp_reshard_after_forward=reshard),
+            compile_config=CompileConfig(), ac_config=None, dump_folder="",
+            flex_shard=FlexShardConfig(placement=placement))
+    return model, dims
+
+
+def _train_tp(placement: str, reshard: str) -> tuple:
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    model, dims = parallelize_tp(tp_debugmodel(), placement, reshard)
+    dp_rank = dims.get_mesh("fsdp").get_local_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        with loss_parallel():  # as torchtitan's train context: the logits are vocab-sharded
+            loss = titan_loss(model, tokens(step, dp_rank), DP * BATCH * SEQ)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().full_tensor().clone()  # Replicate over tp
+        dist.all_reduce(total)  # each tp rank holds its dp rank's sum
+        losses.append(total.item() / TP)
+    return losses, fs.full_state_dict(model)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("placement, reshard", [("shard", "default"), ("ragged", "never")])
+def test_tensor_parallel_matches_single_process_training(placement, reshard):
+    results = run_world(DP * TP, _train_tp, placement, reshard, timeout=400)
+    ref_losses, ref_params = _train_reference(DP)
+    losses, full = results[0]
+    assert all(r[0] == losses for r in results), "ranks disagree on the loss"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0]
+    assert full.keys() == ref_params.keys()
+    for k, ref in ref_params.items():
+        err = (full[k] - ref).norm() / ref.norm()
+        assert err < 1e-5, f"{k}: relative error {err:.2e}"
+
+
+
+def _init_on_meta_tp() -> dict:
+    """As torchtitan's Trainer: build on meta, parallelize (TP, then flex_shard),
+    to_empty, init_weights."""
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    cfg = debugmodel_config()
+    set_llama3_sharding_config(cfg, enable_sp=ParallelismConfig().enable_sequence_parallel)
+    with torch.device("meta"):
+        model = cfg.build()
+    model, _ = parallelize_tp(model, "ragged")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=None)
+    return fs.full_state_dict(model)
+
+
+@pytest.mark.world(4)
+def test_meta_model_initialises_like_the_unsharded_one():
+    from flexshard.integrations.torchtitan.parallelize import _init_own_parameters
+
+    results = run_world(DP * TP, _init_on_meta_tp, timeout=300)
+    ref = debugmodel_config().build()
+    torch.manual_seed(0)
+    with torch.no_grad():  # flex_shard initialises one module at a time, in order, at full size
+        for module in ref.modules():
+            _init_own_parameters(module)
+    for params in results:
+        assert params.keys() == dict(ref.named_parameters()).keys()
+        for k, p in ref.named_parameters():
+            assert torch.equal(params[k], p), k
