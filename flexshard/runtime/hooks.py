@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .bucket import Bucket, BucketState
+from .compiled import run_eagerly
 from .prefetch import Prefetcher
 from .reduction import in_backward
 from .reshard import SavedParams
@@ -46,9 +47,11 @@ class ModuleHooks:
         self._pushed = False  # this forward pushed the saved-tensor hooks
         self._post_ran = True  # post_forward ran since the last pre_forward
         self.handles = [
-            module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
-            module.register_forward_hook(self.post_forward, with_kwargs=True),
-            module.register_forward_hook(self.after_error, with_kwargs=True, always_call=True),
+            # eager even inside a compiled module: a graph break at each (runtime/compiled.py)
+            module.register_forward_pre_hook(run_eagerly(self.pre_forward), with_kwargs=True),
+            module.register_forward_hook(run_eagerly(self.post_forward), with_kwargs=True),
+            module.register_forward_hook(run_eagerly(self.after_error), with_kwargs=True,
+                                         always_call=True),
         ]
 
     def pre_forward(self, module, args, kwargs):
@@ -130,8 +133,8 @@ class RootHooks:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
         self.buckets = [b for b in buckets if b.needs_hooks]
         self.handles = [
-            module.register_forward_pre_hook(self.pre_forward, prepend=True),
-            module.register_forward_hook(self.post_forward, always_call=True),
+            module.register_forward_pre_hook(run_eagerly(self.pre_forward), prepend=True),
+            module.register_forward_hook(run_eagerly(self.post_forward), always_call=True),
         ]
 
     def pre_forward(self, module, args):
