@@ -8,6 +8,8 @@ reuse the compiled code), and inductor's on-disk cache serves the rest.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch._dynamo
@@ -195,3 +197,74 @@ def test_whole_model_fullgraph_names_per_block_compile():
 
     expect_all_ranks_raise(2, whole_model_fullgraph, "torch._dynamo.exc.Unsupported",
                            r"compile each block instead \(block.compile\(\) after flex_shard\)")
+
+
+def titan_training(compile_model: bool) -> tuple:
+    """Rank body: torchtitan's debugmodel (SDPA) through flexshard's parallelize_llama,
+    3 AdamW steps, with or without --compile.enable."""
+    import torch.distributed as dist
+    from torchtitan.config import CompileConfig
+    from test_torchtitan import BATCH, LR, SEQ, STEPS as TITAN_STEPS, debugmodel, parallelize
+    from test_torchtitan import titan_loss, tokens
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = parallelize(debugmodel(), world,
+                        compile_config=CompileConfig(enable=compile_model, components=["model"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(TITAN_STEPS):
+        loss = titan_loss(model, tokens(step, rank), world * BATCH * SEQ)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    compiled = [b._compiled_call_impl is not None for b in model.layers.children()]
+    full = fs.full_state_dict(model)  # a collective: every rank calls it
+    return losses, full if rank == 0 else None, compiled
+
+
+def test_torchtitan_compile_enable_matches_eager():
+    eager = run_world(2, titan_training, False, timeout=300)
+    comp = run_world(2, titan_training, True, timeout=300)
+    assert all(comp[0][2]) and not any(eager[0][2])  # every block compiled, or none
+    for (e_losses, _, _), (c_losses, _, _) in zip(eager, comp):
+        torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses),
+                                   rtol=1e-5, atol=0)
+    for k, ref in eager[0][1].items():
+        assert_rel_close(comp[0][1][k], ref, 1e-5, k)
+
+
+def test_a_missing_cpp_compiler_is_named_before_compiling(monkeypatch):
+    """inductor needs g++ (or $CXX) on CPU: without one, parallelize_llama raises
+    at once, before touching the model."""
+    import torch._inductor.config as inductor_config  # tests may use torch privates
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import parallel_dims as titan_parallel_dims
+
+    from flexshard.integrations.torchtitan import parallelize_llama
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-g++"))
+    monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
+    model = torch.nn.Linear(2, 2)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler, and none of 'no-such-g\+\+'"
+                                           r".* is on PATH: install one"):
+        with mock.patch.object(titan_parallel_dims, "device_type", "cpu"):
+            parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
+                              parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                              compile_config=CompileConfig(enable=True), ac_config=None,
+                              dump_folder="")
+    assert model._compiled_call_impl is None  # nothing compiled or sharded
+
+
+@pytest.mark.parametrize("device, backend, cxx", [("cuda", "inductor", (None, "no-such-g++")),
+                                                  ("cpu", "aot_eager", (None, "no-such-g++")),
+                                                  ("cpu", "inductor", (None, "sh"))])
+def test_the_compiler_check_passes_where_inductor_needs_none_or_finds_one(device, backend, cxx,
+                                                                           monkeypatch):
+    import torch._inductor.config as inductor_config
+    from flexshard.runtime.compiled import check_cpp_compiler
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", cxx)
+    check_cpp_compiler(torch.device(device), backend)  # raises nothing
