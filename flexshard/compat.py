@@ -125,6 +125,19 @@ def root_mesh(mesh):
     return _get_root_mesh(mesh)
 
 
+# torch.compile on CPU (runtime/compiled.py): the C++ compilers inductor searches,
+# read when asked (the CXX environment variable sets it at import).
+_inductor_cpp = resolve("torch._inductor.config:cpp",
+                        "to check that inductor will find a C++ compiler before compiling on CPU")
+
+
+def inductor_cpp_compilers() -> tuple:
+    """The C++ compilers inductor tries on CPU, in order (None: conda's gcc, which
+    inductor installs only when TORCH_INDUCTOR_INSTALL_GXX is set)."""
+    cxx = _inductor_cpp.cxx
+    return tuple(cxx) if isinstance(cxx, (list, tuple)) else (cxx,)
+
+
 # Optimizers: torch's global step pre-hooks (an OrderedDict it iterates on every step).
 global_optimizer_pre_hooks = resolve("torch.optim.optimizer:_global_optimizer_pre_hooks",
                                      "to count flexshard's one global optimizer hook")

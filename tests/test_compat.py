@@ -208,7 +208,11 @@ def _private_torch_names(path: pathlib.Path) -> list:
     """(line, text) of each private torch name `path` imports or reads."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+        if isinstance(node, ast.Import):
+            parts = [p for a in node.names if a.name.split(".")[0] == "torch"
+                     for p in a.name.split(".")]
+            out += [(node.lineno, p) for p in parts if p.startswith("_") and not p.endswith("__")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             parts = node.module.split(".") + [a.name for a in node.names]
             out += [(node.lineno, p) for p in parts if p.startswith("_") and not p.endswith("__")]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") \
@@ -234,6 +238,21 @@ def _root_meshes() -> tuple:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     return (compat.root_mesh(mesh["dp"]) is mesh, compat.root_mesh(mesh["tp"]) is mesh,
             compat.root_mesh(mesh) is mesh)
+
+
+def test_inductor_cpp_compilers_are_the_config_list():
+    import shutil
+
+    names = compat.inductor_cpp_compilers()
+    assert isinstance(names, tuple) and names
+    assert all(n is None or isinstance(n, str) for n in names)
+    assert any(n is not None and shutil.which(n) for n in names)  # g++ is on these machines
+
+
+def test_the_private_name_scan_sees_plain_imports(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import torch._inductor.config as c\nimport os\n")
+    assert _private_torch_names(path) == [(1, "_inductor")]
 
 
 def test_only_compat_names_private_torch_apis():

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ..compat import tree_map
 from .bucket import Bucket, BucketState
+from .compiled import run_eagerly
 from .prefetch import Prefetcher
 from .reduction import in_backward
 from .reshard import SavedParams
@@ -39,9 +40,10 @@ class ModuleHooks:
         self._pushed = False  # this forward pushed the saved-tensor hooks
         self._post_ran = True  # post_forward ran since the last pre_forward
         self.handles = [
-            module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
-            module.register_forward_hook(self.post_forward, with_kwargs=True),
-            module.register_forward_hook(self.after_forward_always, with_kwargs=True,
+            # eager even inside a compiled module: a graph break at each (runtime/compiled.py)
+            module.register_forward_pre_hook(run_eagerly(self.pre_forward), with_kwargs=True),
+            module.register_forward_hook(run_eagerly(self.post_forward), with_kwargs=True),
+            module.register_forward_hook(run_eagerly(self.after_forward_always), with_kwargs=True,
                                          always_call=True),
         ]
 
@@ -126,8 +128,8 @@ class RootHooks:
         self.handles = [
             # prepend: before the ModuleHooks of the root's own bucket, which must
             # unshard with this forward's new grad route.
-            module.register_forward_pre_hook(self.pre_forward, prepend=True),
-            module.register_forward_hook(self.post_forward, always_call=True),
+            module.register_forward_pre_hook(run_eagerly(self.pre_forward), prepend=True),
+            module.register_forward_hook(run_eagerly(self.post_forward), always_call=True),
         ]
 
     def pre_forward(self, module, args):

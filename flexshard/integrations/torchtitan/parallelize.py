@@ -4,6 +4,9 @@ Same signature as `torchtitan.models.llama3.parallelize_llama`, so it drops into
 `ModelSpec`. One bucket per TransformerBlock plus a root bucket (embeddings, final
 norm, LM head); mixed precision and reshard-after-forward come from torchtitan's
 own `training` and `parallelism` sections; the placement from `FlexShardConfig`.
+`--compile.enable` (with "model" in `--compile.components`) compiles each
+TransformerBlock as torchtitan does, after activation checkpointing and before
+sharding; flex_shard's hooks then run eagerly around each compiled block.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from typing import Optional
 import torch.nn as nn
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import parallel_dims as titan_parallel_dims
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 from torchtitan.protocols.module import Module as TitanModule
 
 import flexshard as fs
 
+from ...runtime.compiled import check_cpp_compiler
 from .config import FlexShardConfig
 
 
@@ -38,7 +44,7 @@ def llama_buckets(model: nn.Module, reshard_after_forward: bool) -> list:
 
 
 def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
-                 parallelism: ParallelismConfig, compile_config: CompileConfig) -> list:
+                 parallelism: ParallelismConfig) -> list:
     """The torchtitan options flex_shard does not compose with, as CLI flags."""
     checks = [
         (parallel_dims.cp_enabled, "--parallelism.context_parallel_degree > 1"),
@@ -46,8 +52,6 @@ def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
         (parallel_dims.ep_enabled, "--parallelism.expert_parallel_degree > 1"),
         (parallelism.spmd_backend != "partial_dtensor",
          f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)"),
-        (compile_config.enable and "model" in compile_config.components,
-         "--compile.enable with 'model' in --compile.components"),
         (training.enable_cpu_offload, "--training.enable_cpu_offload"),
         (parallelism.enable_fsdp_symm_mem, "--parallelism.enable_fsdp_symm_mem"),
     ]
@@ -64,16 +68,29 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     Gradients are summed over ranks, not averaged: torchtitan's loss is already
     divided by the global token count (FSDP2 there runs with divide factor 1 too).
     """
-    unsupported = _unsupported(parallel_dims, training, parallelism, compile_config)
+    unsupported = _unsupported(parallel_dims, training, parallelism)
     if unsupported:
         raise NotImplementedError(
             "flexshard's torchtitan parallelize supports data parallelism (fsdp, and "
             f"dp_replicate as HSDP) and tensor parallelism only; drop {', '.join(unsupported)}")
     placement = (flex_shard or FlexShardConfig()).build_placement()
+    compiled = compile_config.enable and "model" in compile_config.components
+    if compiled and ac_config is not None:
+        # fullgraph compile of an AC wrapper traces the inner block's call, where our
+        # (eager-only) hooks sit: dynamo refuses it mid-forward
+        raise NotImplementedError(
+            "--compile.enable with torchtitan's activation checkpointing (--activation_checkpoint) "
+            "is not supported by flexshard yet: drop one of them")
+    if compiled:  # before touching the model; the device is the one torchtitan trains on
+        check_cpp_compiler(titan_parallel_dims.device_type, compile_config.backend)
     if parallel_dims.tp_enabled:  # torchtitan's TP plan first: DTensor params on mesh "tp"
         model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
+    if compiled:
+        # torchtitan's own per-block compile (block.compile(fullgraph=True)), before
+        # sharding as torchtitan orders it
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward,
                                                     parallel_dims.pp_enabled)
     mp = fs.MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],

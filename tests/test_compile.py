@@ -1,0 +1,286 @@
+"""torch.compile with flex_shard: compiled blocks train as the eager model does.
+
+Inductor on CPU is slow to compile, so the tests share one world per size and
+one model shape: every run compiles TinyGPT's Block.forward (once per process
+and graph; later runs, other placements and other models of the same shape
+reuse the compiled code), and inductor's on-disk cache serves the rest.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import flexshard as fs
+from flexshard.runtime.state import get_state
+from harness import run_world
+from models import batch, loss_fn
+from reference import make_model
+from test_parity import assert_rel_close
+
+STEPS = 5
+LR = 1e-2
+PLACEMENTS = {"shard": fs.Shard(0), "owned": fs.Owned(), "ragged": fs.RaggedShard()}
+BF16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _compile_blocks(model, how: str):
+    """Compile `model.layers` in place: `module` is nn.Module.compile, `wrap` puts
+    torch.compile's OptimizedModule in the ModuleList."""
+    for i, block in enumerate(model.layers):
+        if how == "module":
+            block.compile()
+        else:
+            model.layers[i] = torch.compile(block)
+
+
+def _snapshot() -> dict:
+    """dynamo's counts of compiled frames, graphs, recompiles and graph breaks."""
+    return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
+            "recompiles": sum(counters["recompiles"].values()),
+            # a graph break dynamo resumes after is a "graph_break", one that skips the
+            # frame an "unimplemented"
+            "breaks": sum(counters["graph_break"].values())
+            + sum(counters["unimplemented"].values())}
+
+
+def _count_gathers(model) -> list:
+    """A one-element list counting every bucket gather (forward and backward)."""
+    count = [0]
+    for bucket in get_state(model).buckets:
+        def gather_params(*args, _gather=bucket.gather_params, **kwargs):
+            count[0] += 1
+            return _gather(*args, **kwargs)
+        bucket.gather_params = gather_params
+    return count
+
+
+def train(config: dict, compiled: str = "", order: str = "after", bf16: bool = False) -> dict:
+    """Rank body: 5 AdamW steps of flex_shard(TinyGPT), blocks compiled as
+    `compiled` says ("", "module", "wrap", "whole") before or after flex_shard."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = make_model()
+    if compiled in ("module", "wrap") and order == "before":
+        _compile_blocks(model, compiled)
+    model = fs.flex_shard(model, mp_policy=BF16 if bf16 else fs.MixedPrecisionPolicy(),
+                          **config)
+    if compiled in ("module", "wrap") and order == "after":
+        _compile_blocks(model, compiled)
+    step_fn = torch.compile(model) if compiled == "whole" else model
+    gathers = _count_gathers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, seen, grads = [], {}, None
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        loss = loss_fn(step_fn(x), y)
+        loss.backward()
+        if step == 0:  # this rank's sharded grads (AdamW's steps are blind to their scale)
+            grads = {k.replace("._orig_mod", ""): p.grad.clone()
+                     for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        seen[step + 1] = _snapshot()
+    full = {k.replace("._orig_mod", ""): v for k, v in fs.full_state_dict(model).items()}
+    return {"losses": losses, "full": full, "grads": grads, "gathers": gathers[0],
+            "counters": seen}
+
+
+def compiled_and_eager(config: dict, compiled: str, order: str = "after",
+                       bf16: bool = False) -> tuple:
+    """Rank body: (eager run, compiled run) of the same training."""
+    return train(config, bf16=bf16), train(config, compiled, order, bf16)
+
+
+def check_matches_eager(world: int, config: dict, compiled: str = "module",
+                        order: str = "after", bf16: bool = False) -> dict:
+    results = run_world(world, compiled_and_eager, config, compiled, order, bf16,
+                        timeout=300)
+    # bf16: inductor fuses and rounds bf16 intermediates where eager rounds each op,
+    # so losses and grads agree to a few bf16 roundings (2**-8 each; the worst, the
+    # first norm's weight grad after two blocks' backward, reads 1.1%), and after 5
+    # steps AdamW has turned that noise into full steps on near-zero grads: the
+    # params are compared in fp32 only.
+    rel = 1e-5 if not bf16 else 2 ** -6
+    for eager, comp in results:  # each rank's own batches, loss and sharded grads
+        # The same gathers (forward and backward regathers): reshard works under compile.
+        assert comp["gathers"] == eager["gathers"]
+        torch.testing.assert_close(torch.tensor(comp["losses"]), torch.tensor(eager["losses"]),
+                                   rtol=rel, atol=0)
+        for k, ref in eager["grads"].items():
+            if ref.numel():
+                assert_rel_close(comp["grads"][k], ref, rel, f"grad of {k}")
+    eager, comp = results[0]
+    assert comp["full"].keys() == eager["full"].keys()
+    for k, ref in eager["full"].items() if not bf16 else ():
+        assert_rel_close(comp["full"][k], ref, rel, k)
+    return comp
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_blocks_match_eager(world, placement, reshard, bf16):
+    config = {"placement": PLACEMENTS[placement], "reshard_after_forward": reshard}
+    comp = check_matches_eager(world, config, bf16=bf16)
+    # Compiled once (or reused from an earlier test): nothing compiles after step 2.
+    assert comp["counters"][2] == comp["counters"][STEPS], comp["counters"]
+
+
+@pytest.mark.parametrize("how", ["module", "wrap"])
+def test_compiling_before_flex_shard_matches_eager(how):
+    check_matches_eager(2, {}, compiled=how, order="before")
+
+
+def no_recompiles() -> dict:
+    """Rank body: a fresh dynamo, per-block compile after flex_shard at reshard."""
+    torch._dynamo.reset()
+    counters.clear()
+    return train({}, "module")["counters"]
+
+
+def test_nothing_recompiles_after_the_first_step():
+    seen = run_world(2, no_recompiles, timeout=300)[0]
+    assert seen[1]["graphs"] == 1  # both blocks share Block.forward's one graph
+    assert seen[2] == seen[STEPS], seen
+    # nn.Module.compile starts dynamo at Block.forward: flexshard's hooks, which
+    # _call_impl runs around it, are not traced, so there is no graph break at all.
+    assert seen[STEPS]["breaks"] == 0 and seen[STEPS]["recompiles"] == 0
+
+
+def whole_model() -> dict:
+    torch._dynamo.reset()
+    counters.clear()
+    out = train({}, "whole")
+    out["break_reasons"] = list(counters["graph_break"]) + list(counters["unimplemented"])
+    return out
+
+
+def test_whole_model_compile_breaks_at_the_hooks_and_matches_eager():
+    """torch.compile(model): dynamo stops at the first hooked block (our hooks are
+    torch.compiler.disable'd), runs the root's forward eagerly and compiles each
+    block's forward as its own frame."""
+    results = run_world(2, whole_model, timeout=300)
+    eager = run_world(2, train, {})[0]
+    comp = results[0]
+    torch.testing.assert_close(torch.tensor(comp["losses"]), torch.tensor(eager["losses"]),
+                               rtol=1e-5, atol=0)
+    for k, ref in eager["full"].items():
+        assert_rel_close(comp["full"][k], ref, 1e-5, k)
+    assert comp["counters"][2] == comp["counters"][STEPS]
+    assert comp["counters"][STEPS]["graphs"] == 1
+    reasons = comp["break_reasons"]
+    # TinyGPT's forward breaks at the first block's pre-forward hook, inside its loop
+    # over blocks: dynamo skips that frame (runs it eagerly) and compiles each
+    # block's forward frame instead. Every break is one of flexshard's hooks.
+    assert len(reasons) == 2, reasons
+    assert all("ModuleHooks.pre_forward" in r and "compile each block instead" in r
+               for r in reasons), reasons
+
+
+def whole_model_fullgraph() -> None:
+    torch._dynamo.reset()  # forget that an earlier test ran TinyGPT.forward eagerly
+    model = fs.flex_shard(make_model())
+    x, _ = batch(0, 0)
+    torch.compile(model, fullgraph=True)(x)
+
+
+def test_whole_model_fullgraph_names_per_block_compile():
+    from harness import expect_all_ranks_raise
+
+    expect_all_ranks_raise(2, whole_model_fullgraph, "torch._dynamo.exc.Unsupported",
+                           r"compile each block instead \(block.compile\(\) after flex_shard\)")
+
+
+def titan_training(compile_model: bool) -> tuple:
+    """Rank body: torchtitan's debugmodel (SDPA) through flexshard's parallelize_llama,
+    3 AdamW steps, with or without --compile.enable."""
+    import torch.distributed as dist
+    from torchtitan.config import CompileConfig
+    from test_torchtitan import BATCH, LR, SEQ, STEPS as TITAN_STEPS, debugmodel, parallelize
+    from test_torchtitan import titan_loss, tokens
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = parallelize(debugmodel(), world,
+                        compile_config=CompileConfig(enable=compile_model, components=["model"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(TITAN_STEPS):
+        loss = titan_loss(model, tokens(step, rank), world * BATCH * SEQ)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    compiled = [b._compiled_call_impl is not None for b in model.layers.children()]
+    full = fs.full_state_dict(model)  # a collective: every rank calls it
+    return losses, full if rank == 0 else None, compiled
+
+
+def test_torchtitan_compile_enable_matches_eager():
+    eager = run_world(2, titan_training, False, timeout=300)
+    comp = run_world(2, titan_training, True, timeout=300)
+    assert all(comp[0][2]) and not any(eager[0][2])  # every block compiled, or none
+    for (e_losses, _, _), (c_losses, _, _) in zip(eager, comp):
+        torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses),
+                                   rtol=1e-5, atol=0)
+    for k, ref in eager[0][1].items():
+        assert_rel_close(comp[0][1][k], ref, 1e-5, k)
+
+
+def test_a_missing_cpp_compiler_is_named_before_compiling(monkeypatch):
+    """inductor needs g++ (or $CXX) on CPU: without one, parallelize_llama raises
+    at once, before touching the model."""
+    import torch._inductor.config as inductor_config  # tests may use torch privates
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import parallel_dims as titan_parallel_dims
+
+    from flexshard.integrations.torchtitan import parallelize_llama
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-g++"))
+    monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
+    model = torch.nn.Linear(2, 2)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler, and none of 'no-such-g\+\+'"
+                                           r".* is on PATH: install one"):
+        with mock.patch.object(titan_parallel_dims, "device_type", "cpu"):
+            parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
+                              parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                              compile_config=CompileConfig(enable=True), ac_config=None,
+                              dump_folder="")
+    assert model._compiled_call_impl is None  # nothing compiled or sharded
+
+
+def test_compile_with_activation_checkpointing_is_refused():
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from flexshard.integrations.torchtitan import parallelize_llama
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    with pytest.raises(NotImplementedError, match=r"--compile.enable with torchtitan's activation "
+                                                  r"checkpointing .* drop one of them"):
+        parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
+                          parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                          compile_config=CompileConfig(enable=True), ac_config=FullAC.Config(),
+                          dump_folder="")
+
+
+@pytest.mark.parametrize("device, backend, cxx", [("cuda", "inductor", (None, "no-such-g++")),
+                                                  ("cpu", "aot_eager", (None, "no-such-g++")),
+                                                  ("cpu", "inductor", (None, "sh"))])
+def test_the_compiler_check_passes_where_inductor_needs_none_or_finds_one(device, backend, cxx,
+                                                                           monkeypatch):
+    import torch._inductor.config as inductor_config
+    from flexshard.runtime.compiled import check_cpp_compiler
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", cxx)
+    check_cpp_compiler(torch.device(device), backend)  # raises nothing
