@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -179,7 +180,7 @@ def measure_alone(kind: str, args, shape, mesh, device, batches) -> dict:
     if args.timing == "sequential":
         out["record"] = time_steps([runner], args.warmup + 1, args.steps, _world())
     if args.profile is not None and _rank() == 0:
-        summary = profile_step(lambda: runner.step(0), device, Path(args.profile), kind)
+        summary = profile_step(functools.partial(runner.step, 0), device, Path(args.profile), kind)
         print(summary.text(kind), flush=True)
     del runner
     return out

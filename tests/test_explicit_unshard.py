@@ -102,7 +102,7 @@ def toggled_reshard() -> tuple:
     for flag in (False, True):
         model.set_reshard_after_forward(flag)
         comm.reset()
-        losses = train(model, 1)
+        train(model, 1)
         calls.append(dict(comm.calls))
     return calls
 

@@ -87,7 +87,6 @@ def test_eval_and_several_forwards_free_their_storage():
 
 def two_forwards_training() -> tuple:
     model = fs.flex_shard(make_model())
-    rank = torch.distributed.get_rank()
 
     def step(model, i, x, y):
         half = x.shape[0] // 2

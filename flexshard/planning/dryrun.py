@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..config import MixedPrecisionPolicy
 from ..placements.shard import Shard
-from ..runtime.bucket import plan_bucket_layouts
+from ..runtime.bucket_plan import plan_bucket_layouts
 from .assign import default_buckets
 from .options import check_options, check_params, check_specs
 from .plan import plan_wrap

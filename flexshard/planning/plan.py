@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from ..placements.contract import Placement
-from ..runtime.bucket import hooks_needed
+from ..runtime.bucket_plan import hooks_needed
 from ..runtime.layout import SlotPlan, bind_placements
 from ..runtime.mesh import mesh_shape
 from .assign import (

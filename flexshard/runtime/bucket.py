@@ -14,8 +14,7 @@ import enum
 import math
 from contextlib import contextmanager
 from functools import partial
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,10 @@ from ..config import MixedPrecisionPolicy, OffloadPolicy
 from .comm import Comm
 from .copyplan import plan_copies
 from .device import DeviceContexts, HostContext, on_stream
-from .layout import BucketLayout, SlotPlan, plan_layout
+from .bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layouts
+from .counters import BucketCounters
+from .inflight import PendingGather, PendingReduce, ReduceOp
+from .layout import BucketLayout, SlotPlan
 from .postforward import PostForwardShard, keep_slice, usable
 from .delivery import GradRoute, anchor_grad
 from .offload import Offload
@@ -41,45 +43,6 @@ class BucketState(enum.Enum):
     SHARDED = "sharded"  # modules hold sharded parameters, no gather in flight
     UNSHARDING = "unsharding"  # the gather runs (a prefetched one lives in Bucket.inflight)
     UNSHARDED = "unsharded"  # modules hold unsharded parameters
-
-
-class PendingGather(NamedTuple):
-    """A launched all-gather whose output is not yet consumed."""
-
-    work: Any  # dist.Work, or None when the launch waited (or world size 1)
-    gathered: torch.Tensor  # the gather output
-    layout: BucketLayout
-    version: int  # storage version at launch: a later write makes it stale
-    send: torch.Tensor  # the gather input, held until the compute stream waited on `done`
-    done: Any  # event on the gather stream after the launch
-    stream: Any  # the compute stream current at launch (where the buffers were allocated)
-
-
-class PendingReduce(NamedTuple):
-    """A launched reduce-scatter whose sharded grads are not yet delivered."""
-
-    work: Any  # dist.Work, or None at world size 1
-    output: torch.Tensor  # the reduce-scatter output (this rank's segment)
-    held: tuple  # the reduce input, read by the collective on the reduce stream: kept
-    #              until finish_reduce's compute stream waited past its last use
-    post_divide: Optional[float]  # what the reduced sum is still divided by (see _reduce_op)
-
-
-class ReduceOp(NamedTuple):
-    """How a bucket averages its grads: see Bucket._reduce_op."""
-
-    pre_scale: Optional[float]  # a power of two the reduce input is multiplied by
-    post_divide: Optional[float]  # in [1, 2): the reduced output is divided by it
-    op: Any  # dist.ReduceOp.SUM or AVG
-
-
-class LayoutPlans(NamedTuple):
-    """What a gather over one layout needs each step, decided at wrap time."""
-
-    keeps_views: bool  # see BucketLayout.keeps_views
-    copies: tuple  # CopyPlan per slot
-    is_storage: bool  # the storage buffer is the gather input (no copy-in)
-    copy_in_bytes: int
 
 
 @contextmanager
@@ -109,71 +72,6 @@ def _hidden_from_checkpoint():
             _pop_mode()
         for m in stack:
             _push_mode(m)
-
-
-@dataclass
-class BucketCounters:
-    """Bytes a bucket moved and copied, since the counters were last reset."""
-
-    gathers: int = 0
-    reduces: int = 0
-    prefetches: int = 0  # gathers launched ahead of use (counted in gathers too)
-    discarded_prefetches: int = 0  # prefetched gathers dropped unused
-    gather_wire_bytes: int = 0
-    gather_ideal_bytes: int = 0
-    reduce_wire_bytes: int = 0
-    reduce_ideal_bytes: int = 0
-    all_reduces: int = 0  # HSDP: all-reduces of reduced shards across the replicate group
-    all_reduce_bytes: int = 0
-    post_forward_gathers: int = 0  # int reshard: gathers within a post-forward group (in gathers)
-    copy_in_bytes: int = 0
-    copy_out_bytes: int = 0
-    h2d_bytes: int = 0  # CPU offload: storage bytes staged to the compute device
-    d2h_bytes: int = 0  # CPU offload: sharded grad bytes copied back to host memory
-
-
-def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
-    if mp.param_dtype is not None and slot.dtype.is_floating_point:
-        return mp.param_dtype
-    return slot.dtype
-
-
-def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int,
-                 replicas: int = 1, offload: bool = False) -> bool:
-    """False at world size 1 without replicas, offload or a cast when every piece
-    has the full shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
-    return (world_size > 1 or replicas > 1 or offload
-            or any(_gather_dtype(s, mp) != s.dtype for s in slots)
-            or any(s.local_shapes[0] != s.shape for s in slots))
-
-
-def _reduce_dtype(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy) -> torch.dtype:
-    if mp.reduce_dtype is not None:
-        return mp.reduce_dtype
-    if mp.param_dtype is not None:
-        return mp.param_dtype
-    dtype = slots[0].dtype if slots else torch.float32
-    for s in slots[1:]:
-        dtype = torch.promote_types(dtype, s.dtype)
-    return dtype
-
-
-class BucketLayouts(NamedTuple):
-    """A bucket's three byte plans over the same slots."""
-
-    storage: BucketLayout  # the sharded params, in their own dtypes
-    gather: BucketLayout  # the all-gather (param_dtype on the wire)
-    reduce: BucketLayout  # the reduce-scatter of the trainable slots (one reduce dtype)
-
-
-def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
-                        mp: MixedPrecisionPolicy, world_size: int) -> BucketLayouts:
-    """The layouts a Bucket of `slots` uses; the dry run (planning/dryrun.py) reads the same."""
-    grads = [s for s, t in zip(slots, trainable) if t]
-    reduce_dtype = _reduce_dtype(grads, mp)
-    return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size),
-                         plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size),
-                         plan_layout(grads, [reduce_dtype] * len(grads), world_size))
 
 
 class Bucket:

@@ -1,0 +1,66 @@
+"""What a bucket decides once, at wrap time: its three byte layouts (storage,
+gather, reduce), the dtypes on the wire, whether it needs hooks at all, and the
+copy plans a gather over a layout uses. Pure: no process group, no storage;
+the planning wing and the dry run read the same functions the Bucket does."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..config import MixedPrecisionPolicy
+from .layout import BucketLayout, SlotPlan, plan_layout
+
+
+class LayoutPlans(NamedTuple):
+    """What a gather over one layout needs each step, decided at wrap time."""
+
+    keeps_views: bool  # see BucketLayout.keeps_views
+    copies: tuple  # CopyPlan per slot
+    is_storage: bool  # the storage buffer is the gather input (no copy-in)
+    copy_in_bytes: int
+
+
+def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
+    if mp.param_dtype is not None and slot.dtype.is_floating_point:
+        return mp.param_dtype
+    return slot.dtype
+
+
+def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int,
+                 replicas: int = 1, offload: bool = False) -> bool:
+    """False at world size 1 without replicas, offload or a cast when every piece
+    has the full shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
+    return (world_size > 1 or replicas > 1 or offload
+            or any(_gather_dtype(s, mp) != s.dtype for s in slots)
+            or any(s.local_shapes[0] != s.shape for s in slots))
+
+
+def _reduce_dtype(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy) -> torch.dtype:
+    if mp.reduce_dtype is not None:
+        return mp.reduce_dtype
+    if mp.param_dtype is not None:
+        return mp.param_dtype
+    dtype = slots[0].dtype if slots else torch.float32
+    for s in slots[1:]:
+        dtype = torch.promote_types(dtype, s.dtype)
+    return dtype
+
+
+class BucketLayouts(NamedTuple):
+    """A bucket's three byte plans over the same slots."""
+
+    storage: BucketLayout  # the sharded params, in their own dtypes
+    gather: BucketLayout  # the all-gather (param_dtype on the wire)
+    reduce: BucketLayout  # the reduce-scatter of the trainable slots (one reduce dtype)
+
+
+def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
+                        mp: MixedPrecisionPolicy, world_size: int) -> BucketLayouts:
+    """The layouts a Bucket of `slots` uses; the dry run (planning/dryrun.py) reads the same."""
+    grads = [s for s, t in zip(slots, trainable) if t]
+    reduce_dtype = _reduce_dtype(grads, mp)
+    return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size),
+                         plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size),
+                         plan_layout(grads, [reduce_dtype] * len(grads), world_size))
