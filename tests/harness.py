@@ -353,7 +353,10 @@ class _World:
 
     def stop(self, timeout=STOP_TIMEOUT_S):
         """Graceful stop (final barrier, destroy group, exit 0); return problems."""
-        dead = self.broadcast(("stop",))
+        return self.finish_stop(self.broadcast(("stop",)), timeout)
+
+    def finish_stop(self, dead, timeout=STOP_TIMEOUT_S):
+        """Wait for the ranks told to stop (`dead`: those already gone); return problems."""
         problems = [f"world {self.n}: rank {r} already dead before stop (exit code {c})"
                     for r, c in dead.items()]
         deadline = time.monotonic() + timeout
@@ -498,8 +501,11 @@ def expect_all_ranks_raise(n, fn, exc_type, match, *args, timeout=120.0, **kwarg
 def shutdown_worlds():
     """Stop every world gracefully; return a list of problems ([] if clean)."""
     problems = []
-    for n in sorted(_WORLDS):
-        problems += _WORLDS.pop(n).stop()
+    # Tell every world to stop before waiting on any: their exits overlap.
+    stopping = [(_WORLDS[n], _WORLDS[n].broadcast(("stop",))) for n in sorted(_WORLDS)]
+    _WORLDS.clear()
+    for world, dead in stopping:
+        problems += world.finish_stop(dead)
     if not problems and _LOG_DIR is not None:
         shutil.rmtree(_LOG_DIR, ignore_errors=True)
     elif problems:

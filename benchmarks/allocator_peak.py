@@ -1,0 +1,108 @@
+"""A second memory meter: flexshard against FSDP2 by the CPU allocator's own events.
+
+    PYTHONPATH=$PWD python -m benchmarks.allocator_peak [--model llama] [--world-size 2]
+
+`benchmarks/compare.py` tracks storages through a TorchDispatchMode; this one reads the
+profiler's allocator events instead (every allocation and free the CPU allocator sees,
+inside ops or not), the meter `compile_bench.py` uses. For flexshard and FSDP2 (one
+group per block plus the root, reshard after forward on and off, eager, fp32, AdamW) it
+reports, for one step after two warm-up steps, the bytes allocated minus freed:
+at their peak during the forward, at the end of the forward, at their peak during the
+backward (counted from the step's start), and at their peak over the whole step
+(optimizer included). What exists when the step begins (sharded params, AdamW state) is
+in none of them. Rank 0's numbers, max over ranks for the whole-step peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import flexshard as fs
+
+from .model import batch, build_model, loss_fn
+
+MIB = 2 ** 20
+
+
+def allocated(fn) -> tuple:
+    """(fn's result, bytes allocated minus freed at the end, at the peak) while fn runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return out, live, peak
+
+
+def wrap(name: str, runner: str, reshard: bool) -> torch.nn.Module:
+    model = build_model(name)
+    if runner == "flexshard":
+        return fs.flex_shard(model, reshard_after_forward=reshard)
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard)
+    return fully_shard(model, reshard_after_forward=reshard)
+
+
+def measure(name: str, runner: str, reshard: bool, rank: int) -> dict:
+    model = wrap(name, runner, reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(i: int) -> None:
+        x, y = batch(name, i, rank, torch.device("cpu"))
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(2):
+        step(i)
+    x, y = batch(name, 2, rank, torch.device("cpu"))
+    loss, fwd_end, fwd_peak = allocated(lambda: loss_fn(model(x), y))
+    _, _, bwd_peak = allocated(loss.backward)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _, _, step_peak = allocated(lambda: step(3))
+    peak = torch.tensor([float(step_peak)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"fwd_peak": fwd_peak, "fwd_end": fwd_end, "bwd_peak": fwd_end + bwd_peak,
+            "step_peak": peak.item()}
+
+
+def _worker(rank: int, world: int, port: int, model: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    rows = [(runner, reshard, measure(model, runner, reshard, rank))
+            for reshard in (True, False) for runner in ("flexshard", "fsdp2")]
+    if rank == 0:
+        print(f"model {model}, world size {world}, fp32, eager, torch {torch.__version__}")
+        print("| reshard | runner | fwd peak MiB | fwd end MiB | bwd peak MiB | step peak MiB |")
+        print("|---|---|---|---|---|---|")
+        for runner, reshard, m in rows:
+            print(f"| {'on' if reshard else 'off'} | {runner} | {m['fwd_peak'] / MIB:.1f} | "
+                  f"{m['fwd_end'] / MIB:.1f} | {m['bwd_peak'] / MIB:.1f} | "
+                  f"{m['step_peak'] / MIB:.1f} |")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama", help="a name in benchmarks/model.py")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--port", type=int, default=29617)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.multiprocessing.spawn(_worker, (args.world_size, args.port, args.model),
+                                nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
