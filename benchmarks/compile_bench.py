@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import flexshard as fs
 
+from .allocator_peak import allocated
 from .model import batch, build_model, loss_fn
 
 CONFIGS = [(compiled, reshard) for reshard in (True, False) for compiled in (False, True)]
@@ -38,19 +39,9 @@ def _step(model, opt, name: str, step: int, rank: int) -> float:
 
 
 def peak_bytes(run) -> int:
-    """Peak of live CPU allocator bytes while `run()` runs (profiler memory events)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        run()
-    # An allocation or free inside an op counts as that op's self memory; one outside
-    # every op (inductor's buffers, most frees) as a "[memory]" event. In start order.
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
-                    key=lambda e: e.time_range.start)
-    live = peak = 0
-    for e in events:
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
+    """Peak of live CPU allocator bytes while `run()` runs (profiler memory events;
+    an allocation or free outside every op, e.g. inductor's buffers, counts too)."""
+    return allocated(run)[2]
 
 
 def run_config(name: str, compiled: bool, reshard: bool, warmup: int, steps: int) -> dict:

@@ -22,6 +22,7 @@ import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import batch
 from test_parity import assert_rel_close
+from training_helpers import GroupComm
 
 pytestmark = pytest.mark.world
 
@@ -107,28 +108,6 @@ def reference(steps: int) -> tuple:
         return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
     finally:
         torch.set_num_threads(threads)
-
-
-class GroupComm(fs.Comm):
-    """Counts the buckets' collectives by (kind, global ranks of the group)."""
-
-    def __init__(self) -> None:
-        self.calls: Counter = Counter()
-
-    def _count(self, kind, group) -> None:
-        self.calls[(kind, tuple(dist.get_process_group_ranks(group)))] += 1
-
-    def all_gather(self, output, input, group, async_op=False):
-        self._count("all_gather", group)
-        return super().all_gather(output, input, group, async_op)
-
-    def reduce_scatter(self, output, input, group, async_op=False, **kwargs):
-        self._count("reduce_scatter", group)
-        return super().reduce_scatter(output, input, group, async_op, **kwargs)
-
-    def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM):
-        self._count("all_reduce", group)
-        return super().all_reduce(tensor, group, op)
 
 
 def _meshes():

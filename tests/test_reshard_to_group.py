@@ -7,7 +7,6 @@ collectives of each step counted per process group.
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -18,34 +17,13 @@ from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn
 from placement_ref import adamw, make_model, reference_run
 from test_parity import assert_rel_close
+from training_helpers import GroupComm
 
 pytestmark = pytest.mark.world
 
 WORLD = 4
 STEPS = 3
 BF16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-class GroupComm(fs.Comm):
-    """Counts each bucket collective by (kind, the global ranks of its group)."""
-
-    def __init__(self) -> None:
-        self.calls: Counter = Counter()
-
-    def _count(self, kind, group) -> None:
-        self.calls[(kind, tuple(dist.get_process_group_ranks(group)))] += 1
-
-    def all_gather(self, output, input, group, async_op=False):
-        self._count("all_gather", group)
-        return super().all_gather(output, input, group, async_op)
-
-    def reduce_scatter(self, output, input, group, async_op=False, **kwargs):
-        self._count("reduce_scatter", group)
-        return super().reduce_scatter(output, input, group, async_op, **kwargs)
-
-    def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM):
-        self._count("all_reduce", group)
-        return super().all_reduce(tensor, group, op)
 
 
 def _mesh(shape):

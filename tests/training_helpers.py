@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,28 @@ class CountingComm(fs.Comm):
 
     def reset(self) -> None:
         self.calls = dict.fromkeys(self.calls, 0)
+
+
+class GroupComm(fs.Comm):
+    """Counts each bucket collective by (kind, the global ranks of its group)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+
+    def _count(self, kind, group) -> None:
+        self.calls[(kind, tuple(dist.get_process_group_ranks(group)))] += 1
+
+    def all_gather(self, output, input, group, async_op=False):
+        self._count("all_gather", group)
+        return super().all_gather(output, input, group, async_op)
+
+    def reduce_scatter(self, output, input, group, async_op=False, **kwargs):
+        self._count("reduce_scatter", group)
+        return super().reduce_scatter(output, input, group, async_op, **kwargs)
+
+    def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM):
+        self._count("all_reduce", group)
+        return super().all_reduce(tensor, group, op)
 
 
 def settled(read, want, timeout: float = 5.0):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import math
-from contextlib import contextmanager
 from functools import partial
 from typing import Any, Optional, Sequence
 
@@ -20,12 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..compat import POST_ACCUMULATE_GRAD_HOOKS, SAC_MODES as _SAC_MODES, get_dispatch_stack_at
-from ..compat import len_torch_dispatch_stack, pop_mode as _pop_mode, push_mode as _push_mode
-from ..compat import tensor_version
+from ..compat import POST_ACCUMULATE_GRAD_HOOKS, tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
 from .comm import Comm
 from .copyplan import plan_copies
+from .dispatch import hidden_from_checkpoint
 from .device import DeviceContexts, HostContext, on_stream
 from .bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layouts
 from .counters import BucketCounters
@@ -43,35 +41,6 @@ class BucketState(enum.Enum):
     SHARDED = "sharded"  # modules hold sharded parameters, no gather in flight
     UNSHARDING = "unsharding"  # the gather runs (a prefetched one lives in Bucket.inflight)
     UNSHARDED = "unsharded"  # modules hold unsharded parameters
-
-
-@contextmanager
-def _hidden_from_checkpoint():
-    """Run a gather's ops outside selective-checkpoint dispatch modes.
-
-    Under the user's selective activation checkpointing (torchtitan's "op" AC),
-    torch replays ops by (op, call index), so the forward and the recompute
-    must issue the same ops. A gather may be launched early (prefetch) in one
-    and on demand in the other, so it never shows to those modes; other
-    dispatch modes (CommDebugMode, user modes) still see it.
-    """
-    depth = len_torch_dispatch_stack()
-    stack = [get_dispatch_stack_at(i) for i in range(depth)]
-    if not any(isinstance(m, _SAC_MODES) for m in stack):
-        yield
-        return
-    for _ in stack:
-        _pop_mode()
-    kept = [m for m in stack if not isinstance(m, _SAC_MODES)]
-    for m in kept:
-        _push_mode(m)
-    try:
-        yield
-    finally:
-        for _ in kept:
-            _pop_mode()
-        for m in stack:
-            _push_mode(m)
 
 
 class Bucket:
@@ -315,7 +284,7 @@ class Bucket:
         if self.post_forward_size is not None and not in_backward() and layout is self.gather_layout:
             self._forward_gathered = pending.gathered  # for keep_post_forward_shard
         outs = []
-        with _hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
+        with hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
             for i, slot in enumerate(self.slots):  # copy-out on the compute stream
                 full, copied = gathered_param(pending.gathered, layout, slot, i,
                                               plans.keeps_views, plans.copies[i])
@@ -367,7 +336,7 @@ class Bucket:
         and the side streams start after an event recorded after that."""
         ctx, plans, version = self.device_ctx, self._plans_for(layout), tensor_version(self.storage.buffer)
         source = self._post_forward_source(layout)  # int reshard, in backward
-        with torch.no_grad(), _hidden_from_checkpoint():
+        with torch.no_grad(), hidden_from_checkpoint():
             send, gathered = self._gather_buffers(layout, plans, source)
             after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
             if source is None and (not plans.is_storage or self.offload is not None):
