@@ -78,10 +78,10 @@ def _fail_once(model, where: str, x, y) -> None:
     flaky.fail_at = 1 if where == "forward" else None
     handle = None
     buckets = get_state(model).buckets
-    if where == "backward":  # a tensor hook between the blocks: layer 1's grads are reduced
-        def arm(module, args, out):
-            out.register_hook(lambda grad: (_ for _ in ()).throw(Injected("in backward")))
-        handle = model.layers[0].register_forward_hook(arm)
+    if where == "backward":  # a tensor hook on layer 0's input: layer 1's grads are reduced
+        def arm(module, args):
+            args[0].register_hook(lambda grad: (_ for _ in ()).throw(Injected("in backward")))
+        handle = model.layers[0].register_forward_pre_hook(arm)
     if where == "regather":
         handle = _FailRegather(next(b for b in buckets if b.name == "layers.0"))
     before = [b.counters.reduces for b in buckets]

@@ -127,9 +127,10 @@ def test_reduce_packs_after_the_grads_and_compute_waits_for_the_sharded_grads():
 
 
 def test_grads_are_let_go_after_the_pack_and_only_the_reduce_input_is_held():
-    """The unsharded grads die when _Unshard.backward returns: start_reduce makes
+    """The unsharded grads die when _Unshard.backward returns: pack_reduce makes
     the compute stream wait for the pack (not for the collective) before it
-    returns, so the PendingReduce holds the reduce input alone."""
+    returns, and the launch (deferred in backward until autograd let go of the
+    grads) comes after that wait; the PendingReduce holds the reduce input alone."""
     bucket, ctx = _bucket()
     grads = [torch.ones(s.shape) for s in bucket.slots]
     with OpLog(ctx):
@@ -138,7 +139,7 @@ def test_grads_are_let_go_after_the_pack_and_only_the_reduce_input_is_held():
     scatter = next(i for i, x in enumerate(log) if x == ("comm", "reduce", "reduce_scatter"))
     packed = max(i for i, x in enumerate(log[:scatter]) if x[:2] == ("record", "reduce"))
     assert max(i for i, x in enumerate(log[:scatter]) if x[:2] == ("op", "reduce")) < packed
-    assert ("wait", "compute", log[packed][2]) in log[scatter:]
+    assert ("wait", "compute", log[packed][2]) in log[packed:scatter]
     assert len(pending.held) == 1 and pending.held[0].numel() == bucket.reduce_layout.wire_bytes
     assert not any(g is h for g in grads for h in pending.held)
 

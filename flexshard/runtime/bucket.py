@@ -388,13 +388,19 @@ class Bucket:
         """Pack the unsharded grads and launch their reduce-scatter on the
         reduce stream without waiting; None under no-sync (the packed grads are
         kept for later)."""
+        packed = self.pack_reduce(grads)
+        return None if packed is None else self.launch_reduce(packed)
+
+    def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
+        """Pack the unsharded grads into the reduce input on the reduce stream;
+        returns what launch_reduce needs, or None under no-sync (the packed
+        grads are added to pending_grads instead)."""
         ctx, layout, sync = self.device_ctx, self.reduce_layout, self.requires_gradient_sync
         # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
         full = self._reduce_dense and all(grads[i] is not None for i in self.grad_slots)
         send = (torch.empty if full else torch.zeros)(layout.wire_bytes, dtype=torch.uint8,
                                                       device=self.compute_device)
-        out = send if self.world_size == 1 or not sync else torch.empty(
-            layout.segment_bytes, dtype=torch.uint8, device=send.device)
+        op = None
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
             self._pack(send, grads)
             if not sync:
@@ -403,13 +409,20 @@ class Bucket:
                 op = self._reduce_op()
                 self._add_pending_and_scale(send, op)
             packed = ctx.record(ctx.reduce)
-            work = self._reduce_scatter(send, out, op) if sync else None
         # Autograd frees the unsharded grads when backward returns, and a consumed
         # no-sync sum dies here: the compute stream waits for the pack (not for the
         # collective), so only the reduce input is held until finish_reduce.
         ctx.wait(packed)
-        if not sync:
-            return None
+        return (send, op) if sync else None
+
+    def launch_reduce(self, packed: tuple) -> PendingReduce:
+        """Launch the reduce-scatter of a packed reduce input (pack_reduce)."""
+        send, op = packed
+        ctx = self.device_ctx
+        out = send if self.world_size == 1 else torch.empty(
+            self.reduce_layout.segment_bytes, dtype=torch.uint8, device=send.device)
+        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: the output's allocation
+            work = self._reduce_scatter(send, out, op)
         return PendingReduce(work, out, (send,), op.post_divide)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
@@ -564,9 +577,18 @@ class _Unshard(torch.autograd.Function):
         bucket.post_forward = None  # the int reshard's kept slice (postforward.py)
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
-        pending = bucket.start_reduce(grads)
-        if pending is not None and ctx.delivery is not None:
-            ctx.delivery.expect(bucket.reduce_queue, pending.work,
-                                partial(bucket.finish_reduce, pending),
-                                bucket.host_wait if bucket.offload is not None else None)
+        packed = bucket.pack_reduce(grads)
+        if packed is not None:
+            # Launched once this backward has returned and autograd has let go of the
+            # unsharded grads, so they never sit beside the collective's buffers.
+            bucket.reduce_queue.defer(partial(_launch_reduce, bucket, packed, ctx.delivery))
         return None, anchor_grad(bucket.compute_device)
+
+
+def _launch_reduce(bucket: Bucket, packed: tuple, delivery) -> None:
+    """Launch a bucket's packed reduction; its Delivery (None: a forward under
+    no_grad made this graph) receives the sharded grads when it finishes."""
+    pending = bucket.launch_reduce(packed)
+    if delivery is not None:
+        delivery.expect(bucket.reduce_queue, pending.work, partial(bucket.finish_reduce, pending),
+                        bucket.host_wait if bucket.offload is not None else None)

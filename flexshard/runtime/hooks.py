@@ -70,7 +70,27 @@ class ModuleHooks:
                 self._pushed = self._pushed or self.saved.push()
                 self.saved.register(bucket, outs)
             self.prefetcher.unsharded(bucket)
+        if handled:
+            self._launch_after_backward(args, kwargs)
         return args, kwargs
+
+    def _launch_after_backward(self, args, kwargs) -> None:
+        """The block's backward is over when the grad_fn of one of its inputs is
+        about to run: a pre-hook there launches the reductions its _Unshard nodes
+        packed and deferred (reduction.py), after autograd let go of their grads."""
+        nodes: dict = {}
+
+        def collect(t):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                nodes[id(t.grad_fn)] = t.grad_fn
+            return t
+
+        tree_map(collect, (args, kwargs))
+        for node in nodes.values():
+            node.register_prehook(self._launch_deferred)
+
+    def _launch_deferred(self, grad_outputs) -> None:
+        self.queue.launch_deferred()
 
     def post_forward(self, module, args, kwargs, output):
         self._post_ran = True

@@ -34,6 +34,10 @@ class ReduceQueue:
         # output alive until it has been read.
         self._pending: deque = deque()
         self._watched: list = []  # graph tasks with our end-of-backward callback, outermost first
+        # Launches packed inside a backward node and run after it returned (when autograd
+        # has let go of its grad inputs): at the next launch_deferred(), make_room() or
+        # finish_all(), in the order they were deferred.
+        self._deferred: deque = deque()
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -52,8 +56,9 @@ class ReduceQueue:
         that raised never ran its callback. Its launched reductions are waited
         for and dropped (the user zeroes the grads of a failed step) and the
         listeners clean up after it."""
-        if not (self._watched or self._pending):
+        if not (self._watched or self._pending or self._deferred):
             return
+        self._deferred.clear()  # packed for a failed step: never launched
         while self._pending:
             work, _ = self._pending.popleft()
             if work is not None:
@@ -62,8 +67,21 @@ class ReduceQueue:
         for listener in self.listeners:
             listener()
 
+    def defer(self, launch: Callable[[], None]) -> None:
+        """Run `launch()` (which launches a reduction and push()es it) once the
+        current backward node has returned: see launch_deferred."""
+        self._deferred.append(launch)
+        self.watch_backward()
+
+    def launch_deferred(self) -> None:
+        """Run the deferred launches, oldest first (a hook on the next node to run
+        calls this; so do make_room and finish_all)."""
+        while self._deferred:
+            self._deferred.popleft()()
+
     def make_room(self) -> None:
         """Finish the oldest reductions until another one may be launched."""
+        self.launch_deferred()
         while len(self._pending) >= max(self.max_in_flight, 1):
             self._finish_oldest()
 
@@ -78,7 +96,8 @@ class ReduceQueue:
             self.watch_backward()
 
     def finish_all(self) -> None:
-        """Finish every launched reduction, in launch order."""
+        """Launch what is deferred, then finish every reduction, in launch order."""
+        self.launch_deferred()
         while self._pending:
             self._finish_oldest()
 
