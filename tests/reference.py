@@ -41,7 +41,7 @@ def _run(world_size, steps, lr, param_dtype, model_kw) -> tuple:
             loss.backward()
             losses.append(loss.item())
         else:
-            losses.append(_low_precision_grads(model, step, world_size, param_dtype))
+            losses.append(low_precision_grads(model, step, world_size, param_dtype))
         if step == 0:
             first_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
@@ -50,15 +50,17 @@ def _run(world_size, steps, lr, param_dtype, model_kw) -> tuple:
     return losses, params, first_grads
 
 
-def _low_precision_grads(model, step, world_size, dtype) -> float:
+def low_precision_grads(model, step, world_size, dtype, batch_fn=batch, loss=loss_fn) -> float:
+    """Mixed precision by hand: each rank's batch on a `dtype` copy of `model`, the
+    fp32 grads averaged into `model`'s .grad; returns the mean loss."""
     total = 0.0
     grads = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
     for r in range(world_size):
         low = copy.deepcopy(model).to(dtype)
-        x, y = batch(step, r)
-        loss = loss_fn(low(x), y)
-        loss.backward()
-        total += loss.item()
+        x, y = batch_fn(step, r)
+        value = loss(low(x), y)
+        value.backward()
+        total += value.item()
         for k, p in low.named_parameters():
             grads[k] += p.grad.float()
     for k, p in model.named_parameters():

@@ -16,7 +16,7 @@ from models import batch, loss_fn
 from placement_ref import adamw, comm_counter, make_model, reference_run
 from test_clip_grad import MAX_NORM, clip_step
 from test_parity import assert_rel_close
-from training_helpers import CountingComm, check_against_reference, train
+from training_helpers import CountingComm, accumulate_two_halves, check_against_reference, train
 
 pytestmark = pytest.mark.world
 
@@ -165,18 +165,6 @@ def test_clip_grad_norm(shape):
         assert all_reduces == STEPS * (buckets + (shards > 1))
 
 
-def _accumulate(model, step, x, y):
-    """Two half micro-batches, the first without gradient sync."""
-    total = 0.0
-    for micro, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2))):
-        if isinstance(model, fs.FlexShardModule):
-            model.set_requires_gradient_sync(micro == 1)
-        loss = loss_fn(model(xs), ys) / 2
-        loss.backward()
-        total = total + loss.detach()
-    return total
-
-
 def no_sync_training() -> tuple:
     """Rank body at (2, 2): accumulate over two micro-batches; (losses, params,
     comm calls of the no-sync and synced micro-batch, buckets, describe)."""
@@ -203,7 +191,7 @@ def no_sync_training() -> tuple:
 def test_no_sync_accumulation_and_describe():
     results = run_world(WORLD, no_sync_training)
     losses, full, _, plan, _ = results[0]
-    check_against_reference(losses, full, WORLD, STEPS, step_fn=_accumulate)
+    check_against_reference(losses, full, WORLD, STEPS, step_fn=accumulate_two_halves)
     n = len(plan.buckets)
     assert plan.mesh_shape == (2, 2) and plan.world_size == 4 and plan.replicate_size == 2
     assert plan.all_reduces_per_step == plan.reduces_per_step == n

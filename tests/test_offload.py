@@ -17,7 +17,7 @@ from harness import run_world
 from models import batch, loss_fn
 from reference import make_model
 from test_parity import check_parity
-from training_helpers import check_against_reference, train
+from training_helpers import accumulate_two_halves, check_against_reference, train
 
 OFF = fs.OffloadPolicy(pin_memory=True)
 BF16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -137,24 +137,12 @@ def test_staged_buffer_is_not_the_storage():
     assert bucket.counters.h2d_bytes == bucket.storage.layout.segment_bytes
 
 
-def _accumulate(model, step, x, y):
-    """Two half micro-batches, the first without gradient sync."""
-    total = 0.0
-    for micro, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2))):
-        if isinstance(model, fs.FlexShardModule):
-            model.set_requires_gradient_sync(micro == 1)
-        loss = loss_fn(model(xs), ys) / 2
-        loss.backward()
-        total = total + loss.detach()
-    return total
-
-
 def test_no_sync_accumulation():
     """Unreduced sums stay on the compute device; the reduced grads reach host
     memory once per synced step."""
-    results = run_world(2, _train_with_step, {"offload_policy": OFF}, 3, _accumulate)
+    results = run_world(2, _train_with_step, {"offload_policy": OFF}, 3, accumulate_two_halves)
     losses, full = results[0]
-    check_against_reference(losses, full, 2, 3, step_fn=_accumulate)
+    check_against_reference(losses, full, 2, 3, step_fn=accumulate_two_halves)
 
 
 def _train_with_step(config, steps, step_fn):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
+from reference import low_precision_grads
 from test_parity import assert_rel_close
 from tp_model import batch, dp_tp_mesh, loss_fn, make_llama, tensor_parallel
 
@@ -135,18 +136,7 @@ def _reference_grads(model, step, param_dtype) -> float:
         loss.backward()
         return loss.item()
     # Mixed precision: each dp rank's batch on a low-precision copy, fp32 grads averaged.
-    total, grads = 0.0, {k: torch.zeros_like(p) for k, p in model.named_parameters()}
-    for r in range(DP):
-        low = copy.deepcopy(model).to(param_dtype)
-        x, y = batch(step, r)
-        loss = loss_fn(low(x), y)
-        loss.backward()
-        total += loss.item()
-        for k, p in low.named_parameters():
-            grads[k] += p.grad.float()
-    for k, p in model.named_parameters():
-        p.grad = grads[k] / DP
-    return total / DP
+    return low_precision_grads(model, step, DP, param_dtype, batch, loss_fn)
 
 
 def tp_reference_bf16() -> tuple:

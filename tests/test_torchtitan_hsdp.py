@@ -17,7 +17,8 @@ import flexshard as fs
 from flexshard.integrations.torchtitan import FlexShardConfig, parallelize_llama
 from flexshard.runtime.state import get_state
 from harness import run_world
-from test_torchtitan import BATCH, LR, SEQ, STEPS, _train_reference, debugmodel, titan_loss, tokens
+from test_torchtitan import (BATCH, LR, SEQ, STEPS, _train_reference, check_matches_reference,
+                             debugmodel, titan_loss, tokens)
 
 WORLD, REPLICATE = 4, 2
 
@@ -58,15 +59,8 @@ def _train_hsdp(placement: str) -> tuple:
 def test_data_parallel_replicate_degree_is_hsdp():
     # One placement: tests/test_hsdp.py covers every placement under HSDP.
     results = run_world(WORLD, _train_hsdp, "ragged", timeout=300)
-    ref_losses, ref_params = _train_reference(WORLD)
-    losses, full, shape, _, _ = results[0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert losses[-1] < losses[0]
-    for k, ref in ref_params.items():
-        err = (full[k] - ref).norm() / ref.norm()
-        assert err < 1e-5, f"{k}: relative error {err:.2e}"
-    for rank_losses, _, rank_shape, all_reduces, buckets in results:
-        assert rank_losses == losses
+    check_matches_reference(results, *_train_reference(WORLD))
+    for _, _, rank_shape, all_reduces, buckets in results:
         # (replicate, shard) = (2, 2): every bucket all-reduces across replicas each step.
         assert rank_shape == (REPLICATE, WORLD // REPLICATE)
         assert all_reduces == STEPS * buckets

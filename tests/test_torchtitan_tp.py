@@ -16,8 +16,8 @@ from torchtitan.distributed import parallel_dims as torchtitan_parallel_dims
 import flexshard as fs
 from flexshard.integrations.torchtitan import FlexShardConfig, parallelize_llama
 from harness import run_world
-from test_torchtitan import (BATCH, LR, SEQ, STEPS, _train_reference, debugmodel_config,
-                             titan_loss, tokens)
+from test_torchtitan import (BATCH, LR, SEQ, STEPS, _train_reference, check_matches_reference,
+                             debugmodel_config, titan_loss, tokens)
 
 DP, TP = 2, 2
 
@@ -74,16 +74,7 @@ def _train_tp(placement: str, reshard: str) -> tuple:
 @pytest.mark.parametrize("placement, reshard", [("shard", "default"), ("ragged", "never")])
 def test_tensor_parallel_matches_single_process_training(placement, reshard):
     results = run_world(DP * TP, _train_tp, placement, reshard, timeout=400)
-    ref_losses, ref_params = _train_reference(DP)
-    losses, full = results[0]
-    assert all(r[0] == losses for r in results), "ranks disagree on the loss"
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert losses[-1] < losses[0]
-    assert full.keys() == ref_params.keys()
-    for k, ref in ref_params.items():
-        err = (full[k] - ref).norm() / ref.norm()
-        assert err < 1e-5, f"{k}: relative error {err:.2e}"
-
+    check_matches_reference(results, *_train_reference(DP))
 
 
 def _init_on_meta_tp() -> dict:

@@ -169,6 +169,18 @@ class MatmulLog(TorchDispatchMode):
         return len(self.seen)
 
 
+def accumulate_two_halves(model, step, x, y):
+    """Two half micro-batches, the first without gradient sync."""
+    total = 0.0
+    for micro, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2))):
+        if isinstance(model, fs.FlexShardModule):
+            model.set_requires_gradient_sync(micro == 1)
+        loss = loss_fn(model(xs), ys) / 2
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
 def train(model, steps: int, step_fn=None, opt=None, first_step: int = 0) -> list:
     """AdamW steps of `model` on this rank's batches; per-step losses
     averaged over ranks. `step_fn(model, step, x, y)` returns the loss after
