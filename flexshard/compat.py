@@ -138,6 +138,16 @@ def inductor_cpp_compilers() -> tuple:
     return tuple(cxx) if isinstance(cxx, (list, tuple)) else (cxx,)
 
 
+# The in-graph gather (runtime/ingraph.py, experimental): an all-gather that dynamo
+# traces into the graph (the _c10d_functional ops) and whose backward is a
+# reduce-scatter summing over the group.
+all_gather_autograd = resolve(
+    "torch.distributed._functional_collectives:all_gather_single_autograd",
+    "to trace a bucket's all-gather into a compiled block (gather_in_graph)")
+# The namespace of those ops, as the selective checkpoint policy sees them.
+FUNCTIONAL_COLLECTIVES_NAMESPACE = "_c10d_functional"
+
+
 # Optimizers: torch's global step pre-hooks (an OrderedDict it iterates on every step).
 global_optimizer_pre_hooks = resolve("torch.optim.optimizer:_global_optimizer_pre_hooks",
                                      "to count flexshard's one global optimizer hook")

@@ -79,6 +79,19 @@ class CopyPlan:
             _flat_rows(flat, run).copy_(_strided(typed, run))
         return out
 
+    def traced_full(self, typed: torch.Tensor) -> torch.Tensor:
+        """The full tensor from `typed` (the rank-major buffer already typed as the
+        plan's dtype) by out-of-place ops only, for a traced graph (runtime/ingraph.py):
+        a view when the plan is one, else a new tensor."""
+        if self.span is not None:
+            start = self.span[0] // self.dtype.itemsize
+            return typed[start:start + self.numel].view(self.shape)
+        if self.runs is None:
+            block, index = self.index(typed.device)
+            return _blocks(typed, block)[index].view(self.shape)
+        # runs fill the flat tensor in order (flat_start ascending, no gaps)
+        return torch.cat([_strided(typed, run).reshape(-1) for run in self.runs]).view(self.shape)
+
     def pack(self, buffer: torch.Tensor, full: torch.Tensor) -> None:
         """Write `full` (any dtype, cast on copy) into its pieces in `buffer` (uint8)."""
         typed = _typed(buffer, self.dtype)
