@@ -346,6 +346,7 @@ def test_gather_in_graph_matches_the_reference_and_recomputes_the_gather():
         assert_rel_close(grads[k], ref, 1e-5, f"grad of {k}")
     for out in results:
         assert out["counters"][2] == out["counters"][STEPS], out["counters"]
+        assert out["counters"][STEPS]["breaks"] == 0  # the gather is traced, not run eagerly
         assert not out["kept"], f"saved for backward: {out['kept']}"
     for k, ref in ref_params.items():
         assert_rel_close(results[0]["full"][k], ref, 1e-5, k)

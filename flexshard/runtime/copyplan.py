@@ -86,11 +86,14 @@ class CopyPlan:
         if self.span is not None:
             start = self.span[0] // self.dtype.itemsize
             return typed[start:start + self.numel].view(self.shape)
+        # as_strided from the tensor's own offset: dynamo cannot trace storage_offset()
         if self.runs is None:
             block, index = self.index(typed.device)
-            return _blocks(typed, block)[index].view(self.shape)
+            blocks = typed.as_strided((typed.numel() // block, block), (block, 1))
+            return blocks[index].view(self.shape)
         # runs fill the flat tensor in order (flat_start ascending, no gaps)
-        return torch.cat([_strided(typed, run).reshape(-1) for run in self.runs]).view(self.shape)
+        return torch.cat([typed[run.start:].as_strided((run.rows, run.length), (run.stride, 1))
+                          .reshape(-1) for run in self.runs]).view(self.shape)
 
     def pack(self, buffer: torch.Tensor, full: torch.Tensor) -> None:
         """Write `full` (any dtype, cast on copy) into its pieces in `buffer` (uint8)."""
