@@ -1,14 +1,20 @@
-"""Compiled vs eager flexshard: step time and peak memory, reshard on and off.
+"""Compiled vs eager flexshard, and the gather in hooks vs in the graph: step time
+and peak memory, reshard on and off.
 
-    PYTHONPATH=$PWD python -m benchmarks.compile_bench [--model even] [--world-size 2]
+    PYTHONPATH=$PWD python -m benchmarks.compile_bench [--model llama] [--world-size 2]
 
-Each configuration trains `benchmarks/model.py`'s model under flex_shard (one
-bucket per block plus root), eager or with every block compiled after flex_shard
-(`block.compile()`, inductor). Warm-up steps (the compile among them) are not
-timed; wall and process CPU time per step are medians over the timed steps, the
-slowest rank's. Peak memory is the highest sum of live CPU allocations during one
-step, read from the profiler's allocator events (these see inductor's buffers as
-much as eager's, which a TorchDispatchMode would not), max over ranks.
+For each reshard setting one model per mode trains `benchmarks/model.py`'s model
+under flex_shard (one bucket per block plus root): "eager"; "hooks", every block
+compiled after flex_shard (`block.compile()`, inductor), the gather in flexshard's
+eager hooks around it; "in-graph", every block compiled with its bucket's gather
+inside the graph (`runtime/ingraph.py`, reshard = the compiler's selective recompute).
+Warm-up steps (the compiles among them) are not timed; then the modes take turns,
+one step each, the order rotating every round, so load on a shared machine falls on
+all of them alike. Wall and process CPU time per step: the slowest rank's, median
+and range over the timed steps. Peak memory is the highest sum of live CPU
+allocations during one step, read from the profiler's allocator events (these see
+inductor's buffers as much as eager's, which a TorchDispatchMode would not), max
+over ranks and over `--peak-steps` steps.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
+from flexshard.runtime.ingraph import compile_gather_in_graph
 
 from .allocator_peak import allocated
 from .model import batch, build_model, loss_fn
 
-CONFIGS = [(compiled, reshard) for reshard in (True, False) for compiled in (False, True)]
+MODES = ("eager", "hooks", "in-graph")
 
 
 def _step(model, opt, name: str, step: int, rank: int) -> float:
@@ -44,44 +51,77 @@ def peak_bytes(run) -> int:
     return allocated(run)[2]
 
 
-def run_config(name: str, compiled: bool, reshard: bool, warmup: int, steps: int) -> dict:
-    rank = dist.get_rank()
+def build(name: str, mode: str, reshard: bool):
     model = fs.flex_shard(build_model(name), reshard_after_forward=reshard)
-    if compiled:
-        for block in model.layers:
+    for block in model.layers:
+        if mode == "hooks":
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(warmup):
-        _step(model, opt, name, step, rank)
-    walls, cpus = [], []
-    for step in range(warmup, warmup + steps):
-        dist.barrier()
-        w, c = time.perf_counter(), time.process_time()
-        loss = _step(model, opt, name, step, rank)
-        walls.append(time.perf_counter() - w)
-        cpus.append(time.process_time() - c)
-    peak = peak_bytes(lambda: _step(model, opt, name, warmup + steps, rank))
-    out = torch.tensor([statistics.median(walls), statistics.median(cpus), float(peak)])
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return {"compiled": compiled, "reshard": reshard, "wall_s": out[0].item(),
-            "cpu_s": out[1].item(), "peak_mib": out[2].item() / 2**20, "loss": loss}
+        elif mode == "in-graph":
+            compile_gather_in_graph(model, block)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _timed(model, opt, name: str, step: int, rank: int) -> tuple:
+    dist.barrier()
+    w, c = time.perf_counter(), time.process_time()
+    loss = _step(model, opt, name, step, rank)
+    return time.perf_counter() - w, time.process_time() - c, loss
+
+
+def run_reshard(name: str, modes, reshard: bool, args) -> list:
+    """One row per mode: the modes' timed steps interleaved, then their peaks."""
+    rank = dist.get_rank()
+    runs = {mode: build(name, mode, reshard) for mode in modes}
+    for mode, (model, opt) in runs.items():
+        for step in range(args.warmup):
+            _step(model, opt, name, step, rank)
+    times = {mode: [] for mode in modes}
+    losses = {}
+    for i in range(args.steps):
+        order = modes[i % len(modes):] + modes[:i % len(modes)]
+        for mode in order:
+            wall, cpu, losses[mode] = _timed(*runs[mode], name, args.warmup + i, rank)
+            times[mode].append((wall, cpu))
+    rows = []
+    for mode in modes:
+        model, opt = runs[mode]
+        peak = max(peak_bytes(lambda: _step(model, opt, name, args.warmup + args.steps + k, rank))
+                   for k in range(args.peak_steps))
+        per_step = torch.tensor(times[mode] + [(float(peak), 0.0)])
+        dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # the slowest rank, step by step
+        walls, cpus = per_step[:-1, 0].tolist(), per_step[:-1, 1].tolist()
+        rows.append({"mode": mode, "reshard": reshard, "wall": _spread(walls),
+                     "cpu": _spread(cpus), "peak_mib": per_step[-1, 0].item() / 2**20,
+                     "loss": losses[mode]})
+    return rows
+
+
+def _spread(values: list) -> tuple:
+    return statistics.median(values), min(values), max(values)
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
-    rows = [run_config(args.model, c, r, args.warmup, args.steps) for c, r in CONFIGS]
+    modes = tuple(args.modes.split(","))
+    rows = [row for reshard in args.reshard.split(",")
+            for row in run_reshard(args.model, modes, reshard == "on", args)]
     if rank == 0:
-        print(f"model {args.model}, world size {world}, {args.steps} timed steps after "
-              f"{args.warmup} warm-up, CPU inductor, torch {torch.__version__}")
-        print("| reshard | mode | wall s/step | CPU s/step | peak MiB | last loss |")
+        print(f"model {args.model}, world size {world}, {args.steps} timed steps per mode "
+              f"(interleaved) after {args.warmup} warm-up, CPU inductor, torch {torch.__version__}, "
+              f"load average at the end {os.getloadavg()[0]:.1f}")
+        print("| reshard | mode | wall s/step median [min, max] | CPU s/step median [min, max] "
+              "| peak MiB | last loss |")
         print("|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {'on' if r['reshard'] else 'off'} | "
-                  f"{'compiled blocks' if r['compiled'] else 'eager'} | {r['wall_s']:.4f} | "
-                  f"{r['cpu_s']:.4f} | {r['peak_mib']:.2f} | {r['loss']:.5f} |")
+            print(f"| {'on' if r['reshard'] else 'off'} | {r['mode']} | {_fmt(r['wall'])} | "
+                  f"{_fmt(r['cpu'])} | {r['peak_mib']:.2f} | {r['loss']:.5f} |")
     dist.destroy_process_group()
+
+
+def _fmt(spread: tuple) -> str:
+    return "{:.3f} [{:.3f}, {:.3f}]".format(*spread)
 
 
 def main() -> None:
@@ -90,6 +130,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--peak-steps", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
+    parser.add_argument("--reshard", default="on,off", help="on, off or on,off")
     parser.add_argument("--port", type=int, default=29613)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
