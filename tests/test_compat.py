@@ -240,6 +240,33 @@ def _root_meshes() -> tuple:
             compat.root_mesh(mesh) is mesh)
 
 
+@pytest.mark.world
+def test_functional_all_gather_gathers_and_its_backward_sums():
+    """runtime/ingraph.py relies on it: rank-major output, a summing reduce-scatter
+    as backward (the in-graph gather divides by the bucket's factor itself)."""
+    from harness import run_world
+
+    for rank, (out, grad) in enumerate(run_world(2, _functional_gather)):
+        assert out == [0.0, 1.0, 10.0, 11.0]
+        assert grad == [2 * (2 * rank), 2 * (2 * rank + 1)]  # both ranks' 2 * index
+
+
+def _functional_gather() -> tuple:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    x = torch.tensor([10.0 * rank, 10.0 * rank + 1], requires_grad=True)
+    out = compat.all_gather_autograd(x, 0, dist.group.WORLD)
+    (out * torch.arange(4.0)).sum().backward()
+    return out.tolist(), x.grad.tolist()
+
+
+def test_functional_collective_ops_live_in_the_namespace_the_policy_reads():
+    ops = getattr(torch.ops, compat.FUNCTIONAL_COLLECTIVES_NAMESPACE)
+    assert ops.all_gather_into_tensor.default.namespace == compat.FUNCTIONAL_COLLECTIVES_NAMESPACE
+    assert ops.wait_tensor.default.namespace == compat.FUNCTIONAL_COLLECTIVES_NAMESPACE
+
+
 def test_inductor_cpp_compilers_are_the_config_list():
     import shutil
 

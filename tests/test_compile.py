@@ -258,22 +258,6 @@ def test_a_missing_cpp_compiler_is_named_before_compiling(monkeypatch):
     assert model._compiled_call_impl is None  # nothing compiled or sharded
 
 
-def test_compile_with_activation_checkpointing_is_refused():
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.activation_checkpoint import FullAC
-
-    from flexshard.integrations.torchtitan import parallelize_llama
-
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-    with pytest.raises(NotImplementedError, match=r"--compile.enable with torchtitan's activation "
-                                                  r"checkpointing .* drop one of them"):
-        parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
-                          parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-                          compile_config=CompileConfig(enable=True), ac_config=FullAC.Config(),
-                          dump_folder="")
-
-
 @pytest.mark.parametrize("device, backend, cxx", [("cuda", "inductor", (None, "no-such-g++")),
                                                   ("cpu", "aot_eager", (None, "no-such-g++")),
                                                   ("cpu", "inductor", (None, "sh"))])

@@ -86,11 +86,14 @@ def parallelize(model, world: int, placement: str = "shard", param: str = "float
             dump_folder="", flex_shard=FlexShardConfig(placement=placement))
 
 
-def _train_sharded(placement: str, ac: str = "none") -> tuple:
+def _train_sharded(placement: str, ac: str = "none", compile_model: bool = False) -> tuple:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = parallelize(debugmodel(), world, placement, ac=ac)
+    model = parallelize(debugmodel(), world, placement, ac=ac,
+                        compile_config=CompileConfig(enable=compile_model, components=["model"]))
+    if compile_model:  # torchtitan's compile of each block, inside its AC wrapper
+        assert all(_compiled_inside(b, ac) for b in model.layers.children())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -104,6 +107,14 @@ def _train_sharded(placement: str, ac: str = "none") -> tuple:
     full = {k.replace("._checkpoint_wrapped_module", ""): v  # torchtitan's AC wrapper
             for k, v in fs.full_state_dict(model).items()}
     return losses, full if rank == 0 else None
+
+
+def _compiled_inside(block, ac: str) -> bool:
+    """The block is compiled: itself without AC, else the one inside its AC wrapper."""
+    if ac == "none":
+        return block._compiled_call_impl is not None
+    return (block._compiled_call_impl is None
+            and block._checkpoint_wrapped_module._compiled_call_impl is not None)
 
 
 def _train_reference(world: int) -> tuple:
@@ -132,6 +143,16 @@ def test_parallelize_llama_matches_single_process_training(placement, ac):
     """Also with torchtitan's activation checkpointing (its AC wrappers sit inside
     the flex_shard buckets, as inside FSDP2's)."""
     results = run_world(2, _train_sharded, placement, ac, timeout=240)
+    check_matches_reference(results, *_train_reference(2))
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_compile_with_activation_checkpointing_matches_single_process_training(ac):
+    """--compile.enable with torchtitan's AC: the block inside each AC wrapper is
+    compiled, the wrapper runs eagerly around it, flex_shard's gather recomputes
+    with the block."""
+    results = run_world(2, _train_sharded, "shard", ac, True, timeout=300)
     check_matches_reference(results, *_train_reference(2))
 
 

@@ -6,7 +6,9 @@ norm, LM head); mixed precision and reshard-after-forward come from torchtitan's
 own `training` and `parallelism` sections; the placement from `FlexShardConfig`.
 `--compile.enable` (with "model" in `--compile.components`) compiles each
 TransformerBlock as torchtitan does, after activation checkpointing and before
-sharding; flex_shard's hooks then run eagerly around each compiled block.
+sharding; flex_shard's hooks then run eagerly around each compiled block. With
+activation checkpointing the block inside each AC wrapper is compiled, not the
+wrapper (see `_CompiledBlocks`).
 """
 
 from __future__ import annotations
@@ -75,12 +77,6 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
             f"dp_replicate as HSDP) and tensor parallelism only; drop {', '.join(unsupported)}")
     placement = (flex_shard or FlexShardConfig()).build_placement()
     compiled = compile_config.enable and "model" in compile_config.components
-    if compiled and ac_config is not None:
-        # fullgraph compile of an AC wrapper traces the inner block's call, where our
-        # (eager-only) hooks sit: dynamo refuses it mid-forward
-        raise NotImplementedError(
-            "--compile.enable with torchtitan's activation checkpointing (--activation_checkpoint) "
-            "is not supported by flexshard yet: drop one of them")
     if compiled:  # before touching the model; the device is the one torchtitan trains on
         check_cpp_compiler(titan_parallel_dims.device_type, compile_config.backend)
     if parallel_dims.tp_enabled:  # torchtitan's TP plan first: DTensor params on mesh "tp"
@@ -89,8 +85,9 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compiled:
         # torchtitan's own per-block compile (block.compile(fullgraph=True)), before
-        # sharding as torchtitan orders it
-        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+        # sharding as torchtitan orders it; under AC, of the blocks inside the wrappers
+        apply_compile(_CompiledBlocks(model) if ac_config is not None else model,
+                      compile_config=compile_config, parallel_dims=parallel_dims)
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward,
                                                     parallel_dims.pp_enabled)
     mp = fs.MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
@@ -108,6 +105,27 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
         # this rank's piece, as the unsharded model would be initialised.
         model.init_weights = functools.partial(init_weights, model)
     return model
+
+
+class _CompiledBlocks(nn.Module):
+    """What apply_compile compiles when activation checkpointing wrapped the blocks:
+    the block inside each wrapper, where flex_shard's hooks will sit. A fullgraph
+    compile of the wrapper would trace its call of the hooked block, and our hooks
+    run eagerly only (runtime/compiled.py); compiled inside, the wrapper runs eagerly
+    around a compiled block and the block's gather recomputes with it under the AC."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({name: _inner_block(wrapper)
+                                     for name, wrapper in model.layers.named_children()})
+
+
+def _inner_block(module: nn.Module) -> nn.Module:
+    """The module a wrapper holds: down through modules with one child and no
+    params of their own (torchtitan's AC wrapper is one such)."""
+    while len(list(module.children())) == 1 and not list(module.parameters(recurse=False)):
+        module = next(module.children())
+    return module
 
 
 def _dp_mesh(parallel_dims: ParallelDims):
