@@ -337,3 +337,18 @@ def test_gather_in_graph_matches_the_reference_and_recomputes_the_gather():
     # Without reshard the partitioner keeps what backward needs: the gathered params.
     kept = run_world(2, gather_in_graph, False, "aot_eager", timeout=300)[0]["kept"]
     assert kept, "the test cannot tell resharded from kept params"
+
+
+def gather_in_graph_bf16() -> None:
+    from flexshard.runtime.ingraph import compile_gather_in_graph
+
+    model = fs.flex_shard(make_model(), mp_policy=BF16)
+    compile_gather_in_graph(model, model.layers[0])
+
+
+def test_gather_in_graph_refuses_what_it_leaves_out():
+    from harness import expect_all_ranks_raise
+
+    expect_all_ranks_raise(2, gather_in_graph_bf16, "NotImplementedError",
+                           r"does not support a mixed precision policy \(bucket .*\): compile "
+                           r"the block with block.compile\(\) instead")

@@ -23,7 +23,7 @@ LAYERS = [
     {"runtime.delivery"},
     {"runtime.bucket"},
     {"runtime.prefetch", "runtime.reshard"},
-    {"runtime.hooks", "runtime"},
+    {"runtime.hooks", "runtime.ingraph", "runtime"},
     {"collectives", "clip", "optim"},
     {"planning", "planning.", "checkpoint", "checkpoint."},
     {"api"},

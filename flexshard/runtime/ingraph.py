@@ -144,14 +144,18 @@ def _alias_names(block: nn.Module, bucket: Bucket) -> list:
     return out
 
 
-def _detach_hooks(model: nn.Module, block: nn.Module) -> list:
-    """Remove flexshard's eager hooks from `block`; returns its buckets."""
-    state = get_state(model)
-    hooks = [h for h in state.hooks if h.module is block]
+def _block_hooks(model: nn.Module, block: nn.Module):
+    """flexshard's ModuleHooks on `block`."""
+    hooks = [h for h in get_state(model).hooks if h.module is block]
     if len(hooks) != 1:
         raise ValueError(f"compile_gather_in_graph: {type(block).__name__} is not the running "
                          "module of a flexshard bucket (pass a block that has its own BucketSpec)")
-    hooks = hooks[0]
+    return hooks[0]
+
+
+def _detach_hooks(model: nn.Module, hooks) -> None:
+    """Remove flexshard's eager hooks from their block: the compiled region gathers."""
+    state = get_state(model)
     for handle in hooks.handles:
         handle.remove()
     hooks.queue.listeners.remove(hooks.reshard_kept)
@@ -159,7 +163,6 @@ def _detach_hooks(model: nn.Module, block: nn.Module) -> list:
     if state.root_hooks is not None:  # no grad route: autograd delivers into .grad itself
         state.root_hooks.buckets = [b for b in state.root_hooks.buckets
                                     if b not in hooks.buckets]
-    return hooks.buckets
 
 
 def compile_gather_in_graph(model: nn.Module, block: nn.Module, **compile_kwargs) -> None:
@@ -167,8 +170,10 @@ def compile_gather_in_graph(model: nn.Module, block: nn.Module, **compile_kwargs
     result) with its buckets' gathers inside the graph; reshard after forward
     is the compiler's selective recompute of the gather. Call it after
     flex_shard and before training. `compile_kwargs` go to torch.compile."""
-    buckets = _detach_hooks(model, block)
-    gathers = [TracedGather(b) for b in buckets]
+    hooks = _block_hooks(model, block)
+    buckets = hooks.buckets
+    gathers = [TracedGather(b) for b in buckets]  # raises before anything changed
+    _detach_hooks(model, hooks)
     names = [_alias_names(block, b) for b in buckets]
     reshard = any(b.reshard_after_forward for b in buckets)
     body = _Body(block)
