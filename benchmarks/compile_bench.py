@@ -7,7 +7,9 @@ For each reshard setting one model per mode trains `benchmarks/model.py`'s model
 under flex_shard (one bucket per block plus root): "eager"; "hooks", every block
 compiled after flex_shard (`block.compile()`, inductor), the gather in flexshard's
 eager hooks around it; "in-graph", every block compiled with its bucket's gather
-inside the graph (`runtime/ingraph.py`, reshard = the compiler's selective recompute).
+inside the graph (`runtime/ingraph.py`, reshard = the compiler's selective recompute);
+"in-graph-aot", the same with the aot_eager backend (AOTAutograd's graphs run by eager
+kernels), to tell the partitioner's choices from inductor's.
 Warm-up steps (the compiles among them) are not timed; then the modes take turns,
 one step each, the order rotating every round, so load on a shared machine falls on
 all of them alike. Wall and process CPU time per step: the slowest rank's, median
@@ -33,7 +35,7 @@ from flexshard.runtime.ingraph import compile_gather_in_graph
 from .allocator_peak import allocated
 from .model import batch, build_model, loss_fn
 
-MODES = ("eager", "hooks", "in-graph")
+MODES = ("eager", "hooks", "in-graph")  # and "in-graph-aot" (backend aot_eager), on request
 
 
 def _step(model, opt, name: str, step: int, rank: int) -> float:
@@ -58,6 +60,8 @@ def build(name: str, mode: str, reshard: bool):
             block.compile()
         elif mode == "in-graph":
             compile_gather_in_graph(model, block)
+        elif mode == "in-graph-aot":  # the same graphs, AOTAutograd without inductor
+            compile_gather_in_graph(model, block, backend="aot_eager")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -131,7 +135,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--peak-steps", type=int, default=2)
-    parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES + ("in-graph-aot",)))
     parser.add_argument("--reshard", default="on,off", help="on, off or on,off")
     parser.add_argument("--port", type=int, default=29613)
     args = parser.parse_args()
