@@ -169,7 +169,8 @@ def compile_gather_in_graph(model: nn.Module, block: nn.Module, **compile_kwargs
     """Experimental: compile `block` (a running module of `model`, flex_shard's
     result) with its buckets' gathers inside the graph; reshard after forward
     is the compiler's selective recompute of the gather. Call it after
-    flex_shard and before training. `compile_kwargs` go to torch.compile."""
+    flex_shard (and after any to() / to_empty(), which re-create the sharded
+    params it captures) and before training. `compile_kwargs` go to torch.compile."""
     hooks = _block_hooks(model, block)
     buckets = hooks.buckets
     gathers = [TracedGather(b) for b in buckets]  # raises before anything changed
