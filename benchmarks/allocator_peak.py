@@ -5,7 +5,7 @@
 `benchmarks/compare.py` tracks storages through a TorchDispatchMode; this one reads the
 profiler's raw allocator records instead (every allocation and free the CPU allocator
 sees, inside ops or not), the meter `compile_bench.py` uses too. For flexshard and FSDP2 (one
-group per block plus the root, reshard after forward on and off, eager, fp32, AdamW) it
+group per block plus the root, reshard after forward on and off, eager, fp32 or a bf16 cast, AdamW) it
 reports, for one step after two warm-up steps, the bytes allocated minus freed:
 at their peak during the forward, at the end of the forward, at their peak during the
 backward (counted from the step's start), and at their peak over the whole step
@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import flexshard as fs
 
@@ -33,7 +33,7 @@ MIB = 2 ** 20
 
 def allocated(fn) -> tuple:
     """(fn's result, bytes allocated minus freed at the end, at the peak, what was
-    live at the peak) while fn runs.
+    live at the peak: a LiveAtPeak) while fn runs.
 
     Read from the profiler's raw allocator records ("[memory]" events: one per malloc
     and free, its size signed), in time order, from every thread the profiler saw. Not
@@ -50,7 +50,7 @@ def allocated(fn) -> tuple:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     records = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    live = peak = 0
+    live = peak = peak_ts = 0
     held, at_peak = {}, {}
     for e in records:
         size, addr = e["args"]["Bytes"], e["args"]["Addr"]
@@ -60,9 +60,25 @@ def allocated(fn) -> tuple:
         else:
             held.pop(addr, None)
         if live > peak:
-            peak, at_peak = live, dict(held)
+            peak, at_peak, peak_ts = live, dict(held), e["ts"]
     spans = [e for e in events if e.get("ph") == "X"]
-    return out, live, peak, _by_span(at_peak.values(), spans)
+    return out, live, peak, LiveAtPeak(_by_span(at_peak.values(), spans), _running(peak_ts, spans))
+
+
+class LiveAtPeak(dict):
+    """{(span, op): bytes} live at the peak; `running`: the spans running then."""
+
+    def __init__(self, groups: dict, running: str) -> None:
+        super().__init__(groups)
+        self.running = running
+
+
+def _running(ts, spans) -> str:
+    """The outermost-first chain of non-aten spans running at time `ts`."""
+    around = sorted((s for s in spans if s["ts"] <= ts <= s["ts"] + s.get("dur", 0)),
+                    key=lambda s: -s.get("dur", 0))
+    return " > ".join(s["name"][:40] for s in around
+                      if not s["name"].startswith(("aten::", "[", "PyTorch Profiler")))[-160:]
 
 
 def _by_span(allocations, spans) -> dict:
@@ -78,17 +94,21 @@ def _by_span(allocations, spans) -> dict:
     return out
 
 
-def wrap(name: str, runner: str, reshard: bool) -> torch.nn.Module:
+def wrap(name: str, runner: str, reshard: bool, dtype: str = "fp32") -> torch.nn.Module:
+    """`name` under `runner`; a bf16 `dtype` casts params for compute and reduces in fp32."""
     model = build_model(name)
+    cast = {} if dtype == "fp32" else {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     if runner == "flexshard":
-        return fs.flex_shard(model, reshard_after_forward=reshard)
+        return fs.flex_shard(model, reshard_after_forward=reshard,
+                             mp_policy=fs.MixedPrecisionPolicy(**cast))
+    mp = MixedPrecisionPolicy(**cast)
     for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard)
-    return fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+    return fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def measure(name: str, runner: str, reshard: bool, rank: int) -> dict:
-    model = wrap(name, runner, reshard)
+def measure(name: str, runner: str, reshard: bool, rank: int, dtype: str = "fp32") -> dict:
+    model = wrap(name, runner, reshard, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(i: int) -> None:
@@ -104,21 +124,22 @@ def measure(name: str, runner: str, reshard: bool, rank: int) -> dict:
     _, _, bwd_peak, bwd_live = allocated(loss.backward)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    _, _, step_peak, _ = allocated(lambda: step(3))
+    _, _, step_peak, step_live = allocated(lambda: step(3))
     peak = torch.tensor([float(step_peak)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"fwd_peak": fwd_peak, "fwd_end": fwd_end, "bwd_peak": fwd_end + bwd_peak,
-            "step_peak": peak.item(), "bwd_live": bwd_live}
+            "step_peak": peak.item(), "bwd_live": bwd_live, "step_live": step_live}
 
 
-def _worker(rank: int, world: int, port: int, model: str, breakdown: int) -> None:
+def _worker(rank: int, world: int, port: int, model: str, breakdown: int, dtype: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
-    rows = [(runner, reshard, measure(model, runner, reshard, rank))
+    rows = [(runner, reshard, measure(model, runner, reshard, rank, dtype))
             for reshard in (True, False) for runner in ("flexshard", "fsdp2")]
     if rank == 0:
-        print(f"model {model}, world size {world}, fp32, eager, torch {torch.__version__}")
+        print(f"model {model}, world size {world}, {dtype} params in compute, eager, "
+              f"torch {torch.__version__}")
         print("| reshard | runner | fwd peak MiB | fwd end MiB | bwd peak MiB | step peak MiB |")
         print("|---|---|---|---|---|---|")
         for runner, reshard, m in rows:
@@ -126,10 +147,13 @@ def _worker(rank: int, world: int, port: int, model: str, breakdown: int) -> Non
                   f"{m['fwd_end'] / MIB:.1f} | {m['bwd_peak'] / MIB:.1f} | "
                   f"{m['step_peak'] / MIB:.1f} |")
         for runner, reshard, m in rows if breakdown else ():
-            print(f"\nlive at the backward's peak, allocated during the backward: {runner}, "
-                  f"reshard {'on' if reshard else 'off'} (MiB, span / op)")
-            for (span, op), size in sorted(m["bwd_live"].items(), key=lambda kv: -kv[1])[:breakdown]:
-                print(f"  {size / MIB:6.2f}  {span} / {op}")
+            for key, what in (("bwd_live", "the backward's peak, allocated during the backward"),
+                              ("step_live", "the step's peak (rank 0), allocated during the step")):
+                print(f"\nlive at {what}: {runner}, reshard {'on' if reshard else 'off'} "
+                      "(MiB, span / op)")
+                print(f"  running at the peak: {m[key].running or '?'}")
+                for (span, op), size in sorted(m[key].items(), key=lambda kv: -kv[1])[:breakdown]:
+                    print(f"  {size / MIB:6.2f}  {span} / {op}")
     dist.destroy_process_group()
 
 
@@ -138,11 +162,14 @@ def main() -> None:
     parser.add_argument("--model", default="llama", help="a name in benchmarks/model.py")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--port", type=int, default=29617)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="param dtype in forward/backward (bf16: reduce in fp32)")
     parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                         help="also print the N largest groups live at the backward's peak")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.multiprocessing.spawn(_worker, (args.world_size, args.port, args.model, args.breakdown),
+    torch.multiprocessing.spawn(_worker, (args.world_size, args.port, args.model, args.breakdown,
+                                          args.dtype),
                                 nprocs=args.world_size)
 
 

@@ -258,6 +258,8 @@ def _parse(argv) -> argparse.Namespace:
                         "lists them; engine grid: llama)")
     p.add_argument("--reshard", nargs="+", choices=("on", "off"), default=["on"],
                    help="engine grid: reshard after forward on, off or both (memory targets)")
+    p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=None,
+                   help="only these param dtypes (default: the grid's)")
     p.add_argument("--steps", type=int, default=12, help="timed (paired) steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -276,6 +278,8 @@ def _grid(args, world_sizes) -> list:
         if args.models:  # the same variants on these models instead
             grid = list(dict.fromkeys(dataclasses.replace(c, model=m)
                                       for c in grid for m in args.models))
+    if args.dtypes is not None:
+        grid = [c for c in grid if c.param_dtype in args.dtypes]
     if args.placements is None:
         return grid
     grid = [c for c in grid if c.placement in args.placements]

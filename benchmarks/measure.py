@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from .meters import COPY_KINDS, MemoryMeter, TrafficMeter, local
+from .meters import COPY_KINDS, MemoryMeter, TrafficMeter, footprint, local
 from .model import batch, build_model, loss_fn
 from .runners import DTYPES
 
@@ -25,13 +25,14 @@ def direction(kind: str) -> str:
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages under `tensors` (padding included)."""
+    """Bytes of the distinct storages under `tensors` (padding included), each at
+    its allocator footprint as MemoryMeter counts it."""
     seen, total = set(), 0
     for t in tensors:
         st = local(t).untyped_storage()
         if st.data_ptr() not in seen or st.nbytes() == 0:
             seen.add(st.data_ptr())
-            total += st.nbytes()
+            total += footprint(st)
     return total
 
 

@@ -108,8 +108,23 @@ class TrafficMeter(TorchDispatchMode):
             self.copies["cast" if cast else "clone"] += nbytes(dst)
 
 
+# Every storage an allocator hands out starts on a block boundary, so a storage
+# occupies at least its bytes rounded up to it: c10's CPU allocator aligns every
+# block to 64 bytes (c10::gAlignment), the CUDA caching allocator rounds every
+# block up to 512 bytes (its minimum block size). Counting raw bytes instead
+# would make many small tensors look cheaper than one flat buffer holding them.
+_BLOCK = {"cpu": 64, "cuda": 512}
+
+
+def footprint(st: torch.UntypedStorage, size: Optional[int] = None) -> int:
+    """Bytes `st` (resized to `size`, if given) occupies in its allocator: its
+    size rounded up to a block."""
+    size, block = st.nbytes() if size is None else size, _BLOCK.get(st.device.type, 1)
+    return -(-size // block) * block
+
+
 class _Entry:
-    """One tracked storage: its current size and what it holds."""
+    """One tracked storage: its current size (allocator footprint) and what it holds."""
 
     __slots__ = ("nbytes", "kind", "ref")
 
@@ -128,7 +143,8 @@ def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
 
 
 class MemoryMeter(TorchDispatchMode):
-    """Live storage bytes through a step and their peak, by kind.
+    """Live storage bytes through a step and their peak, by kind; each storage at
+    its allocator footprint (`footprint`: its bytes rounded up to the allocator's block).
 
     A storage counts from the first op that touches it (or from `register`)
     until it is freed; storage resizes (FSDP2 frees unsharded parameters by
@@ -163,7 +179,7 @@ class MemoryMeter(TorchDispatchMode):
     def _track(self, st: torch.UntypedStorage, kind: str, retag: bool = False) -> _Entry:
         entry = self._entries.get(st)
         if entry is None:
-            entry = _Entry(st.nbytes(), kind)
+            entry = _Entry(footprint(st), kind)
             entry.ref = weakref.ref(st, self._died_callback(entry))
             self._entries[st] = entry
             self.live += entry.nbytes
@@ -180,6 +196,7 @@ class MemoryMeter(TorchDispatchMode):
 
     def _resized(self, st: torch.UntypedStorage, size: int) -> None:
         entry = self._track(st, "other")
+        size = footprint(st, size)
         self.live += size - entry.nbytes
         entry.nbytes = size
         self._check_peak()

@@ -40,16 +40,22 @@ def _check_timing(result, kinds):
         assert 0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf
 
 
+# The meter counts each storage at its allocator footprint (64-byte blocks on CPU:
+# under 64 bytes more than its size), and flexshard's storage holds the gaps that
+# start each piece on a 16-byte boundary (at most 15 bytes per param).
+_ROUNDING, _GAP = 63, 15
+
+
 def _check_memory(run, model_bytes, ws):
     mem = run["memory"]
     assert len(mem["peak_bytes_per_rank"]) == ws
     assert model_bytes / ws <= mem["param_bytes"] <= model_bytes * 1.1 / ws
-    # fp32 grads, one per sharded param; flexshard's storage also holds the gaps that
-    # start each piece on a 16-byte boundary (at most 15 bytes per param)
-    assert mem["grad_bytes"] <= mem["param_bytes"] <= mem["grad_bytes"] + 15 * _param_count()
+    # fp32 grads, one per sharded param, the same bytes up to gaps and rounding
+    slack = (_ROUNDING + _GAP) * _param_count()
+    assert mem["grad_bytes"] - slack <= mem["param_bytes"] <= mem["grad_bytes"] + slack
     # AdamW: two moments per sharded param (grads may be views of a reduce output
     # that holds the same alignment gaps)
-    assert mem["opt_state_bytes"] >= 2 * (mem["grad_bytes"] - 15 * _param_count())
+    assert mem["opt_state_bytes"] >= 2 * (mem["grad_bytes"] - slack)
     assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]
     assert sum(mem["peak_by_kind"].values()) == mem["peak_bytes"]
 
@@ -69,11 +75,13 @@ def test_world_size_1_against_plain(ws1_results):
         _check_memory(run, _model_bytes(), 1)
     # without a cast, flexshard at world size 1 is the plain model: no copies of its own
     assert runs["flexshard"]["copies"] == runs["plain"]["copies"] == result["plain_copies"]
-    # the same peak, plus the alignment gaps of flexshard's one storage buffer
-    gaps = runs["flexshard"]["memory"]["param_bytes"] - runs["plain"]["memory"]["param_bytes"]
-    assert 0 <= gaps <= 15 * _param_count()
+    # the same peak but for the params' storage: flexshard's buffer per bucket (its
+    # alignment gaps, one block rounding each) against the plain model's tensors (one
+    # block rounding each): below the plain model's, never above by more than the gaps
+    diff = runs["flexshard"]["memory"]["param_bytes"] - runs["plain"]["memory"]["param_bytes"]
+    assert -_ROUNDING * _param_count() <= diff <= _GAP * _param_count()
     assert (runs["flexshard"]["memory"]["peak_bytes"]
-            == runs["plain"]["memory"]["peak_bytes"] + gaps)
+            == runs["plain"]["memory"]["peak_bytes"] + diff)
 
 
 def _check_flexshard_traffic(run):

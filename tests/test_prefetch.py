@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import flexshard as fs
+from flexshard.runtime.device import HostContext
+from flexshard.runtime.state import get_state
 from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn
 from reference import make_model
@@ -18,8 +20,6 @@ BLOCKS = [fs.BucketSpec("layers.0.*", name="layers.0"), fs.BucketSpec("layers.1.
 
 
 def _counters(model) -> dict:
-    from flexshard.runtime.state import get_state
-
     return {b.name: (b.counters.prefetches, b.counters.discarded_prefetches)
             for b in get_state(model).buckets}
 
@@ -76,12 +76,21 @@ def test_reversed_bucket_specs_give_the_same_collectives():
                          "layers.2": (1, 0)}
 
 
-def overlap_log(depth: int) -> dict:
+class OverlappingHost(HostContext):
+    """A host context that leaves a reduction in flight, as CudaContext does."""
+
+    reduces_in_flight = 1
+
+
+def overlap_log(depth: int, reduces_in_flight: int = 1) -> dict:
     """Rank body: for each matmul of step 2, how many gathers and reductions
     were launched and not yet waited for, with a 30 ms injected delay."""
     comm = DelayComm(delay=0.03)
     model = fs.flex_shard(make_model(layers=3), buckets=BLOCKS, comm=comm)
     model.set_prefetch_depth(depth)
+    if reduces_in_flight:
+        cpu = torch.device("cpu")
+        get_state(model).buckets[0].devices.set(cpu, OverlappingHost(cpu))
     train(model, 1)
     rank = torch.distributed.get_rank()
     x, y = batch(1, rank)
@@ -104,6 +113,15 @@ def test_compute_overlaps_delayed_gathers():
         assert sum(r > 0 for r in bwd_reduces) > 0, "reduce-scatter overlaps backward"
         assert max(fwd_gathers + bwd_gathers) <= 1, "depth 1 bounds gathers in flight"
         assert log["left"] == 0, "backward ends with nothing in flight"
+
+
+def test_host_finishes_each_reduction_at_launch():
+    # HostContext.reduces_in_flight = 0: no reduction flies while backward computes
+    # (its buffers would sit beside the next block's grads); gathers still overlap.
+    for log in run_world(2, overlap_log, 1, 0):
+        assert all(r == 0 for _, r in log["backward"])
+        assert sum(g > 0 for g, _ in log["backward"]) > 0
+        assert log["left"] == 0
 
 
 def test_without_prefetch_nothing_overlaps_gathers():

@@ -588,6 +588,9 @@ class _Unshard(torch.autograd.Function):
 def _launch_reduce(bucket: Bucket, packed: tuple, delivery) -> None:
     """Launch a bucket's packed reduction; its Delivery (None: a forward under
     no_grad made this graph) receives the sharded grads when it finishes."""
+    # How many may stay in flight is the device's call (HostContext.reduces_in_flight);
+    # a model's buckets share one compute device, so they agree.
+    bucket.reduce_queue.max_in_flight = bucket.device_ctx.reduces_in_flight
     pending = bucket.launch_reduce(packed)
     if delivery is not None:
         delivery.expect(bucket.reduce_queue, pending.work, partial(bucket.finish_reduce, pending),

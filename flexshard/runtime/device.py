@@ -27,6 +27,12 @@ class HostContext:
     copy_in: Any = "copy_in"
     gather: Any = "gather"
     reduce: Any = "reduce"
+    # Reduce-scatters left in flight while the next bucket's backward runs. On a
+    # host, none: the collective runs on the backend's threads, on the cores the
+    # backward computes on, so overlapping it bought no time measurably, while
+    # its input (and gloo's input-sized copy) sat beside the next block's grads
+    # and regathered params (design.md, "Streams and buffers").
+    reduces_in_flight: int = 0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -57,6 +63,8 @@ class HostContext:
 
 class CudaContext(HostContext):
     """One CUDA device: three side streams made once, events per use."""
+
+    reduces_in_flight = 1  # the reduce stream overlaps the next block's backward
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

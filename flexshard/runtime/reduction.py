@@ -2,11 +2,12 @@
 
 A bucket's backward packs its grads and defers the reduce-scatter's launch
 until it has returned (autograd holds a node's grad inputs until then): the
-next node's pre-hook, `make_room` or `finish_all` launches it, so the
-collective overlaps the backward of the buckets before it without sitting
-beside the unsharded grads. The queue keeps at most `max_in_flight`
-reductions launched; the oldest is finished (its `finish` callable waits,
-averages and hands the sharded grads on, see delivery.py) to make room. The queue knows launched collectives and callables
+next node's pre-hook, `make_room` or `finish_all` launches it. The queue keeps
+at most `max_in_flight` reductions launched (the device's call: one on CUDA,
+where the collective overlaps the backward of the buckets before it; none on
+a host, where the launch finishes it); the oldest is finished (its `finish`
+callable waits, averages and hands the sharded grads on, see delivery.py) to
+make room. The queue knows launched collectives and callables
 only, never buckets. Other parts of the runtime add end-of-backward work to
 `listeners`, which run when the outermost watched pass ends (a reentrant
 checkpoint runs a nested backward pass inside the outer one).
