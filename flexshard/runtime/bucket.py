@@ -102,9 +102,12 @@ class Bucket:
                                           [slots[i] for i in self.grad_slots])
 
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
-        is_storage = layout == self.storage.layout
-        copy_in = 0 if is_storage else sum(reg.nbytes[self.rank] for reg in layout.regions)
-        return LayoutPlans(layout.keeps_views, plan_copies(layout, self.slots), is_storage, copy_in)
+        same = layout == self.storage.layout
+        is_storage = same and not self.storage.padded
+        copy_in = (0 if is_storage else self.storage.buffer.numel() if same
+                   else sum(reg.nbytes[self.rank] for reg in layout.regions))
+        return LayoutPlans(layout.keeps_views, plan_copies(layout, self.slots), is_storage,
+                           copy_in, same)
 
     def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
         plans = self._plans.get(id(layout))
@@ -359,27 +362,39 @@ class Bucket:
 
     def _gather_buffers(self, layout: BucketLayout, plans: LayoutPlans,
                         source: Optional[PostForwardShard] = None) -> tuple:
-        """(gather input, gather output), on the compute stream."""
+        """(gather input, gather output), on the compute stream. The storage buffer
+        is the gather input when it can be (no cast, not offloaded, not shorter
+        than the segment); otherwise the copy-in writes this rank's segment of the
+        gather output and the all-gather reads it there, in place (as FSDP2's), so
+        no segment-sized temporary exists beside the output."""
         device = self.compute_device
         send = self.storage.buffer if source is None else source.send
-        # an offloaded storage is staged to the compute device (see _copy_in)
-        if source is None and (not plans.is_storage or self.offload is not None):
-            send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+        copy_in = source is None and (not plans.is_storage or self.offload is not None)
         if self.world_size == 1:
+            if copy_in:
+                send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
             return send, send
-        return send, torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+        gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+        if copy_in:
+            start = self.rank * layout.segment_bytes
+            send = gathered[start:start + layout.segment_bytes]
+        return send, gathered
 
     def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
-        """This rank's pieces, cast to the layout's dtypes: one copy per param.
+        """This rank's pieces, cast to the layout's dtypes: one copy per param;
+        without a cast, one copy of the storage buffer (shorter than `send`).
         An offloaded storage is first staged to the compute device (H2D): into
         `send` itself when no cast follows, else into a temporary of this stream."""
-        views = self.storage.views
+        views, used = self.storage.views, self.storage.buffer.numel()
         if self.offload is not None:
-            staged = self.offload.stage(self.storage.buffer, send if plans.is_storage else None)
+            staged = self.offload.stage(self.storage.buffer, send[:used] if plans.same_bytes else None)
             self.counters.h2d_bytes += staged.numel()
-            if plans.is_storage:
+            if plans.same_bytes:
                 return
             views = segment_views(staged, self.storage.layout, self.slots, self.rank)
+        if plans.same_bytes:  # a storage shorter than the segment: one copy, padded
+            send[:used].copy_(self.storage.buffer)
+            return
         for reg, slot, view in zip(layout.regions, self.slots, views):
             typed_view(send, reg.offsets[self.rank], reg.dtype,
                        slot.local_shapes[self.rank]).copy_(view)
