@@ -106,8 +106,8 @@ class Bucket:
         is_storage = same and not self.storage.padded
         copy_in = (0 if is_storage else self.storage.buffer.numel() if same
                    else sum(reg.nbytes[self.rank] for reg in layout.regions))
-        return LayoutPlans(layout.keeps_views, plan_copies(layout, self.slots), is_storage,
-                           copy_in, same)
+        return LayoutPlans(layout.keeps_views, layout.pins_padding, plan_copies(layout, self.slots),
+                           is_storage, copy_in, same)
 
     def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
         plans = self._plans.get(id(layout))
@@ -287,10 +287,13 @@ class Bucket:
         if self.post_forward_size is not None and not in_backward() and layout is self.gather_layout:
             self._forward_gathered = pending.gathered  # for keep_post_forward_shard
         outs = []
+        # A bucket that keeps its unsharded params until backward would pin the gather
+        # output's padding as long: its params are copied out when padding is heavy.
+        view_ok = plans.keeps_views and not (plans.pins_padding and self.reshard_after_forward is False)
         with hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
             for i, slot in enumerate(self.slots):  # copy-out on the compute stream
                 full, copied = gathered_param(pending.gathered, layout, slot, i,
-                                              plans.keeps_views, plans.copies[i])
+                                              view_ok, plans.copies[i])
                 self.counters.copy_out_bytes += copied
                 outs.append(full)
         return outs

@@ -17,6 +17,7 @@ class LayoutPlans(NamedTuple):
     """What a gather over one layout needs each step, decided at wrap time."""
 
     keeps_views: bool  # see BucketLayout.keeps_views
+    pins_padding: bool  # see BucketLayout.pins_padding
     copies: tuple  # CopyPlan per slot
     is_storage: bool  # the storage buffer is the gather input (no copy-in)
     copy_in_bytes: int

@@ -96,6 +96,14 @@ class BucketLayout(NamedTuple):
         return copied * 16 <= self.ideal_bytes
 
     @property
+    def pins_padding(self) -> bool:
+        """Whether more than 1/16 of the gathered buffer is padding (whole tensors
+        that do not split evenly over the ranks: Owned). Views of it pin the
+        padding with the params, so a bucket that keeps its unsharded params
+        through backward copies them out instead (see Bucket.gather_params)."""
+        return (self.wire_bytes - self.ideal_bytes) * 16 > self.wire_bytes
+
+    @property
     def dense(self) -> bool:
         """Whether the pieces cover every byte of every segment (no padding, no
         alignment gaps): a buffer every piece is written into needs no zeroing."""
