@@ -115,11 +115,11 @@ def measure(name: str, runner: str, reshard: bool, rank: int, placement: str = "
     _, _, bwd_peak, bwd_live = allocated(loss.backward)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    _, _, step_peak, _ = allocated(lambda: step(3))
+    _, _, step_peak, step_live = allocated(lambda: step(3))
     peak = torch.tensor([float(step_peak)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"fwd_peak": fwd_peak, "fwd_end": fwd_end, "bwd_peak": fwd_end + bwd_peak,
-            "step_peak": peak.item(), "step_peak_rank": step_peak, "bwd_live": bwd_live,
+            "step_peak": peak.item(), "step_peak_rank": step_peak, "bwd_live": bwd_live, "step_live": step_live,
             "resident": resident(model, opt)}
 
 
@@ -127,11 +127,11 @@ def resident(model, opt) -> int:
     """Bytes of the distinct storages under the params and the optimizer state: what
     the step's counts start from (a storage buffer's padding included)."""
     seen, total = set(), 0
-    tensors = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    tensors = list(model.parameters())
     tensors += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
+        st = getattr(t, "_local_tensor", t).untyped_storage()  # FSDP2's are DTensors
+        if st.nbytes() and st.data_ptr() not in seen:  # FSDP2 frees by resizing to 0
             seen.add(st.data_ptr())
             total += st.nbytes()
     return total
@@ -166,10 +166,12 @@ def _worker(rank: int, world: int, port: int, model: str, breakdown: int,
                 print(f"| {'on' if reshard else 'off'} | {runner} | {r} | {res} | {int(peak)} | "
                       f"{res + int(peak)} |")
         for runner, reshard, m in rows if breakdown else ():
-            print(f"\nlive at the backward's peak, allocated during the backward: {runner}, "
-                  f"reshard {'on' if reshard else 'off'} (MiB, span / op)")
-            for (span, op), size in sorted(m["bwd_live"].items(), key=lambda kv: -kv[1])[:breakdown]:
-                print(f"  {size / MIB:6.2f}  {span} / {op}")
+            for key, what in (("bwd_live", "the backward's peak, allocated during the backward"),
+                              ("step_live", "the whole step's peak (rank 0), allocated during the step")):
+                print(f"\nlive at {what}: {runner}, reshard {'on' if reshard else 'off'} "
+                      "(MiB, span / op)")
+                for (span, op), size in sorted(m[key].items(), key=lambda kv: -kv[1])[:breakdown]:
+                    print(f"  {size / MIB:6.3f}  {span} / {op}")
     dist.destroy_process_group()
 
 
