@@ -130,6 +130,41 @@ def _grads_land_on_owners():
     return out
 
 
+def _held_bytes():
+    import torch.distributed as dist
+
+    from flexshard.runtime.state import get_state
+    from models import batch, loss_fn
+
+    model = fs.flex_shard(make_model(), placement=fs.Owned())
+    rank = dist.get_rank()
+    x, y = batch(0, rank)
+    loss_fn(model(x), y).backward()
+
+    def storages(tensors) -> int:
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t.numel()}
+        return sum(seen.values())
+
+    return [(b.name, b.storage.layout.segment_bytes, b.storage.layout.storage_bytes(rank),
+             b.reduce_layout.storage_bytes(rank), storages(b.params),
+             storages([p.grad for p in b.params])) for b in get_state(model).buckets]
+
+
+def test_params_and_grads_hold_no_padding():
+    """TinyGPT at 2 ranks, every param Owned: each bucket's segment is over 1/16
+    padding for its light rank, whose params and fp32 grads then take their own
+    bytes (plus alignment), not the segment (the grads are not views of the padded
+    reduce-scatter output)."""
+    results = run_world(2, _held_bytes)
+    trimmed = 0
+    for rank_out in results:
+        for name, segment, storage, grads, held_params, held_grads in rank_out:
+            assert held_params == storage and held_grads == grads, name
+            trimmed += storage < segment
+    assert trimmed == len(results[0])  # one light rank per bucket (2 blocks, the root)
+
+
 def test_gradients_reduce_onto_owners():
     results = run_world(2, _grads_land_on_owners)
     for rank_out in results:

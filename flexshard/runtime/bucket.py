@@ -98,6 +98,10 @@ class Bucket:
         self._plans = {id(lay): self._layout_plans(lay)
                        for lay in (self.storage.layout, self.gather_layout)}
         self._reduce_dense = self.reduce_layout.dense
+        # the sharded grads' bytes when they are copied out of a mostly-padding reduce
+        # output (as the storage holds the params: see _grad_targets), else None
+        grad_bytes = self.reduce_layout.storage_bytes(rank)
+        self._grad_bytes = grad_bytes if grad_bytes < self.reduce_layout.segment_bytes else None
         self._reduce_copies = plan_copies(self.reduce_layout,
                                           [slots[i] for i in self.grad_slots])
 
@@ -537,8 +541,13 @@ class Bucket:
     def _grad_targets(self, out: torch.Tensor) -> list:
         """(view of the reduce output, sharded grad) per trainable slot; the
         grad is the view itself when no cast is needed, else a new tensor
-        (allocated here, on the compute stream); offloaded: a host tensor."""
+        (allocated here, on the compute stream); offloaded: a host tensor. Where
+        over 1/16 of this rank's reduce segment is padding (an Owned bucket's light
+        rank) the grads are views of one buffer of their own bytes instead, so they
+        do not pin the padding until the optimizer is done with them."""
         targets, offload = [], self.offload
+        own = None if self._grad_bytes is None or offload is not None else torch.empty(
+            self._grad_bytes, dtype=torch.uint8, device=out.device)
         for j, i in enumerate(self.grad_slots):
             reg, slot = self.reduce_layout.regions[j], self.slots[i]
             shape = slot.local_shapes[self.rank]
@@ -549,9 +558,11 @@ class Bucket:
             view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
             if offload is not None:
                 targets.append((view, offload.host_empty(shape, slot.dtype)))
+            elif reg.dtype != slot.dtype:
+                targets.append((view, torch.empty(shape, dtype=slot.dtype, device=out.device)))
             else:
-                targets.append((view, view if reg.dtype == slot.dtype else
-                                torch.empty(shape, dtype=slot.dtype, device=out.device)))
+                targets.append((view, view if own is None else
+                                typed_view(own, reg.offsets[self.rank], reg.dtype, shape)))
         return targets
 
 
