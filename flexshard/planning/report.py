@@ -34,7 +34,7 @@ class BucketPlan(NamedTuple):
     regather_ranks: int  # ranks backward's regather spans: S, N for an int reshard, 0 if none
     reduces_per_step: int  # reduce-scatters in one backward (shard dim)
     storage_bytes: tuple  # per rank: its storage buffer (its pieces, aligned; padded to the
-    #                       segment unless the padding is over 1/16 of it: BucketLayout.storage_bytes)
+    #                       segment unless that is over 1/16 padding: BucketLayout.storage_bytes)
     grad_bytes: tuple  # per rank: its sharded grads (trainable pieces, in the param dtype)
     gather_wire_bytes: int  # per step, shard dim: every all-gather's output
     reduce_wire_bytes: int  # per step, shard dim: the reduce-scatter's input

@@ -107,7 +107,7 @@ class Bucket:
 
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
         same = layout == self.storage.layout
-        is_storage = same and not self.storage.padded
+        is_storage = same and not self.storage.short
         copy_in = (0 if is_storage else self.storage.buffer.numel() if same
                    else sum(reg.nbytes[self.rank] for reg in layout.regions))
         return LayoutPlans(layout.keeps_views, layout.pins_padding, plan_copies(layout, self.slots),
@@ -293,7 +293,8 @@ class Bucket:
         outs = []
         # A bucket that keeps its unsharded params until backward would pin the gather
         # output's padding as long: its params are copied out when padding is heavy.
-        view_ok = plans.keeps_views and not (plans.pins_padding and self.reshard_after_forward is False)
+        kept = self.reshard_after_forward is False
+        view_ok = plans.keeps_views and not (plans.pins_padding and kept)
         with hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
             for i, slot in enumerate(self.slots):  # copy-out on the compute stream
                 full, copied = gathered_param(pending.gathered, layout, slot, i,
@@ -394,7 +395,8 @@ class Bucket:
         `send` itself when no cast follows, else into a temporary of this stream."""
         views, used = self.storage.views, self.storage.buffer.numel()
         if self.offload is not None:
-            staged = self.offload.stage(self.storage.buffer, send[:used] if plans.same_bytes else None)
+            into = send[:used] if plans.same_bytes else None
+            staged = self.offload.stage(self.storage.buffer, into)
             self.counters.h2d_bytes += staged.numel()
             if plans.same_bytes:
                 return

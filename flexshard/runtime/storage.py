@@ -61,7 +61,7 @@ class BucketStorage:
         self.views = segment_views(buffer, self.layout, self.slots, self.rank)
 
     @property
-    def padded(self) -> bool:
-        """Whether the buffer is shorter than the layout's segment (a gather then
-        pads it: the buffer cannot be the gather input)."""
+    def short(self) -> bool:
+        """Whether the buffer is shorter than the layout's segment, so it cannot be
+        the gather input itself (a copy-in pads it into the gather output)."""
         return self.buffer.numel() < self.layout.segment_bytes
