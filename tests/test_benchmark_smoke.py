@@ -21,10 +21,11 @@ def _run(variants):
     return run_configs([Config(ws, **v) for v in variants], steps=2, warmup=1, device="cpu")
 
 
-def _model_bytes():
+def _model_bytes(prefix: str = ""):
     from benchmarks.model import build_model
 
-    return sum(p.numel() * p.element_size() for p in build_model("odd").parameters())
+    return sum(p.numel() * p.element_size() for fqn, p in build_model("odd").named_parameters()
+               if fqn.startswith(prefix))
 
 
 def _param_count():
@@ -142,7 +143,11 @@ def test_world_size_2_muon_on_owned(ws2_results):
     fsdp_gathers = [c["count"] for k, c in runs["fsdp2"]["optimizer_collectives"].items()
                     if "gather" in k]
     assert sum(fsdp_gathers) == 16
-    assert runs["flexshard"]["flexshard_counters"]["copy_out_by_placements"] == {"Owned": 0}
+    # Owned blocks are views of their gather outputs; the root bucket keeps its params
+    # through backward and its gather output is over 1/16 padding at 2 ranks, so it
+    # copies them out (design.md, "Views pin the padding too")
+    root = _model_bytes() - _model_bytes("layers.")
+    assert runs["flexshard"]["flexshard_counters"]["copy_out_by_placements"] == {"Owned": root}
     for run in runs.values():
         mem = run["memory"]
         assert mem["peak_bytes"] >= mem["param_bytes"] + mem["opt_state_bytes"]

@@ -159,7 +159,7 @@ def test_offload_parity(nccl, mp, reshard):
         assert b.compute_device.type == "cuda" and b.storage.buffer.is_pinned()
         for p in b.params:
             assert p.device.type == "cpu" and (p.grad is None or p.grad.device.type == "cpu")
-        assert b.counters.h2d_bytes == b.counters.gathers * b.storage.layout.segment_bytes
+        assert b.counters.h2d_bytes == b.counters.gathers * b.storage.buffer.numel()
 
 
 def test_offload_mixed_buckets_parity(nccl):

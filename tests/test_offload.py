@@ -90,14 +90,14 @@ def _counted_steps(config: dict, steps: int) -> list:
                     "storage_device": b.storage.buffer.device.type,
                     "param_devices": {p.device.type for p in b.params},
                     "grad_devices": {p.grad.device.type for p in b.params if p.grad is not None},
-                    "segment": b.storage.layout.segment_bytes, "grad_bytes": grad_bytes,
+                    "storage": b.storage.buffer.numel(), "grad_bytes": grad_bytes,
                     **vars(b.counters)})
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_counters_exact(world):
-    """Per step, an offloaded bucket copies its whole storage segment to the
+    """Per step, an offloaded bucket copies its whole storage buffer to the
     compute device once per gather and its trainable sharded grads back once per
     reduction; a bucket that is not offloaded copies nothing either way."""
     results = run_world(world, _counted_steps,
@@ -106,7 +106,7 @@ def test_counters_exact(world):
         for row in rank_rows:
             if row["offloaded"]:
                 assert row["gathers"] >= 1 and row["reduces"] == 1, row
-                assert row["h2d_bytes"] == row["gathers"] * row["segment"], row
+                assert row["h2d_bytes"] == row["gathers"] * row["storage"], row
                 assert row["d2h_bytes"] == row["reduces"] * row["grad_bytes"], row
             else:
                 assert row["h2d_bytes"] == row["d2h_bytes"] == 0, row
@@ -402,7 +402,7 @@ def _int_reshard_offloaded() -> tuple:
     losses = train(model, 3)
     buckets = get_state(model).buckets
     counters = [(b.counters.gathers, b.counters.post_forward_gathers, b.counters.h2d_bytes,
-                 b.storage.layout.segment_bytes) for b in buckets]
+                 b.storage.buffer.numel()) for b in buckets]
     return losses, fs.full_state_dict(model), counters
 
 
@@ -414,5 +414,5 @@ def test_int_reshard_offloaded():
     check_against_reference(losses, full, 4, 3)
     for _, _, counters in results:
         assert any(pf for _, pf, _, _ in counters)  # some gathers came from kept slices
-        for gathers, post_forward, h2d, segment in counters:
-            assert h2d == (gathers - post_forward) * segment
+        for gathers, post_forward, h2d, storage in counters:
+            assert h2d == (gathers - post_forward) * storage

@@ -46,6 +46,32 @@ def test_owners_balance_bytes_largest_first():
     assert [p.rank for p in bind_placements(pinned, 2)] == [0, 1]  # pinned bytes count
 
 
+def test_storage_holds_only_each_ranks_own_pieces():
+    """The benchmark's odd model (dim 99, hidden 389) over 2 ranks, every param Owned.
+    A block's best split is still {qkv, up} against the rest (271,656 against 197,180
+    bytes), so its gather segment, sized for the heavy rank, pads the light rank's by
+    74,476 bytes: on the wire and in each gather output, inherently. The storage
+    buffers hold no such padding (each rank's is its own pieces and their 16-byte
+    alignment, where it used to be the segment on every rank; a storage is the whole
+    segment only where the padding would be at most 1/16 of it)."""
+    from benchmarks.model import build_model
+
+    plan = fs.describe(build_model("odd"), mesh_shape=(1, 2), placement=fs.Owned())
+    for b in plan.buckets:
+        segment = (b.padding_bytes + sum(b.local_bytes)) // 2
+        assert max(b.storage_bytes) == segment
+        for stored, local in zip(b.storage_bytes, b.local_bytes):
+            assert 0 <= stored - local < 16 * len(b.params)  # alignment gaps only
+    blocks = [b for b in plan.buckets if b.name.startswith("layers.")]
+    assert all(sorted(b.local_bytes) == [197_180, 271_656] for b in blocks)
+    assert all(sorted(b.storage_bytes) == [197_232, 271_664] for b in blocks)  # was 2 x 271,664
+    assert all(b.padding_bytes == 74_492 for b in blocks)
+    # Over the model: the params a rank stores are its grads plus alignment (they were
+    # 1,211,024 bytes on both ranks: 150 kB of padding each).
+    assert plan.param_bytes == (1_038_000, 1_062_160)
+    assert plan.grad_bytes == (1_037_860, 1_062_016)
+
+
 def test_construction_errors():
     with pytest.raises(ValueError, match=r"Owned\(rank=-1\): rank must be >= 0"):
         fs.Owned(-1)
@@ -72,8 +98,14 @@ def test_parity(world, reshard):
                            count_comms=True)
     if world > 1:
         assert_one_collective_per_bucket(results)
-    for _, _, stats in results:  # every unsharded param is a view of the gathered bytes
-        assert all(counters["copy_out_bytes"] == 0 for _, _, counters, *_ in stats["buckets"])
+    for _, _, stats in results:
+        for name, bucket_reshard, counters, layout, _ in stats["buckets"]:
+            # every unsharded param is a view of the gathered bytes, unless the bucket keeps
+            # them through backward and over 1/16 of its gather output is padding (the
+            # root at 2 and 3 ranks, the blocks at 3): then all are copied out, each gather
+            copied = world > 1 and not bucket_reshard and layout.pins_padding
+            want = counters["gathers"] * layout.ideal_bytes if copied else 0
+            assert counters["copy_out_bytes"] == want, name
 
 
 def test_parity_bf16_param_dtype():
@@ -96,6 +128,41 @@ def _grads_land_on_owners():
             mine = slot.placement.rank == dist.get_rank()
             out.append((slot.fqn, mine, tuple(param.shape), tuple(param.grad.shape)))
     return out
+
+
+def _held_bytes():
+    import torch.distributed as dist
+
+    from flexshard.runtime.state import get_state
+    from models import batch, loss_fn
+
+    model = fs.flex_shard(make_model(), placement=fs.Owned())
+    rank = dist.get_rank()
+    x, y = batch(0, rank)
+    loss_fn(model(x), y).backward()
+
+    def storages(tensors) -> int:
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t.numel()}
+        return sum(seen.values())
+
+    return [(b.name, b.storage.layout.segment_bytes, b.storage.layout.storage_bytes(rank),
+             b.reduce_layout.storage_bytes(rank), storages(b.params),
+             storages([p.grad for p in b.params])) for b in get_state(model).buckets]
+
+
+def test_params_and_grads_hold_no_padding():
+    """TinyGPT at 2 ranks, every param Owned: each bucket's segment is over 1/16
+    padding for its light rank, whose params and fp32 grads then take their own
+    bytes (plus alignment), not the segment (the grads are not views of the padded
+    reduce-scatter output)."""
+    results = run_world(2, _held_bytes)
+    trimmed = 0
+    for rank_out in results:
+        for name, segment, storage, grads, held_params, held_grads in rank_out:
+            assert held_params == storage and held_grads == grads, name
+            trimmed += storage < segment
+    assert trimmed == len(results[0])  # one light rank per bucket (2 blocks, the root)
 
 
 def test_gradients_reduce_onto_owners():

@@ -33,7 +33,8 @@ class BucketPlan(NamedTuple):
     gathers_per_step: int  # all-gathers in one forward + backward (shard dim)
     regather_ranks: int  # ranks backward's regather spans: S, N for an int reshard, 0 if none
     reduces_per_step: int  # reduce-scatters in one backward (shard dim)
-    storage_bytes: int  # each rank's storage buffer: its pieces, aligned, padded to the segment
+    storage_bytes: tuple  # per rank: its storage buffer (its pieces, aligned; padded to the
+    #                       segment unless that is over 1/16 padding: BucketLayout.storage_bytes)
     grad_bytes: tuple  # per rank: its sharded grads (trainable pieces, in the param dtype)
     gather_wire_bytes: int  # per step, shard dim: every all-gather's output
     reduce_wire_bytes: int  # per step, shard dim: the reduce-scatter's input
@@ -71,8 +72,7 @@ class ShardingPlan(NamedTuple):
     @property
     def param_bytes(self) -> tuple:
         """(min, max) over ranks: bytes of the storage buffers (the sharded params)."""
-        total = sum(b.storage_bytes for b in self.buckets)
-        return (total, total)
+        return _min_max([b.storage_bytes for b in self.buckets])
 
     @property
     def grad_bytes(self) -> tuple:
@@ -128,7 +128,7 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         padding_bytes=gather.wire_bytes - gather.ideal_bytes,
         reshard_after_forward=reshard,
         gathers_per_step=gathers, regather_ranks=regather_ranks, reduces_per_step=reduces,
-        storage_bytes=storage.segment_bytes,
+        storage_bytes=tuple(storage.storage_bytes(rank) for rank in range(shards)),
         grad_bytes=tuple(sum(r.nbytes[rank] for r, t in zip(storage.regions, trainable) if t)
                          for rank in range(shards)),
         gather_wire_bytes=gathers * gather.wire_bytes,
@@ -201,13 +201,18 @@ _COLUMNS = ("bucket", "module", "params", "dtype", "storage/rank", "local bytes/
 
 def _row(b: BucketPlan) -> tuple:
     dtypes = ",".join(sorted({str(d).replace("torch.", "") for d in b.gather_dtypes}))
-    local = f"{min(b.local_bytes):,}..{max(b.local_bytes):,}"
+    local, storage = _range(b.local_bytes), _range(b.storage_bytes)
     module = "-" if b.module is None else (b.module or "<root>")
-    return (b.name, module, str(len(b.params)), dtypes, f"{b.storage_bytes:,}", local,
+    return (b.name, module, str(len(b.params)), dtypes, storage, local,
             f"{b.unsharded_bytes:,}", f"{b.padding_bytes:,}",
             _reshard_text(b.reshard_after_forward), _gathers_text(b),
             str(b.reduces_per_step), str(b.all_reduces_per_step),
             f"{b.gather_wire_bytes + b.reduce_wire_bytes:,}", f"{b.all_reduce_bytes:,}")
+
+
+def _range(per_rank: tuple) -> str:
+    low, high = min(per_rank), max(per_rank)
+    return f"{low:,}" if low == high else f"{low:,}..{high:,}"
 
 
 def _reshard_text(reshard) -> str:

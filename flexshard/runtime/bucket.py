@@ -98,13 +98,20 @@ class Bucket:
         self._plans = {id(lay): self._layout_plans(lay)
                        for lay in (self.storage.layout, self.gather_layout)}
         self._reduce_dense = self.reduce_layout.dense
+        # the sharded grads' bytes when they are copied out of a mostly-padding reduce
+        # output (as the storage holds the params: see _grad_targets), else None
+        grad_bytes = self.reduce_layout.storage_bytes(rank)
+        self._grad_bytes = grad_bytes if grad_bytes < self.reduce_layout.segment_bytes else None
         self._reduce_copies = plan_copies(self.reduce_layout,
                                           [slots[i] for i in self.grad_slots])
 
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
-        is_storage = layout == self.storage.layout
-        copy_in = 0 if is_storage else sum(reg.nbytes[self.rank] for reg in layout.regions)
-        return LayoutPlans(layout.keeps_views, plan_copies(layout, self.slots), is_storage, copy_in)
+        same = layout == self.storage.layout
+        is_storage = same and not self.storage.short
+        copy_in = (0 if is_storage else self.storage.buffer.numel() if same
+                   else sum(reg.nbytes[self.rank] for reg in layout.regions))
+        return LayoutPlans(layout.keeps_views, layout.pins_padding, plan_copies(layout, self.slots),
+                           is_storage, copy_in, same)
 
     def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
         plans = self._plans.get(id(layout))
@@ -284,10 +291,14 @@ class Bucket:
         if self.post_forward_size is not None and not in_backward() and layout is self.gather_layout:
             self._forward_gathered = pending.gathered  # for keep_post_forward_shard
         outs = []
+        # A bucket that keeps its unsharded params until backward would pin the gather
+        # output's padding as long: its params are copied out when padding is heavy.
+        kept = self.reshard_after_forward is False
+        view_ok = plans.keeps_views and not (plans.pins_padding and kept)
         with hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
             for i, slot in enumerate(self.slots):  # copy-out on the compute stream
                 full, copied = gathered_param(pending.gathered, layout, slot, i,
-                                              plans.keeps_views, plans.copies[i])
+                                              view_ok, plans.copies[i])
                 self.counters.copy_out_bytes += copied
                 outs.append(full)
         return outs
@@ -359,27 +370,40 @@ class Bucket:
 
     def _gather_buffers(self, layout: BucketLayout, plans: LayoutPlans,
                         source: Optional[PostForwardShard] = None) -> tuple:
-        """(gather input, gather output), on the compute stream."""
+        """(gather input, gather output), on the compute stream. The storage buffer
+        is the gather input when it can be (no cast, not offloaded, not shorter
+        than the segment); otherwise the copy-in writes this rank's segment of the
+        gather output and the all-gather reads it there, in place (as FSDP2's), so
+        no segment-sized temporary exists beside the output."""
         device = self.compute_device
         send = self.storage.buffer if source is None else source.send
-        # an offloaded storage is staged to the compute device (see _copy_in)
-        if source is None and (not plans.is_storage or self.offload is not None):
-            send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+        copy_in = source is None and (not plans.is_storage or self.offload is not None)
         if self.world_size == 1:
+            if copy_in:
+                send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
             return send, send
-        return send, torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+        gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+        if copy_in:
+            start = self.rank * layout.segment_bytes
+            send = gathered[start:start + layout.segment_bytes]
+        return send, gathered
 
     def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
-        """This rank's pieces, cast to the layout's dtypes: one copy per param.
+        """This rank's pieces, cast to the layout's dtypes: one copy per param;
+        without a cast, one copy of the storage buffer (shorter than `send`).
         An offloaded storage is first staged to the compute device (H2D): into
         `send` itself when no cast follows, else into a temporary of this stream."""
-        views = self.storage.views
+        views, used = self.storage.views, self.storage.buffer.numel()
         if self.offload is not None:
-            staged = self.offload.stage(self.storage.buffer, send if plans.is_storage else None)
+            into = send[:used] if plans.same_bytes else None
+            staged = self.offload.stage(self.storage.buffer, into)
             self.counters.h2d_bytes += staged.numel()
-            if plans.is_storage:
+            if plans.same_bytes:
                 return
             views = segment_views(staged, self.storage.layout, self.slots, self.rank)
+        if plans.same_bytes:  # a storage shorter than the segment: one copy, padded
+            send[:used].copy_(self.storage.buffer)
+            return
         for reg, slot, view in zip(layout.regions, self.slots, views):
             typed_view(send, reg.offsets[self.rank], reg.dtype,
                        slot.local_shapes[self.rank]).copy_(view)
@@ -519,8 +543,13 @@ class Bucket:
     def _grad_targets(self, out: torch.Tensor) -> list:
         """(view of the reduce output, sharded grad) per trainable slot; the
         grad is the view itself when no cast is needed, else a new tensor
-        (allocated here, on the compute stream); offloaded: a host tensor."""
+        (allocated here, on the compute stream); offloaded: a host tensor. Where
+        over 1/16 of this rank's reduce segment is padding (an Owned bucket's light
+        rank) the grads are views of one buffer of their own bytes instead, so they
+        do not pin the padding until the optimizer is done with them."""
         targets, offload = [], self.offload
+        own = None if self._grad_bytes is None or offload is not None else torch.empty(
+            self._grad_bytes, dtype=torch.uint8, device=out.device)
         for j, i in enumerate(self.grad_slots):
             reg, slot = self.reduce_layout.regions[j], self.slots[i]
             shape = slot.local_shapes[self.rank]
@@ -531,9 +560,11 @@ class Bucket:
             view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
             if offload is not None:
                 targets.append((view, offload.host_empty(shape, slot.dtype)))
+            elif reg.dtype != slot.dtype:
+                targets.append((view, torch.empty(shape, dtype=slot.dtype, device=out.device)))
             else:
-                targets.append((view, view if reg.dtype == slot.dtype else
-                                torch.empty(shape, dtype=slot.dtype, device=out.device)))
+                targets.append((view, view if own is None else
+                                typed_view(own, reg.offsets[self.rank], reg.dtype, shape)))
         return targets
 
 

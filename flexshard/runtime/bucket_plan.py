@@ -17,9 +17,12 @@ class LayoutPlans(NamedTuple):
     """What a gather over one layout needs each step, decided at wrap time."""
 
     keeps_views: bool  # see BucketLayout.keeps_views
+    pins_padding: bool  # see BucketLayout.pins_padding
     copies: tuple  # CopyPlan per slot
     is_storage: bool  # the storage buffer is the gather input (no copy-in)
     copy_in_bytes: int
+    same_bytes: bool  # the layout is the storage's (no cast): a copy-in, where one runs
+    #                   (offload, a storage short of the segment), copies the buffer whole
 
 
 def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:

@@ -4,7 +4,10 @@ No process group is needed here: every rank computes the same plan from the
 same inputs. A bucket has up to three layouts over the same slots: storage
 (original dtypes), gather (param_dtype on the wire) and reduce (one reduce
 dtype). Each rank owns one segment of `segment_bytes`; the gathered buffer is
-the world's segments back to back (rank-major).
+the world's segments back to back (rank-major). A rank's own pieces end at
+`used_bytes(rank)`, which may be short of the segment (whole Owned tensors do
+not split evenly): its storage buffer holds only that much, and the rest of the
+segment is padding that only the gather input and output carry.
 """
 
 from __future__ import annotations
@@ -63,6 +66,25 @@ class BucketLayout(NamedTuple):
             end += self.regions[slot].nbytes[r]
         return (start, end)
 
+    def used_bytes(self, rank: int) -> int:
+        """Bytes of `rank`'s segment up to the end of its last piece, aligned as the
+        segment is: what its storage buffer holds (at most `segment_bytes`)."""
+        end = max((reg.offsets[rank] + reg.nbytes[rank] for reg in self.regions
+                   if reg.nbytes[rank]), default=0)
+        widest = max((_piece_align(reg.dtype) for reg in self.regions), default=ALIGN)
+        return min(_align(end, widest), self.segment_bytes)
+
+    def storage_bytes(self, rank: int) -> int:
+        """Bytes of `rank`'s storage buffer: `used_bytes(rank)` when the rest of
+        the segment (padding) is more than 1/16 of it, else the whole segment.
+        A buffer short of the segment needs a copy-in per gather (into the
+        gather output, see Bucket._gather_buffers); a full one is the gather
+        input itself. So whole tensors that do not split evenly (an Owned
+        bucket's light ranks) hold no padding, and the last rows Shard(0) or
+        RaggedShard leave short (FSDP2 pads its shards the same) cost no copy."""
+        used = self.used_bytes(rank)
+        return used if (self.segment_bytes - used) * 16 > self.segment_bytes else self.segment_bytes
+
     @property
     def keeps_views(self) -> bool:
         """Whether the bucket hands out views of the gathered buffer. A view pins
@@ -72,6 +94,14 @@ class BucketLayout(NamedTuple):
         copied = sum(sum(self.regions[i].nbytes) for i in range(len(self.regions))
                      if self.gathered_range(i) is None)
         return copied * 16 <= self.ideal_bytes
+
+    @property
+    def pins_padding(self) -> bool:
+        """Whether more than 1/16 of the gathered buffer is padding (whole tensors
+        that do not split evenly over the ranks: Owned). Views of it pin the
+        padding with the params, so a bucket that keeps its unsharded params
+        through backward copies them out instead (see Bucket.gather_params)."""
+        return (self.wire_bytes - self.ideal_bytes) * 16 > self.wire_bytes
 
     @property
     def dense(self) -> bool:

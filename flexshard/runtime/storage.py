@@ -19,7 +19,8 @@ def typed_view(buffer: torch.Tensor, start: int, dtype: torch.dtype,
 
 
 def segment_views(buffer: torch.Tensor, layout: BucketLayout, slots, rank: int) -> list:
-    """Views of one rank's pieces in a segment-sized `buffer`."""
+    """Views of one rank's pieces in `buffer` (a segment, or its first
+    `layout.used_bytes(rank)` bytes: an empty piece past them views nothing)."""
     return [typed_view(buffer, reg.offsets[rank], reg.dtype, slot.local_shapes[rank])
             for slot, reg in zip(slots, layout.regions)]
 
@@ -38,13 +39,17 @@ def gathered_param(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
 
 
 class BucketStorage:
-    """The flat uint8 buffer holding one rank's sharded parameters of a bucket."""
+    """The flat uint8 buffer holding one rank's sharded parameters of a bucket:
+    `layout.storage_bytes(rank)` bytes. A rank whose pieces fall well short of
+    the segment (the light rank of an Owned bucket) holds only its pieces and
+    their alignment gaps; its gather input is padded instead (see
+    `Bucket._gather_buffers`)."""
 
     def __init__(self, layout: BucketLayout, slots, rank: int, device) -> None:
         self.layout = layout
         self.rank = rank
         self.slots = slots
-        self.buffer = torch.zeros(layout.segment_bytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.zeros(layout.storage_bytes(rank), dtype=torch.uint8, device=device)
         self.views = segment_views(self.buffer, layout, slots, rank)
 
     def replace_buffer(self, buffer: torch.Tensor) -> None:
@@ -54,3 +59,9 @@ class BucketStorage:
                                  f"{tuple(self.buffer.shape)}, got {buffer.dtype} {tuple(buffer.shape)}")
         self.buffer = buffer
         self.views = segment_views(buffer, self.layout, self.slots, self.rank)
+
+    @property
+    def short(self) -> bool:
+        """Whether the buffer is shorter than the layout's segment, so it cannot be
+        the gather input itself (a copy-in pads it into the gather output)."""
+        return self.buffer.numel() < self.layout.segment_bytes
