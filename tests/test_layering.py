@@ -21,6 +21,7 @@ LAYERS = [
      "runtime.inflight", "runtime.dispatch"},
     {"runtime.reduction"},
     {"runtime.delivery"},
+    {"runtime.unshard_node"},
     {"runtime.bucket"},
     {"runtime.prefetch", "runtime.reshard"},
     {"runtime.hooks", "runtime.ingraph", "runtime"},

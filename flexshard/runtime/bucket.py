@@ -2,8 +2,8 @@
 and the one reduce-scatter that hands back their gradients.
 
 States: SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED. Unsharded parameters
-are made by `_Unshard`, an autograd Function whose backward launches the
-bucket's gradient reduction; the model's ReduceQueue finishes it and the
+are made by `_Unshard` (unshard_node.py), an autograd Function whose backward
+launches the bucket's gradient reduction; the model's ReduceQueue finishes it and the
 bucket's GradRoute (delivery.py) hands the sharded gradients to `.grad`. A gather may be launched
 early (`start_gather`, prefetch) and consumed by the next unshard.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import math
-from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
@@ -24,13 +23,14 @@ from ..config import MixedPrecisionPolicy, OffloadPolicy
 from .comm import Comm
 from .copyplan import plan_copies
 from .dispatch import hidden_from_checkpoint
+from .unshard_node import _Unshard
 from .device import DeviceContexts, HostContext, on_stream
 from .bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layouts
 from .counters import BucketCounters
 from .inflight import PendingGather, PendingReduce, ReduceOp
 from .layout import BucketLayout, SlotPlan
 from .postforward import PostForwardShard, keep_slice, usable
-from .delivery import GradRoute, anchor_grad
+from .delivery import GradRoute
 from .offload import Offload
 from .dtensor_param import wrap_unsharded
 from .reduction import ReduceQueue, in_backward
@@ -579,50 +579,3 @@ def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
     if hooks:
         setattr(param, POST_ACCUMULATE_GRAD_HOOKS, hooks)
     return param
-
-
-class _Unshard(torch.autograd.Function):
-    """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, bucket: Bucket, anchor: torch.Tensor):
-        # The route's Delivery of this forward (None under no_grad): a later forward's
-        # new route must not receive this graph's grads.
-        ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
-        ctx.set_materialize_grads(False)
-        outs = bucket.gather_params()
-        trainable = set(bucket.grad_slots)
-        frozen = [o for i, o in enumerate(outs) if i not in trainable]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # The reduce-scatter runs while the rest of backward does; the queue
-        # delivers the sharded grads into .grad (at the latest when backward ends).
-        bucket = ctx.bucket
-        # Every grad is known: the block's backward is done with its regathered params;
-        # dropped before the reduce buffers are made, so the two never coexist.
-        bucket.regathered = None
-        bucket.post_forward = None  # the int reshard's kept slice (postforward.py)
-        bucket.reduce_queue.watch_backward()
-        bucket.reduce_queue.make_room()
-        packed = bucket.pack_reduce(grads)
-        if packed is not None:
-            # Launched once this backward has returned and autograd has let go of the
-            # unsharded grads, so they never sit beside the collective's buffers.
-            bucket.reduce_queue.defer(partial(_launch_reduce, bucket, packed, ctx.delivery))
-        return None, anchor_grad(bucket.compute_device)
-
-
-def _launch_reduce(bucket: Bucket, packed: tuple, delivery) -> None:
-    """Launch a bucket's packed reduction; its Delivery (None: a forward under
-    no_grad made this graph) receives the sharded grads when it finishes."""
-    # How many may stay in flight is the device's call (HostContext.reduces_in_flight);
-    # a model's buckets share one compute device, so they agree.
-    bucket.reduce_queue.max_in_flight = bucket.device_ctx.reduces_in_flight
-    pending = bucket.launch_reduce(packed)
-    if delivery is not None:
-        delivery.expect(bucket.reduce_queue, pending.work, partial(bucket.finish_reduce, pending),
-                        bucket.host_wait if bucket.offload is not None else None)

@@ -1,0 +1,62 @@
+"""The autograd node of a bucket's unshard: its forward is the bucket's gather,
+its backward packs the bucket's unsharded grads and defers the launch of their
+reduce-scatter until the node has returned (see reduction.py).
+
+The node receives the bucket as an argument and calls the methods a Bucket
+has for this (gather_params, pack_reduce, launch_reduce, finish_reduce); it
+imports nothing from bucket.py, which imports it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+import torch
+
+from .delivery import anchor_grad
+
+
+class _Unshard(torch.autograd.Function):
+    """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, bucket, anchor: torch.Tensor):
+        # The route's Delivery of this forward (None under no_grad): a later forward's
+        # new route must not receive this graph's grads.
+        ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
+        ctx.set_materialize_grads(False)
+        outs = bucket.gather_params()
+        trainable = set(bucket.grad_slots)
+        frozen = [o for i, o in enumerate(outs) if i not in trainable]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # The reduce-scatter runs while the rest of backward does; the queue
+        # delivers the sharded grads into .grad (at the latest when backward ends).
+        bucket = ctx.bucket
+        # Every grad is known: the block's backward is done with its regathered params;
+        # dropped before the reduce buffers are made, so the two never coexist.
+        bucket.regathered = None
+        bucket.post_forward = None  # the int reshard's kept slice (postforward.py)
+        bucket.reduce_queue.watch_backward()
+        bucket.reduce_queue.make_room()
+        packed = bucket.pack_reduce(grads)
+        if packed is not None:
+            # Launched once this backward has returned and autograd has let go of the
+            # unsharded grads, so they never sit beside the collective's buffers.
+            bucket.reduce_queue.defer(partial(_launch_reduce, bucket, packed, ctx.delivery))
+        return None, anchor_grad(bucket.compute_device)
+
+
+def _launch_reduce(bucket, packed: tuple, delivery) -> None:
+    """Launch a bucket's packed reduction; its Delivery (None: a forward under
+    no_grad made this graph) receives the sharded grads when it finishes."""
+    # How many may stay in flight is the device's call (HostContext.reduces_in_flight);
+    # a model's buckets share one compute device, so they agree.
+    bucket.reduce_queue.max_in_flight = bucket.device_ctx.reduces_in_flight
+    pending = bucket.launch_reduce(packed)
+    if delivery is not None:
+        delivery.expect(bucket.reduce_queue, pending.work, partial(bucket.finish_reduce, pending),
+                        bucket.host_wait if bucket.offload is not None else None)
