@@ -59,6 +59,25 @@ def _count_gathers(model) -> list:
     return count
 
 
+def _train_steps(model, step_fn, rank: int, grads_of) -> tuple:
+    """STEPS AdamW steps of `model` through `step_fn`: (losses, dynamo counts after each
+    step, `grads_of()` after step 0's backward: this rank's sharded grads, which AdamW's
+    steps are blind to the scale of)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, seen, grads = [], {}, None
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        loss = loss_fn(step_fn(x), y)
+        loss.backward()
+        if step == 0:
+            grads = grads_of()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        seen[step + 1] = _snapshot()
+    return losses, seen, grads
+
+
 def train(config: dict, compiled: str = "", order: str = "after", bf16: bool = False) -> dict:
     """Rank body: 5 AdamW steps of flex_shard(TinyGPT), blocks compiled as
     `compiled` says ("", "module", "wrap", "whole") before or after flex_shard."""
@@ -74,19 +93,8 @@ def train(config: dict, compiled: str = "", order: str = "after", bf16: bool = F
         _compile_blocks(model, compiled)
     step_fn = torch.compile(model) if compiled == "whole" else model
     gathers = _count_gathers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, seen, grads = [], {}, None
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        loss = loss_fn(step_fn(x), y)
-        loss.backward()
-        if step == 0:  # this rank's sharded grads (AdamW's steps are blind to their scale)
-            grads = {k.replace("._orig_mod", ""): p.grad.clone()
-                     for k, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        seen[step + 1] = _snapshot()
+    losses, seen, grads = _train_steps(model, step_fn, rank, lambda: {
+        k.replace("._orig_mod", ""): p.grad.clone() for k, p in model.named_parameters()})
     full = {k.replace("._orig_mod", ""): v for k, v in fs.full_state_dict(model).items()}
     return {"losses": losses, "full": full, "grads": grads, "gathers": gathers[0],
             "counters": seen}
@@ -295,18 +303,7 @@ def gather_in_graph(reshard: bool, backend: str = "inductor") -> dict:
     model = fs.flex_shard(make_model(), reshard_after_forward=reshard)
     for block in model.layers:
         compile_gather_in_graph(model, block, backend=backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, seen, grads = [], {}, None
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if step == 0:  # AdamW is blind to the grads' scale: the mean is checked here
-            grads = sharded_grads(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        seen[step + 1] = _snapshot()
+    losses, seen, grads = _train_steps(model, model, rank, lambda: sharded_grads(model))
     # what the compiled blocks keep for backward: an unsharded weight, or the gather output?
     unsharded = {p.numel() for p in make_model().layers[0].parameters() if p.dim() == 2}
     unsharded |= {b.gather_layout.wire_bytes // 4 for b in get_state(model).buckets}
