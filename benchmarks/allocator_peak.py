@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import flexshard as fs
 
+from .meters import distinct_storages
 from .model import batch, build_model, loss_fn
 from .runners import DTYPES, flexshard_placement
 
@@ -141,16 +142,11 @@ def measure(name: str, runner: str, reshard: bool, rank: int, placement: str = "
 
 def resident(model, opt) -> int:
     """Bytes of the distinct storages under the params and the optimizer state: what
-    the step's counts start from (a storage buffer's padding included)."""
-    seen, total = set(), 0
+    the step's counts start from (a storage buffer's padding included; raw bytes, as
+    the allocator's records count them)."""
     tensors = list(model.parameters())
     tensors += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    for t in tensors:
-        st = getattr(t, "_local_tensor", t).untyped_storage()  # FSDP2's are DTensors
-        if st.nbytes() and st.data_ptr() not in seen:  # FSDP2 frees by resizing to 0
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
+    return sum(st.nbytes() for st in distinct_storages(tensors))
 
 
 def _worker(rank: int, world: int, port: int, model: str, breakdown: int,

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from .meters import COPY_KINDS, MemoryMeter, TrafficMeter, footprint, local
+from .meters import COPY_KINDS, MemoryMeter, TrafficMeter, distinct_storages, footprint
 from .model import batch, build_model, loss_fn
 from .runners import DTYPES
 
@@ -27,13 +27,7 @@ def direction(kind: str) -> str:
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages under `tensors` (padding included), each at
     its allocator footprint as MemoryMeter counts it."""
-    seen, total = set(), 0
-    for t in tensors:
-        st = local(t).untyped_storage()
-        if st.data_ptr() not in seen or st.nbytes() == 0:
-            seen.add(st.data_ptr())
-            total += footprint(st)
-    return total
+    return sum(footprint(st) for st in distinct_storages(tensors))
 
 
 def _tag_unsharded(meter: MemoryMeter, module, args) -> None:

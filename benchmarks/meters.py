@@ -123,6 +123,18 @@ def footprint(st: torch.UntypedStorage, size: Optional[int] = None) -> int:
     return -(-size // block) * block
 
 
+def distinct_storages(tensors) -> list:
+    """The storages under `tensors` (DTensors: their local tensors), each once;
+    storages resized to 0 (FSDP2's freed unsharded params) left out."""
+    seen, out = set(), []
+    for t in tensors:
+        st = local(t).untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out.append(st)
+    return out
+
+
 class _Entry:
     """One tracked storage: its current size (allocator footprint) and what it holds."""
 

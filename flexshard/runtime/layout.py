@@ -83,7 +83,7 @@ class BucketLayout(NamedTuple):
         bucket's light ranks) hold no padding, and the last rows Shard(0) or
         RaggedShard leave short (FSDP2 pads its shards the same) cost no copy."""
         used = self.used_bytes(rank)
-        return used if (self.segment_bytes - used) * 16 > self.segment_bytes else self.segment_bytes
+        return used if _heavy(self.segment_bytes - used, self.segment_bytes) else self.segment_bytes
 
     @property
     def keeps_views(self) -> bool:
@@ -93,7 +93,7 @@ class BucketLayout(NamedTuple):
         views save copies, and the bucket copies every param."""
         copied = sum(sum(self.regions[i].nbytes) for i in range(len(self.regions))
                      if self.gathered_range(i) is None)
-        return copied * 16 <= self.ideal_bytes
+        return not _heavy(copied, self.ideal_bytes)
 
     @property
     def pins_padding(self) -> bool:
@@ -101,7 +101,7 @@ class BucketLayout(NamedTuple):
         that do not split evenly over the ranks: Owned). Views of it pin the
         padding with the params, so a bucket that keeps its unsharded params
         through backward copies them out instead (see Bucket.gather_params)."""
-        return (self.wire_bytes - self.ideal_bytes) * 16 > self.wire_bytes
+        return _heavy(self.wire_bytes - self.ideal_bytes, self.wire_bytes)
 
     @property
     def dense(self) -> bool:
@@ -138,6 +138,13 @@ def bind_placements(entries: Sequence[tuple], world_size: int,
         for r in range(world_size):
             rank_bytes[r] += math.prod(bound[i].local_shape(shape, r, world_size)) * itemsize
     return bound
+
+
+def _heavy(part: int, whole: int) -> bool:
+    """Whether `part` is over 1/16 of `whole`: the one threshold at which a layout
+    trades a copy for bytes (copy-out against pinned views, short storage against
+    a copy-in, copied-out kept params against pinned padding)."""
+    return part * 16 > whole
 
 
 def _align(n: int, to: int) -> int:
