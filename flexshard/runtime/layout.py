@@ -140,6 +140,13 @@ def bind_placements(entries: Sequence[tuple], world_size: int,
     return bound
 
 
+def piece_bytes(slot: SlotPlan, rank: int) -> int:
+    """Bytes rank `rank`'s piece of `slot` takes in a segment of its own
+    dtype, alignment included (what the piece adds to the rank's storage)."""
+    nbytes = math.prod(slot.local_shapes[rank]) * slot.dtype.itemsize
+    return _align(nbytes, _piece_align(slot.dtype))
+
+
 def _heavy(part: int, whole: int) -> bool:
     """Whether `part` is over 1/16 of `whole`: the one threshold at which a layout
     trades a copy for bytes (copy-out against pinned views, short storage against
