@@ -74,6 +74,23 @@ class BucketLayout(NamedTuple):
         widest = max((_piece_align(reg.dtype) for reg in self.regions), default=ALIGN)
         return min(_align(end, widest), self.segment_bytes)
 
+    def gaps(self) -> tuple:
+        """(start, stop) byte ranges of the rank-major buffer (all segments back to
+        back) that no piece covers, adjacent ones merged: padding and alignment."""
+        out: list = []
+        for rank in range(self.world_size):
+            base, at = rank * self.segment_bytes, 0
+            pieces = sorted((reg.offsets[rank], reg.nbytes[rank]) for reg in self.regions
+                            if reg.nbytes[rank])
+            for start, nbytes in pieces + [(self.segment_bytes, 0)]:
+                if start > at:
+                    if out and out[-1][1] == base + at:
+                        out[-1] = (out[-1][0], base + start)
+                    else:
+                        out.append((base + at, base + start))
+                at = max(at, start + nbytes)
+        return tuple(out)
+
     def storage_bytes(self, rank: int) -> int:
         """Bytes of `rank`'s storage buffer: `used_bytes(rank)` when the rest of
         the segment (padding) is more than 1/16 of it, else the whole segment.
