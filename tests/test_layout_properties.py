@@ -112,6 +112,27 @@ def test_byte_ranges_disjoint_and_aligned(bucket):
 
 @FAST
 @given(buckets())
+def test_gaps_and_pieces_tile_the_buffer(bucket):
+    """The reduce input zeroes only `gaps()`: with the pieces they must cover
+    every byte of the rank-major buffer exactly once."""
+    world, slots, _ = bucket
+    layout = plan_layout(slots, [s.dtype for s in slots], world)
+    covered = torch.zeros(layout.wire_bytes, dtype=torch.int32)
+    for reg in layout.regions:
+        for r in range(world):
+            start = r * layout.segment_bytes + reg.offsets[r]
+            covered[start:start + reg.nbytes[r]] += 1
+    gaps = layout.gaps()
+    for start, stop in gaps:
+        assert start < stop
+        covered[start:stop] += 1
+    assert bool((covered == 1).all())
+    assert all(a[1] < b[0] for a, b in zip(gaps, gaps[1:]))  # sorted, merged
+    assert (not gaps) == layout.dense
+
+
+@FAST
+@given(buckets())
 def test_gathered_buffer_holds_every_full_param(bucket):
     world, slots, fulls = bucket
     layout = plan_layout(slots, [s.dtype for s in slots], world)

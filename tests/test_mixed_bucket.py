@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flexshard as fs
-from flexshard.planning.assign import assign_params, default_buckets
-from flexshard.planning.plan import plan_slots
+from flexshard.planning.assign import default_buckets
+from flexshard.planning.plan import plan_wrap
 from flexshard.runtime.layout import ALIGN, plan_layout
 from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
 
@@ -65,9 +65,8 @@ def _bucket_layouts(placement, world: int, one_bucket: bool = False) -> list:
     model = make_model()
     named = dict(model.named_parameters())
     specs = [fs.BucketSpec("*", name="all")] if one_bucket else default_buckets(model)
-    return [plan_layout(slots, [s.dtype for s in slots], world)
-            for slots in (plan_slots(spec, names, named, placement, world)
-                          for spec, names in zip(specs, assign_params(list(named), specs)))]
+    plan = plan_wrap(model, named, specs, placement, fs.MixedPrecisionPolicy(), True, world)
+    return [plan_layout(b.slots, [s.dtype for s in b.slots], world) for b in plan.buckets]
 
 
 def _padding(layouts) -> float:

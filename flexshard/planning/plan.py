@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from ..placements.contract import Placement
+from ..placements.owned import Owned
 from ..runtime.bucket_plan import hooks_needed
 from ..runtime.layout import SlotPlan, bind_placements
 from ..runtime.mesh import mesh_shape
@@ -27,6 +28,7 @@ from .assign import (
     used_in_nested_runner,
 )
 from .options import resolve_reshard
+from .owners import balance_owners
 
 
 class PlannedBucket(NamedTuple):
@@ -68,10 +70,12 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     shapes = [(replicas, world_size) if spec.mesh is None else mesh_shape(spec.mesh)
               for spec in specs]
     loads: dict = {}  # bytes per rank so far, per group size: placements balance over the model
-    slots = [plan_slots(spec, names, named, placement, shape[1],
-                        note if spec.mesh is None else _bucket_mesh_note(shape),
-                        loads.setdefault(shape[1], [0] * shape[1]))
-             for spec, names, shape in zip(specs, members, shapes)]
+    planned = [plan_slots(spec, names, named, placement, shape[1],
+                          note if spec.mesh is None else _bucket_mesh_note(shape),
+                          loads.setdefault(shape[1], [0] * shape[1]))
+               for spec, names, shape in zip(specs, members, shapes)]
+    slots = _balanced_owners([b for b, _ in planned], [f for _, f in planned],
+                             [shape[1] for shape in shapes])
     registered = param_aliases(module)
     # Per bucket, per slot: [(module, attr, module FQN)] of every registration.
     aliases = [[registered[id(named[s.fqn])] for s in bucket] for bucket in slots]
@@ -107,8 +111,9 @@ def _offload(spec: BucketSpec, default: Optional[OffloadPolicy]) -> Optional[Off
 def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
                world_size: int, note: str = "", load: Optional[list] = None) -> list:
     """The SlotPlans of one bucket's params (`names`), placements checked and
-    bound; `load` (bytes per rank of the buckets before, updated) lets them
-    balance over the whole model."""
+    bound, and per slot whether flex_shard chose its owner (an `Owned()`, which
+    the model-wide owner pass may move); `load` (bytes per rank of the buckets
+    before, updated) lets them balance over the whole model."""
     choice = spec.placement if spec.placement is not None else default
     entries = []
     for fqn in names:
@@ -124,10 +129,23 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
             raise ValueError(f"parameter {fqn!r} in bucket {spec.label!r}: {e}{note}") from None
         entries.append((param.shape, param.dtype.itemsize, placement))
     bound = bind_placements(entries, world_size, load)
-    return [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
-                     tuple(pl.local_shape(named[fqn].shape, r, world_size)
-                           for r in range(world_size)))
-            for fqn, pl in zip(names, bound)]
+    slots = [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
+                      tuple(pl.local_shape(named[fqn].shape, r, world_size)
+                            for r in range(world_size)))
+             for fqn, pl in zip(names, bound)]
+    return slots, [isinstance(p, Owned) and p.rank is None for _, _, p in entries]
+
+
+def _balanced_owners(slots: list, free: list, sizes: list) -> list:
+    """Each bucket's slots after the model-wide owner pass (owners.py), run
+    over the buckets of each shard group size together."""
+    out = list(slots)
+    for size in sorted(set(sizes)):
+        group = [i for i, s in enumerate(sizes) if s == size]
+        for i, balanced in zip(group, balance_owners([slots[i] for i in group],
+                                                     [free[i] for i in group], size)):
+            out[i] = balanced
+    return out
 
 
 def _reshard(spec: BucketSpec, default, on_root: bool):

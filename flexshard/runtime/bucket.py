@@ -36,6 +36,11 @@ from .dtensor_param import wrap_unsharded
 from .reduction import ReduceQueue, in_backward
 from .storage import BucketStorage, gathered_param, segment_views, typed_view
 
+# Up to this many unwritten ranges of a reduce input are zeroed one by one each
+# step (Owned's segment tails: one per rank); more, and one memset of the
+# whole buffer costs less Python than the loop.
+_FEW_GAPS = 64
+
 
 class BucketState(enum.Enum):
     SHARDED = "sharded"  # modules hold sharded parameters, no gather in flight
@@ -97,7 +102,10 @@ class Bucket:
         # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(lay): self._layout_plans(lay)
                        for lay in (self.storage.layout, self.gather_layout)}
-        self._reduce_dense = self.reduce_layout.dense
+        # What the reduce input's pack leaves unwritten, zeroed per step: nothing
+        # (dense), each gap (a few: Owned's segment tails), or all of it (many gaps).
+        gaps = self.reduce_layout.gaps()
+        self._reduce_gaps = gaps if len(gaps) <= _FEW_GAPS else None
         # the sharded grads' bytes when they are copied out of a mostly-padding reduce
         # output (as the storage holds the params: see _grad_targets), else None
         grad_bytes = self.reduce_layout.storage_bytes(rank)
@@ -421,11 +429,13 @@ class Bucket:
         grads are added to pending_grads instead)."""
         ctx, layout, sync = self.device_ctx, self.reduce_layout, self.requires_gradient_sync
         # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
-        full = self._reduce_dense and all(grads[i] is not None for i in self.grad_slots)
-        send = (torch.empty if full else torch.zeros)(layout.wire_bytes, dtype=torch.uint8,
-                                                      device=self.compute_device)
+        gaps = self._reduce_gaps if all(grads[i] is not None for i in self.grad_slots) else None
+        send = (torch.empty if gaps is not None else torch.zeros)(
+            layout.wire_bytes, dtype=torch.uint8, device=self.compute_device)
         op = None
         with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
+            for start, stop in gaps or ():
+                send[start:stop].zero_()
             self._pack(send, grads)
             if not sync:
                 self._accumulate_pending(send)

@@ -74,6 +74,23 @@ class BucketLayout(NamedTuple):
         widest = max((_piece_align(reg.dtype) for reg in self.regions), default=ALIGN)
         return min(_align(end, widest), self.segment_bytes)
 
+    def gaps(self) -> tuple:
+        """(start, stop) byte ranges of the rank-major buffer (all segments back to
+        back) that no piece covers, adjacent ones merged: padding and alignment."""
+        out: list = []
+        for rank in range(self.world_size):
+            base, at = rank * self.segment_bytes, 0
+            pieces = sorted((reg.offsets[rank], reg.nbytes[rank]) for reg in self.regions
+                            if reg.nbytes[rank])
+            for start, nbytes in pieces + [(self.segment_bytes, 0)]:
+                if start > at:
+                    if out and out[-1][1] == base + at:
+                        out[-1] = (out[-1][0], base + start)
+                    else:
+                        out.append((base + at, base + start))
+                at = max(at, start + nbytes)
+        return tuple(out)
+
     def storage_bytes(self, rank: int) -> int:
         """Bytes of `rank`'s storage buffer: `used_bytes(rank)` when the rest of
         the segment (padding) is more than 1/16 of it, else the whole segment.
@@ -138,6 +155,13 @@ def bind_placements(entries: Sequence[tuple], world_size: int,
         for r in range(world_size):
             rank_bytes[r] += math.prod(bound[i].local_shape(shape, r, world_size)) * itemsize
     return bound
+
+
+def piece_bytes(slot: SlotPlan, rank: int) -> int:
+    """Bytes rank `rank`'s piece of `slot` takes in a segment of its own
+    dtype, alignment included (what the piece adds to the rank's storage)."""
+    nbytes = math.prod(slot.local_shapes[rank]) * slot.dtype.itemsize
+    return _align(nbytes, _piece_align(slot.dtype))
 
 
 def _heavy(part: int, whole: int) -> bool:
