@@ -29,11 +29,14 @@ PLACEMENTS = {"shard": fs.Shard(0), "ragged": fs.RaggedShard(), "owned": fs.Owne
 def _live_after_forward(model, x, want=None, exclude=lambda: 0) -> tuple:
     """(bytes of the storages the forward allocated that are alive after it,
     less `exclude()`, the output). The comm backend lets go of a finished
-    gather's buffers a moment after wait() returns: read until it equals
-    `want` or a few seconds have passed."""
+    gather's buffers a moment after wait() returns: given `want`, read until
+    it equals `want` or a few seconds have passed. Without one (the unwrapped
+    model, no collectives) nothing is let go late: read once, not for the
+    whole wait."""
     with Allocations() as made:
         out = model(x)
-    return settled(lambda: made.live_bytes() - exclude(), want), out
+    live = lambda: made.live_bytes() - exclude()  # noqa: E731
+    return (live() if want is None else settled(live, want)), out
 
 
 def saved_bytes(placement: str, dtype, reshard: bool) -> tuple:

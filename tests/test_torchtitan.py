@@ -117,7 +117,10 @@ def _compiled_inside(block, ac: str) -> bool:
             and block._checkpoint_wrapped_module._compiled_call_impl is not None)
 
 
+@functools.lru_cache(maxsize=None)
 def _train_reference(world: int) -> tuple:
+    """Single-process training on every rank's batches: (losses, params). Computed
+    once per world size and shared by the tests that compare with it (read only)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the harness workers
     try:
