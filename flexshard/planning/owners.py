@@ -50,7 +50,7 @@ def balance_owners(buckets: Sequence[Sequence[SlotPlan]], free: Sequence[Sequenc
              for slots, flags in zip(buckets, free)]
     best = min((_swapped(parts, owners, world_size)
                 for owners in (bound, _dealt(parts, bound, world_size))),
-               key=lambda owners: _score(parts, owners, world_size))
+               key=lambda owners: _score(parts, owners))
     return [_rebound(slots, flags, owners, world_size)
             for slots, flags, owners in zip(buckets, free, best)]
 
@@ -74,7 +74,8 @@ def _per_rank(part: _Bucket, owners: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def _score(parts, owners, world_size: int) -> tuple:
+def _score(parts, owners) -> tuple:
+    """(heaviest rank's bytes, sum of the buckets' segments): lower is better."""
     per_rank = [_per_rank(p, o) for p, o in zip(parts, owners)]
     load = torch.stack(per_rank).sum(dim=0)
     return int(load.max()), sum(int(b.max()) for b in per_rank)
@@ -129,7 +130,9 @@ def _swapped(parts, owners, world_size: int) -> list:
     fixed = torch.stack([p.fixed for p in parts])
     segment = (free + fixed).max(dim=1).values
     load = (free + fixed).sum(dim=0)
-    for _ in range(4 * world_size * len(parts)):  # a bound: each swap strictly improves
+    # Each swap strictly improves, so the swaps end; the bound caps the wrap-time cost
+    # (Llama-3 8B over 8 ranks, 33 buckets: 35 swaps over both starting points).
+    for _ in range(2 * (world_size + len(parts))):
         best = _best_swap(free, fixed, segment, load)
         if best is None:
             break
