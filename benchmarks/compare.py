@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import flexshard as fs
 
-from .configs import GRIDS, MODELS, Config
+from .configs import GLOO, GRIDS, MODELS, Config
 from .measure import measure_step, plain_copies
 from .runners import Runner
 
@@ -260,6 +260,9 @@ def _parse(argv) -> argparse.Namespace:
                    help="engine grid: reshard after forward on, off or both (memory targets)")
     p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=None,
                    help="only these param dtypes (default: the grid's)")
+    p.add_argument("--gloo", nargs="+", choices=GLOO, default=["rooted"],
+                   help="flexshard's collectives on gloo: rooted (one broadcast / reduce per "
+                        "rank, the default) and/or plain (all-gather / reduce-scatter)")
     p.add_argument("--steps", type=int, default=12, help="timed (paired) steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -280,6 +283,7 @@ def _grid(args, world_sizes) -> list:
                                       for c in grid for m in args.models))
     if args.dtypes is not None:
         grid = [c for c in grid if c.param_dtype in args.dtypes]
+    grid = [dataclasses.replace(c, gloo=g) for c in grid for g in args.gloo]
     if args.placements is None:
         return grid
     grid = [c for c in grid if c.placement in args.placements]

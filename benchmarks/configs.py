@@ -8,6 +8,7 @@ PLACEMENTS = ("shard", "ragged", "owned", "mixed")
 PARAM_DTYPES = ("fp32", "bf16")
 MODELS = ("odd", "even", "llama")
 OPTIMIZERS = ("adamw", "muon")
+GLOO = ("rooted", "plain")  # fs.Comm(rooted_on_gloo=True / False): see runtime/comm.py
 
 
 @dataclass(frozen=True)
@@ -20,10 +21,12 @@ class Config:
     reshard: bool = True  # reshard_after_forward of the blocks
     model: str = "odd"
     optimizer: str = "adamw"  # "muon": Muon on block matrices, AdamW on the rest
+    gloo: str = "rooted"  # flexshard's Comm on gloo: "rooted" (the default) or "plain"
 
     def __post_init__(self) -> None:
         for field, allowed in (("placement", PLACEMENTS), ("param_dtype", PARAM_DTYPES),
-                               ("model", MODELS), ("optimizer", OPTIMIZERS)):
+                               ("model", MODELS), ("optimizer", OPTIMIZERS),
+                               ("gloo", GLOO)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"Config.{field}={getattr(self, field)!r}; use one of {allowed}")
         if self.world_size < 1:
@@ -38,6 +41,8 @@ class Config:
                  self.model]
         if self.optimizer != "adamw":
             parts.append(self.optimizer)
+        if self.gloo != "rooted":
+            parts.append(f"{self.gloo}-gloo")
         return "/".join(parts)
 
     @property

@@ -105,7 +105,8 @@ class Runner:
         elif kind == "flexshard":
             fs.flex_shard(self.model, mesh, placement=flexshard_placement(cfg.placement),
                           mp_policy=fs.MixedPrecisionPolicy(param_dtype=dtype),
-                          reshard_after_forward=cfg.reshard)
+                          reshard_after_forward=cfg.reshard,
+                          comm=fs.Comm(rooted_on_gloo=cfg.gloo == "rooted"))
         elif kind != "plain" or dtype is not None:
             raise ValueError(f"no runner {kind!r} for param_dtype {cfg.param_dtype}")
         self.optim = self._optimizers(matrices)
