@@ -76,6 +76,8 @@ class Bucket:
         if self.offload is not None:
             self.storage.replace_buffer(self.offload.to_host(self.storage.buffer))
         self.gather_layout, self.reduce_layout = layouts.gather, layouts.reduce
+        if self._gathers_compact(comm, group, device, offload_policy):
+            self.gather_layout = layouts.gather.compacted()
         self.grad_slots = [i for i, t in enumerate(trainable) if t]
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
@@ -113,11 +115,22 @@ class Bucket:
         self._reduce_copies = plan_copies(self.reduce_layout,
                                           [slots[i] for i in self.grad_slots])
 
+    def _gathers_compact(self, comm: Comm, group, device, offload_policy) -> bool:
+        """Whether the gather layout drops its padding (`BucketLayout.compacted`):
+        whole tensors (Owned) that leave padding, gathered where the Comm takes
+        uneven segments (gloo's rooted path), not offloaded, not kept 1/N after
+        forward (postforward.py slices equal segments)."""
+        layout = self.gather_layout
+        return (self.world_size > 1 and layout.whole_pieces and not layout.dense
+                and offload_policy is None and isinstance(self.reshard_after_forward, bool)
+                and comm.gathers_uneven(group, layout.segment_bytes, torch.device(device)))
+
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
-        same = layout == self.storage.layout
-        is_storage = same and not self.storage.short
-        copy_in = (0 if is_storage else self.storage.buffer.numel() if same
-                   else sum(reg.nbytes[self.rank] for reg in layout.regions))
+        # a compact gather layout has the storage's bytes in a segment of another length
+        same = layout._replace(segments=None) == self.storage.layout
+        is_storage = same and not self.storage.short and layout.segments is None
+        copy_in = (0 if is_storage else min(self.storage.buffer.numel(), layout.segment_len(self.rank))
+                   if same else sum(reg.nbytes[self.rank] for reg in layout.regions))
         return LayoutPlans(layout.keeps_views, layout.pins_padding, plan_copies(layout, self.slots),
                            is_storage, copy_in, same)
 
@@ -364,7 +377,10 @@ class Bucket:
                     after = ctx.record(ctx.copy_in)
             work = None
             with on_stream(ctx, ctx.gather, after):
-                if self.world_size > 1:
+                if self.world_size > 1 and layout.segments is not None:
+                    work = self.comm.all_gather_segments(gathered, send, layout.segments,
+                                                         self.group, async_op=async_op)
+                elif self.world_size > 1:
                     group = self.group if source is None else source.group
                     work = self.comm.all_gather(gathered, send, group, async_op=async_op)
                 done = ctx.record(ctx.gather)
@@ -392,8 +408,8 @@ class Bucket:
             return send, send
         gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
         if copy_in:
-            start = self.rank * layout.segment_bytes
-            send = gathered[start:start + layout.segment_bytes]
+            start = layout.segment_start(self.rank)
+            send = gathered[start:start + layout.segment_len(self.rank)]
         return send, gathered
 
     def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
@@ -410,7 +426,8 @@ class Bucket:
                 return
             views = segment_views(staged, self.storage.layout, self.slots, self.rank)
         if plans.same_bytes:  # a storage shorter than the segment: one copy, padded
-            send[:used].copy_(self.storage.buffer)
+            used = min(used, send.numel())  # a compact segment ends with this rank's pieces
+            send[:used].copy_(self.storage.buffer[:used])
             return
         for reg, slot, view in zip(layout.regions, self.slots, views):
             typed_view(send, reg.offsets[self.rank], reg.dtype,
