@@ -25,7 +25,7 @@ from .copyplan import plan_copies
 from .dispatch import hidden_from_checkpoint
 from .unshard_node import _Unshard
 from .device import DeviceContexts, HostContext, on_stream
-from .bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layouts
+from .bucket_plan import LayoutPlans, compact_gather, hooks_needed, plan_bucket_layouts
 from .counters import BucketCounters
 from .inflight import PendingGather, PendingReduce, ReduceOp
 from .layout import BucketLayout, SlotPlan
@@ -69,6 +69,10 @@ class Bucket:
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
+        if world_size > 1:
+            uneven = comm.gathers_uneven(group, layouts.gather.segment_bytes, torch.device(device))
+            layouts = compact_gather(layouts, reshard_after_forward, offload_policy is not None,
+                                     uneven)
         # CPU offload: the storage lives in host memory, `device` is the compute device.
         self.offload = None if offload_policy is None else Offload(offload_policy, device)
         self.storage = BucketStorage(layouts.storage, slots, rank,
@@ -76,8 +80,6 @@ class Bucket:
         if self.offload is not None:
             self.storage.replace_buffer(self.offload.to_host(self.storage.buffer))
         self.gather_layout, self.reduce_layout = layouts.gather, layouts.reduce
-        if self._gathers_compact(comm, group, device, offload_policy):
-            self.gather_layout = layouts.gather.compacted()
         self.grad_slots = [i for i, t in enumerate(trainable) if t]
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
@@ -114,16 +116,6 @@ class Bucket:
         self._grad_bytes = grad_bytes if grad_bytes < self.reduce_layout.segment_bytes else None
         self._reduce_copies = plan_copies(self.reduce_layout,
                                           [slots[i] for i in self.grad_slots])
-
-    def _gathers_compact(self, comm: Comm, group, device, offload_policy) -> bool:
-        """Whether the gather layout drops its padding (`BucketLayout.compacted`):
-        whole tensors (Owned) that leave padding, gathered where the Comm takes
-        uneven segments (gloo's rooted path), not offloaded, not kept 1/N after
-        forward (postforward.py slices equal segments)."""
-        layout = self.gather_layout
-        return (self.world_size > 1 and layout.whole_pieces and not layout.dense
-                and offload_policy is None and isinstance(self.reshard_after_forward, bool)
-                and comm.gathers_uneven(group, layout.segment_bytes, torch.device(device)))
 
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
         # a compact gather layout has the storage's bytes in a segment of another length
@@ -386,6 +378,9 @@ class Bucket:
                 done = ctx.record(ctx.gather)
         self.counters.gathers += 1
         self.counters.post_forward_gathers += source is not None
+        if layout.segments is not None and self.world_size > 1:
+            self.counters.compact_gathers += 1
+            self.counters.compact_broadcasts += sum(1 for _, n in layout.segments if n)
         self.counters.copy_in_bytes += plans.copy_in_bytes if source is None else 0
         self.counters.gather_wire_bytes += layout.wire_bytes if self.world_size > 1 else 0
         self.counters.gather_ideal_bytes += layout.ideal_bytes if self.world_size > 1 else 0

@@ -73,12 +73,14 @@ class Comm:
 
     def gathers_uneven(self, group, nbytes: int, device: torch.device) -> bool:
         """Whether `all_gather_segments` may gather segments of up to `nbytes`
-        bytes on `device` over `group`: where the rooted path runs (gloo's
-        broadcasts take any sizes). A Comm that overrides `all_gather` (to
-        count, delay or fail it) keeps the equal segments it was written for."""
+        bytes on `device` over `group`: where the rooted path may run (gloo's
+        broadcasts take any sizes), whatever the size: a compact gather saves
+        the padding's memory, which W round trips for a small buffer are worth.
+        A Comm that overrides `all_gather` (to count, delay or fail it) keeps
+        the equal segments it was written for."""
         if type(self).all_gather is not Comm.all_gather or not dist.is_initialized():
             return False
-        return self._rooted_bytes(nbytes, device, group)
+        return self._rooted_group(device, group)
 
     def all_gather_segments(self, output: torch.Tensor, input: torch.Tensor,
                             segments: Sequence[tuple], group,
@@ -135,7 +137,11 @@ class Comm:
 
     def _rooted_bytes(self, nbytes: int, device: torch.device, group) -> bool:
         least = getattr(self, "rooted_min_bytes", ROOTED_MIN_BYTES)
-        if not getattr(self, "rooted_on_gloo", True) or device.type != "cpu" or nbytes < least:
+        return nbytes >= least and self._rooted_group(device, group)
+
+    def _rooted_group(self, device: torch.device, group) -> bool:
+        """Whether gloo's rooted collectives may run on `group` for `device`'s tensors."""
+        if not getattr(self, "rooted_on_gloo", True) or device.type != "cpu":
             return False
         cache = self.__dict__.setdefault("_gloo", {})
         key = group if group is not None else dist.group.WORLD

@@ -20,6 +20,8 @@ class BucketCounters:
     reduce_ideal_bytes: int = 0
     all_reduces: int = 0  # HSDP: all-reduces of reduced shards across the replicate group
     all_reduce_bytes: int = 0
+    compact_gathers: int = 0  # gathers of a compact layout: one broadcast per non-empty segment
+    compact_broadcasts: int = 0  # those broadcasts (in gathers as one each gather)
     post_forward_gathers: int = 0  # int reshard: gathers within a post-forward group (in gathers)
     copy_in_bytes: int = 0
     copy_out_bytes: int = 0
