@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..compat import POST_ACCUMULATE_GRAD_HOOKS, tensor_version
+from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
 from .comm import Comm
 from .copyplan import plan_copies
@@ -34,7 +34,7 @@ from .delivery import GradRoute
 from .offload import Offload
 from .dtensor_param import wrap_unsharded
 from .reduction import ReduceQueue, in_backward
-from .storage import BucketStorage, gathered_param, segment_views, typed_view
+from .storage import BucketStorage, gathered_param, moved_param, segment_views, typed_view
 
 # Up to this many unwritten ranges of a reduce input are zeroed one by one each
 # step (Owned's segment tails: one per rank); more, and one memset of the
@@ -104,6 +104,8 @@ class Bucket:
         self._held_version = -1
         self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
         # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
+        # a compact gather's broadcasts (one per non-empty segment), counted once here
+        self._broadcasts = sum(1 for _, n in self.gather_layout.segments or () if n)
         self._plans = {id(lay): self._layout_plans(lay)
                        for lay in (self.storage.layout, self.gather_layout)}
         # What the reduce input's pack leaves unwritten, zeroed per step: nothing
@@ -123,10 +125,8 @@ class Bucket:
         is_storage = same and not self.storage.short and layout.segments is None
         copy_in = (0 if is_storage else min(self.storage.buffer.numel(), layout.segment_len(self.rank))
                    if same else sum(reg.nbytes[self.rank] for reg in layout.regions))
-        # A compact gather has no padding to pin, but a bucket that keeps its params
-        # through backward still copies them out where equal segments would pin padding:
-        # copies die one by one, views pin the whole gather output (odd model, Owned,
-        # 2 ranks, bf16: views 1.000-1.001x FSDP2's peak, copies 0.995-0.996x).
+        # kept params copy out where equal segments would pin padding, compact or not
+        # (copies die one by one, views pin the whole output: design.md, "Compact gathers")
         pins = layout._replace(segments=None).pins_padding
         return LayoutPlans(layout.keeps_views, pins, plan_copies(layout, self.slots),
                            is_storage, copy_in, same)
@@ -203,7 +203,7 @@ class Bucket:
             return
         self.storage.replace_buffer(buffer)
         grad_fn = fn if offload is None else offload.to_host  # offloaded grads stay on the host
-        self.params = [_moved_param(p, v, grad_fn) for p, v in zip(self.params, self.storage.views)]
+        self.params = [moved_param(p, v, grad_fn) for p, v in zip(self.params, self.storage.views)]
         self.grad_route.clear()  # its _Deliver node takes the old params
 
     def load_full(self, fqn_to_tensor) -> None:
@@ -381,14 +381,9 @@ class Bucket:
                     group = self.group if source is None else source.group
                     work = self.comm.all_gather(gathered, send, group, async_op=async_op)
                 done = ctx.record(ctx.gather)
-        self.counters.gathers += 1
-        self.counters.post_forward_gathers += source is not None
-        if layout.segments is not None and self.world_size > 1:
-            self.counters.compact_gathers += 1
-            self.counters.compact_broadcasts += sum(1 for _, n in layout.segments if n)
-        self.counters.copy_in_bytes += plans.copy_in_bytes if source is None else 0
-        self.counters.gather_wire_bytes += layout.wire_bytes if self.world_size > 1 else 0
-        self.counters.gather_ideal_bytes += layout.ideal_bytes if self.world_size > 1 else 0
+        self.counters.count_gather(layout, self.world_size > 1, source is not None,
+                                   0 if source is not None else plans.copy_in_bytes,
+                                   self._broadcasts if layout.segments is not None else 0)
         return PendingGather(work if async_op else None, gathered, layout, version, send, done,
                              ctx.current())
 
@@ -594,15 +589,3 @@ class Bucket:
                                 typed_view(own, reg.offsets[self.rank], reg.dtype, shape)))
         return targets
 
-
-def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
-    """A new sharded param over `view` carrying `old`'s grad (moved by `fn`)
-    and post-accumulate-grad hooks. A new object, because `.data =` would
-    stop the param from sharing the storage buffer's version counter."""
-    param = nn.Parameter(view, requires_grad=old.requires_grad)
-    if old.grad is not None:
-        param.grad = fn(old.grad)
-    hooks = getattr(old, POST_ACCUMULATE_GRAD_HOOKS, None)
-    if hooks:
-        setattr(param, POST_ACCUMULATE_GRAD_HOOKS, hooks)
-    return param
