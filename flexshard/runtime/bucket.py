@@ -70,7 +70,7 @@ class Bucket:
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
         if world_size > 1:
-            uneven = comm.gathers_uneven(group, layouts.gather.segment_bytes, torch.device(device))
+            uneven = comm.gathers_uneven(group, torch.device(device))
             layouts = compact_gather(layouts, reshard_after_forward, offload_policy is not None,
                                      uneven)
         # CPU offload: the storage lives in host memory, `device` is the compute device.

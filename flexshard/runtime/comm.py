@@ -71,11 +71,11 @@ class Comm:
                  for k, seg in enumerate(segments)]
         return _finish(Works(works), async_op)
 
-    def gathers_uneven(self, group, nbytes: int, device: torch.device) -> bool:
-        """Whether `all_gather_segments` may gather segments of up to `nbytes`
-        bytes on `device` over `group`: where the rooted path may run (gloo's
-        broadcasts take any sizes), whatever the size: a compact gather saves
-        the padding's memory, which W round trips for a small buffer are worth.
+    def gathers_uneven(self, group, device: torch.device) -> bool:
+        """Whether `all_gather_segments` may gather uneven segments of `device`
+        tensors over `group`: where the rooted path may run (gloo's broadcasts
+        take any sizes), whatever the size: a compact gather saves the
+        padding's memory, which W round trips for a small buffer are worth.
         A Comm that overrides `all_gather` (to count, delay or fail it) keeps
         the equal segments it was written for."""
         if type(self).all_gather is not Comm.all_gather or not dist.is_initialized():
