@@ -85,7 +85,7 @@ def _train_case(shape, placement: str, reshard: bool, bf16: bool) -> tuple:
         losses.append(mean.item() / WORLD)
     from flexshard.runtime.state import get_state
 
-    buckets = [b.reshard_after_forward for b in get_state(model).buckets]
+    buckets = [(b.reshard_after_forward, b.gather_layout.segments) for b in get_state(model).buckets]
     return losses, fs.full_state_dict(model), comms, buckets
 
 
@@ -94,17 +94,21 @@ def parity_cases(cases) -> list:
     return [_train_case(*case) for case in cases]
 
 
-def expected_counts(shape, reshards) -> dict:
+def expected_counts(shape, buckets) -> dict:
     """Per step: one gather per bucket within its shard group (two when it
-    reshards: backward gathers again), one reduce-scatter there, one all-reduce
-    across the replicas; a group of one issues nothing."""
+    reshards: backward gathers again; a compact gather, whole tensors on gloo,
+    is one broadcast per non-empty segment), one reduce-scatter there, one
+    all-reduce across the replicas; a group of one issues nothing."""
     replicas, shards = shape
     want = {}
     if shards > 1:
-        want[GATHER] = sum(2 if r else 1 for r in reshards)
-        want[REDUCE] = len(reshards)
+        for reshard, segments in buckets:
+            key, per_gather = (GATHER, 1) if segments is None else (
+                "broadcast_", sum(1 for _, n in segments if n))
+            want[key] = want.get(key, 0) + (2 if reshard else 1) * per_gather
+        want[REDUCE] = len(buckets)
     if replicas > 1:
-        want[ALL_REDUCE] = len(reshards)
+        want[ALL_REDUCE] = len(buckets)
     return want
 
 
@@ -115,13 +119,13 @@ def test_parity_and_collectives_per_step():
         model_kw = MIXED_MODEL if placement == "mixed" and not bf16 else {}
         ref_losses, ref_params = reference_run(WORLD, STEPS, param_dtype=torch.bfloat16
                                                if bf16 else None, model_kw=model_kw)
-        losses, full, _, reshards = results[0][i]
+        losses, full, _, buckets = results[0][i]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"{label}: {m}")
         for k, ref in ref_params.items():
             assert_rel_close(full[k], ref, 1e-5, f"{label}: {k}")
-        want = expected_counts(shape, reshards)
-        assert any(reshards) == reshard, label
+        want = expected_counts(shape, buckets)
+        assert any(r for r, _ in buckets) == reshard, label
         for rank, per_case in enumerate(results):
             r_losses, r_full, comms, _ = per_case[i]
             assert r_losses == losses, f"{label}: rank {rank} disagrees on the loss"

@@ -87,6 +87,52 @@ def test_rooted_bf16_at_three_ranks_matches_the_reference():
                  param_dtype=torch.bfloat16)
 
 
+class CountingGathers(fs.Comm):
+    """Overrides all_gather (counts it): such a Comm keeps equal segments."""
+
+    def __init__(self) -> None:
+        super().__init__(rooted_min_bytes=0)
+        self.gathers = 0
+
+    def all_gather(self, output, input, group, async_op=False):
+        self.gathers += 1
+        return super().all_gather(output, input, group, async_op=async_op)
+
+
+def owned_gather_layouts(comm) -> list:
+    """Per bucket of an Owned TinyGPT after one training step: (compact?, wire
+    bytes of one gather, as padded, ideal, gathered bytes counted)."""
+    from flexshard.runtime.state import get_state
+    from placement_ref import adamw, make_model
+    from models import batch, loss_fn
+
+    model = fs.flex_shard(make_model(), placement=fs.Owned(), comm=comm)
+    opt = adamw(model)
+    x, y = batch(0, torch.distributed.get_rank())
+    loss_fn(model(x), y).backward()
+    opt.step()
+    out = []
+    for b in get_state(model).buckets:
+        lay = b.gather_layout
+        out.append((lay.segments is not None, lay.wire_bytes,
+                    lay._replace(segments=None).wire_bytes, lay.ideal_bytes,
+                    b.counters.gather_wire_bytes // max(b.counters.gathers, 1)))
+    return out
+
+
+def test_owned_buckets_gather_without_padding_on_the_rooted_path():
+    rooted = run_world(3, owned_gather_layouts, ROOTED)
+    assert all(r == rooted[0] for r in rooted)
+    compact = [b for b in rooted[0] if b[0]]
+    assert compact, rooted[0]  # the TinyGPT's Owned blocks do not split evenly over 3 ranks
+    for _, wire, padded, ideal, counted in compact:
+        assert ideal <= wire < padded and counted == wire
+        assert wire - ideal < 16 * 3 * 8  # alignment only: under 16 bytes per piece
+    counting = run_world(3, owned_gather_layouts, CountingGathers())
+    assert not any(b[0] for b in counting[0])  # an overridden all_gather: equal segments
+    assert [b[2] for b in counting[0]] == [b[2] for b in rooted[0]]
+
+
 def rooted_where(max_ranks: int) -> tuple:
     """(rooted at 1 MiB, rooted below it) for a 1 MiB segment on the world,
     with ROOTED_MAX_RANKS set to `max_ranks` for a fresh Comm."""

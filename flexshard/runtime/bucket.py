@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..compat import POST_ACCUMULATE_GRAD_HOOKS, tensor_version
+from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
 from .comm import Comm
 from .copyplan import plan_copies
 from .dispatch import hidden_from_checkpoint
 from .unshard_node import _Unshard
 from .device import DeviceContexts, HostContext, on_stream
-from .bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layouts
+from .bucket_plan import LayoutPlans, compact_gather, hooks_needed, plan_bucket_layouts
 from .counters import BucketCounters
 from .inflight import PendingGather, PendingReduce, ReduceOp
 from .layout import BucketLayout, SlotPlan
@@ -34,7 +34,7 @@ from .delivery import GradRoute
 from .offload import Offload
 from .dtensor_param import wrap_unsharded
 from .reduction import ReduceQueue, in_backward
-from .storage import BucketStorage, gathered_param, segment_views, typed_view
+from .storage import BucketStorage, gathered_param, moved_param, segment_views, typed_view
 
 # Up to this many unwritten ranges of a reduce input are zeroed one by one each
 # step (Owned's segment tails: one per rank); more, and one memset of the
@@ -69,6 +69,10 @@ class Bucket:
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
+        if world_size > 1:
+            uneven = comm.gathers_uneven(group, torch.device(device))
+            layouts = compact_gather(layouts, reshard_after_forward, offload_policy is not None,
+                                     uneven)
         # CPU offload: the storage lives in host memory, `device` is the compute device.
         self.offload = None if offload_policy is None else Offload(offload_policy, device)
         self.storage = BucketStorage(layouts.storage, slots, rank,
@@ -100,6 +104,8 @@ class Bucket:
         self._held_version = -1
         self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
         # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
+        # a compact gather's broadcasts (one per non-empty segment), counted once here
+        self._broadcasts = sum(1 for _, n in self.gather_layout.segments or () if n)
         self._plans = {id(lay): self._layout_plans(lay)
                        for lay in (self.storage.layout, self.gather_layout)}
         # What the reduce input's pack leaves unwritten, zeroed per step: nothing
@@ -114,11 +120,15 @@ class Bucket:
                                           [slots[i] for i in self.grad_slots])
 
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
-        same = layout == self.storage.layout
-        is_storage = same and not self.storage.short
-        copy_in = (0 if is_storage else self.storage.buffer.numel() if same
-                   else sum(reg.nbytes[self.rank] for reg in layout.regions))
-        return LayoutPlans(layout.keeps_views, layout.pins_padding, plan_copies(layout, self.slots),
+        # a compact gather layout has the storage's bytes in a segment of another length
+        same = layout._replace(segments=None) == self.storage.layout
+        is_storage = same and not self.storage.short and layout.segments is None
+        copy_in = (0 if is_storage else min(self.storage.buffer.numel(), layout.segment_len(self.rank))
+                   if same else sum(reg.nbytes[self.rank] for reg in layout.regions))
+        # kept params copy out where equal segments would pin padding, compact or not
+        # (copies die one by one, views pin the whole output: design.md, "Compact gathers")
+        pins = layout._replace(segments=None).pins_padding
+        return LayoutPlans(layout.keeps_views, pins, plan_copies(layout, self.slots),
                            is_storage, copy_in, same)
 
     def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
@@ -193,7 +203,7 @@ class Bucket:
             return
         self.storage.replace_buffer(buffer)
         grad_fn = fn if offload is None else offload.to_host  # offloaded grads stay on the host
-        self.params = [_moved_param(p, v, grad_fn) for p, v in zip(self.params, self.storage.views)]
+        self.params = [moved_param(p, v, grad_fn) for p, v in zip(self.params, self.storage.views)]
         self.grad_route.clear()  # its _Deliver node takes the old params
 
     def load_full(self, fqn_to_tensor) -> None:
@@ -364,15 +374,16 @@ class Bucket:
                     after = ctx.record(ctx.copy_in)
             work = None
             with on_stream(ctx, ctx.gather, after):
-                if self.world_size > 1:
+                if self.world_size > 1 and layout.segments is not None:
+                    work = self.comm.all_gather_segments(gathered, send, layout.segments,
+                                                         self.group, async_op=async_op)
+                elif self.world_size > 1:
                     group = self.group if source is None else source.group
                     work = self.comm.all_gather(gathered, send, group, async_op=async_op)
                 done = ctx.record(ctx.gather)
-        self.counters.gathers += 1
-        self.counters.post_forward_gathers += source is not None
-        self.counters.copy_in_bytes += plans.copy_in_bytes if source is None else 0
-        self.counters.gather_wire_bytes += layout.wire_bytes if self.world_size > 1 else 0
-        self.counters.gather_ideal_bytes += layout.ideal_bytes if self.world_size > 1 else 0
+        self.counters.count_gather(layout, self.world_size > 1, source is not None,
+                                   0 if source is not None else plans.copy_in_bytes,
+                                   self._broadcasts if layout.segments is not None else 0)
         return PendingGather(work if async_op else None, gathered, layout, version, send, done,
                              ctx.current())
 
@@ -392,8 +403,8 @@ class Bucket:
             return send, send
         gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
         if copy_in:
-            start = self.rank * layout.segment_bytes
-            send = gathered[start:start + layout.segment_bytes]
+            start = layout.segment_start(self.rank)
+            send = gathered[start:start + layout.segment_len(self.rank)]
         return send, gathered
 
     def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
@@ -410,7 +421,8 @@ class Bucket:
                 return
             views = segment_views(staged, self.storage.layout, self.slots, self.rank)
         if plans.same_bytes:  # a storage shorter than the segment: one copy, padded
-            send[:used].copy_(self.storage.buffer)
+            used = min(used, send.numel())  # a compact segment ends with this rank's pieces
+            send[:used].copy_(self.storage.buffer[:used])
             return
         for reg, slot, view in zip(layout.regions, self.slots, views):
             typed_view(send, reg.offsets[self.rank], reg.dtype,
@@ -577,15 +589,3 @@ class Bucket:
                                 typed_view(own, reg.offsets[self.rank], reg.dtype, shape)))
         return targets
 
-
-def _moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
-    """A new sharded param over `view` carrying `old`'s grad (moved by `fn`)
-    and post-accumulate-grad hooks. A new object, because `.data =` would
-    stop the param from sharing the storage buffer's version counter."""
-    param = nn.Parameter(view, requires_grad=old.requires_grad)
-    if old.grad is not None:
-        param.grad = fn(old.grad)
-    hooks = getattr(old, POST_ACCUMULATE_GRAD_HOOKS, None)
-    if hooks:
-        setattr(param, POST_ACCUMULATE_GRAD_HOOKS, hooks)
-    return param

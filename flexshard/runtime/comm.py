@@ -71,6 +71,32 @@ class Comm:
                  for k, seg in enumerate(segments)]
         return _finish(Works(works), async_op)
 
+    def gathers_uneven(self, group, device: torch.device) -> bool:
+        """Whether `all_gather_segments` may gather uneven segments of `device`
+        tensors over `group`: where the rooted path may run (gloo's broadcasts
+        take any sizes), whatever the size: a compact gather saves the
+        padding's memory, which W round trips for a small buffer are worth.
+        A Comm that overrides `all_gather` (to count, delay or fail it) keeps
+        the equal segments it was written for."""
+        if type(self).all_gather is not Comm.all_gather or not dist.is_initialized():
+            return False
+        return self._rooted_group(device, group)
+
+    def all_gather_segments(self, output: torch.Tensor, input: torch.Tensor,
+                            segments: Sequence[tuple], group,
+                            async_op: bool = False) -> Optional[Works]:
+        """Rank k's `input` lands in `output[start:start + length]` on every rank,
+        (start, length) = segments[k] (uneven, 0 allowed): one broadcast per
+        non-empty segment. Only where `gathers_uneven` said so."""
+        rank = dist.get_rank(group)
+        start, length = segments[rank]
+        mine = output[start:start + length]
+        if length and mine.data_ptr() != input.data_ptr():
+            mine.copy_(input[:length])
+        works = [dist.broadcast(output[a:a + n], group=group, group_src=k, async_op=True)
+                 for k, (a, n) in enumerate(segments) if n]
+        return _finish(Works(works), async_op)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> Optional[dist.Work]:
@@ -106,9 +132,16 @@ class Comm:
 
     def _rooted(self, segment: torch.Tensor, group) -> bool:
         """Whether a collective whose per-rank segment is `segment` goes rooted."""
+        return self._rooted_bytes(segment.numel() * segment.element_size(), segment.device,
+                                  group)
+
+    def _rooted_bytes(self, nbytes: int, device: torch.device, group) -> bool:
         least = getattr(self, "rooted_min_bytes", ROOTED_MIN_BYTES)
-        if (not getattr(self, "rooted_on_gloo", True) or segment.device.type != "cpu"
-                or segment.numel() * segment.element_size() < least):
+        return nbytes >= least and self._rooted_group(device, group)
+
+    def _rooted_group(self, device: torch.device, group) -> bool:
+        """Whether gloo's rooted collectives may run on `group` for `device`'s tensors."""
+        if not getattr(self, "rooted_on_gloo", True) or device.type != "cpu":
             return False
         cache = self.__dict__.setdefault("_gloo", {})
         key = group if group is not None else dist.group.WORLD

@@ -6,7 +6,9 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
+from ..compat import POST_ACCUMULATE_GRAD_HOOKS
 from .copyplan import CopyPlan
 from .layout import BucketLayout, SlotPlan
 
@@ -65,3 +67,16 @@ class BucketStorage:
         """Whether the buffer is shorter than the layout's segment, so it cannot be
         the gather input itself (a copy-in pads it into the gather output)."""
         return self.buffer.numel() < self.layout.segment_bytes
+
+
+def moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
+    """A new sharded param over `view` carrying `old`'s grad (moved by `fn`)
+    and post-accumulate-grad hooks. A new object, because `.data =` would
+    stop the param from sharing the storage buffer's version counter."""
+    param = nn.Parameter(view, requires_grad=old.requires_grad)
+    if old.grad is not None:
+        param.grad = fn(old.grad)
+    hooks = getattr(old, POST_ACCUMULATE_GRAD_HOOKS, None)
+    if hooks:
+        setattr(param, POST_ACCUMULATE_GRAD_HOOKS, hooks)
+    return param
