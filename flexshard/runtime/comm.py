@@ -63,13 +63,9 @@ class Comm:
         """Rank-major gather of equal-sized `input`s into `output`."""
         if not self._rooted(input, group):
             return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
-        segments = output.view(dist.get_world_size(group), -1)
-        mine = segments[dist.get_rank(group)]
-        if mine.data_ptr() != input.data_ptr():
-            mine.copy_(input)
-        works = [dist.broadcast(seg, group=group, group_src=k, async_op=True)
-                 for k, seg in enumerate(segments)]
-        return _finish(Works(works), async_op)
+        n = input.numel()
+        segments = [(k * n, n) for k in range(dist.get_world_size(group))]
+        return Comm.all_gather_segments(self, output, input, segments, group, async_op)
 
     def gathers_uneven(self, group, device: torch.device) -> bool:
         """Whether `all_gather_segments` may gather uneven segments of `device`
@@ -132,12 +128,9 @@ class Comm:
 
     def _rooted(self, segment: torch.Tensor, group) -> bool:
         """Whether a collective whose per-rank segment is `segment` goes rooted."""
-        return self._rooted_bytes(segment.numel() * segment.element_size(), segment.device,
-                                  group)
-
-    def _rooted_bytes(self, nbytes: int, device: torch.device, group) -> bool:
         least = getattr(self, "rooted_min_bytes", ROOTED_MIN_BYTES)
-        return nbytes >= least and self._rooted_group(device, group)
+        return (segment.numel() * segment.element_size() >= least
+                and self._rooted_group(segment.device, group))
 
     def _rooted_group(self, device: torch.device, group) -> bool:
         """Whether gloo's rooted collectives may run on `group` for `device`'s tensors."""
