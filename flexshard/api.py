@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .checkpoint.materialize import apply_to_buckets, init_parameters
 from .checkpoint.state_dict import StateDictHooks
+from .checkpoint.unset_buffers import UnsetBuffers, meta_buffers
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from .placements.contract import Placement
 from .placements.shard import Shard
@@ -87,15 +88,19 @@ class FlexShardModule:
         state = find_state(self)
         if state is None:
             return super()._apply(fn, recurse)
+        were_meta = meta_buffers(self)
         apply_to_buckets(state, fn, lambda: super(FlexShardModule, self)._apply(fn, recurse))
+        state.unset_buffers.track(self, were_meta)  # to_empty(): checked at the next forward
         return self
 
     def init_parameters(self, init_fn=None) -> None:
-        """Initialise the sharded params after to_empty(), one module at a time:
-        each module's own params are materialised at full size, initialised by
-        `init_fn(module)` (default: its reset_parameters()), and this rank keeps
-        its piece. Called for every module in modules() order, so with every rank
-        seeded alike the values equal the unsharded model's after the same calls."""
+        """Initialise the sharded params and the buffers after to_empty(), one
+        module at a time: each module's own params are materialised at full size,
+        initialised by `init_fn(module)` (default: its reset_parameters()), and
+        this rank keeps its piece; what `init_fn` writes to the module's buffers
+        stays. Called for every module in modules() order, so with every rank
+        seeded alike the values equal the unsharded model's after the same calls.
+        A Hugging Face model passes its own: `init_parameters(model._init_weights)`."""
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_parameters expects a callable init_fn(module), got {init_fn!r}")
         init_parameters(self, get_state(self), init_fn)
@@ -266,7 +271,8 @@ def _new_state(groups: MeshGroups, comm: Comm) -> FlexShardState:
     return FlexShardState(groups.mesh, groups.shard_group, groups.shard_rank, groups.shard_size,
                           comm, replicate_group=groups.replicate_group,
                           replicate_size=groups.replicate_size, mesh_group=groups.mesh_group,
-                          mesh_rank=groups.mesh_rank, mesh_size=groups.mesh_size, groups=groups)
+                          mesh_rank=groups.mesh_rank, mesh_size=groups.mesh_size, groups=groups,
+                          unset_buffers=UnsetBuffers())
 
 
 def _replicas(mesh) -> int:

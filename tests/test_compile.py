@@ -252,13 +252,14 @@ def test_a_missing_cpp_compiler_is_named_before_compiling(monkeypatch):
 
     from flexshard.integrations.torchtitan import parallelize_llama
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-g++"))
+    # torch's own config patching: pytest 9's monkeypatch undo deletes the cpp.cxx entry.
     monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
     model = torch.nn.Linear(2, 2)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler, and none of 'no-such-g\+\+'"
                                            r".* is on PATH: install one"):
-        with mock.patch.object(titan_parallel_dims, "device_type", "cpu"):
+        with mock.patch.object(titan_parallel_dims, "device_type", "cpu"), \
+                inductor_config.patch({"cpp.cxx": (None, "no-such-g++")}):
             parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
                               parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
                               compile_config=CompileConfig(enable=True), ac_config=None,
@@ -269,13 +270,14 @@ def test_a_missing_cpp_compiler_is_named_before_compiling(monkeypatch):
 @pytest.mark.parametrize("device, backend, cxx", [("cuda", "inductor", (None, "no-such-g++")),
                                                   ("cpu", "aot_eager", (None, "no-such-g++")),
                                                   ("cpu", "inductor", (None, "sh"))])
-def test_the_compiler_check_passes_where_inductor_needs_none_or_finds_one(device, backend, cxx,
-                                                                           monkeypatch):
+def test_the_compiler_check_passes_where_inductor_needs_none_or_finds_one(device, backend, cxx):
     import torch._inductor.config as inductor_config
     from flexshard.runtime.compiled import check_cpp_compiler
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", cxx)
-    check_cpp_compiler(torch.device(device), backend)  # raises nothing
+    before = inductor_config.cpp.cxx
+    with inductor_config.patch({"cpp.cxx": cxx}):
+        check_cpp_compiler(torch.device(device), backend)  # raises nothing
+    assert inductor_config.cpp.cxx == before  # restored for later compiles in this process
 
 
 def _saved_numels(model, x) -> set:

@@ -82,7 +82,8 @@ def _check_resettable(module: nn.Module, owners: dict) -> None:
                 f"parameter {bucket.slots[index].fqn!r} is registered on "
                 f"{type(sub).__name__} {name or '<root>'!r}, which has no "
                 "reset_parameters(); pass init_parameters(init_fn) with a function of the "
-                "module that initialises it")
+                "module that initialises it (a Hugging Face model's own: "
+                "init_parameters(model._init_weights))")
 
 
 def _reset(sub: nn.Module) -> None:

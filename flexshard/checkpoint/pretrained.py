@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..runtime.state import get_state
 from .pieces import box_views
-from .state_dict import check_tied_values, named_slots, slot_boxes
+from .state_dict import check_tied_values, named_slots, persistent_buffers, slot_boxes
 
 
 class PretrainedKeys(NamedTuple):
@@ -82,22 +82,13 @@ def _match(model, state, reader, key_map) -> tuple:
         else:
             missing.append(names[0])
     buffers = []
-    for name, buf in _persistent_buffers(model):
+    for name, buf in persistent_buffers(model).items():
         key = key_map(name)
         if key is not None and key in keys:
             buffers.append((key, buf))
         else:
             missing.append(name)
     return params, buffers, missing
-
-
-def _persistent_buffers(model: nn.Module) -> list:
-    out = []
-    for prefix, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                out.append((f"{prefix}.{name}" if prefix else name, buf))
-    return out
 
 
 def _check_shapes(reader, params, buffers, state) -> None:

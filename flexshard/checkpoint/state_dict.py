@@ -346,19 +346,23 @@ def full_state_dict(module: nn.Module) -> dict:
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
-    """Load full tensors (keyed by FQN) into the sharded parameters; no collective.
+    """Load full tensors (keyed by FQN) into the sharded parameters, and the
+    persistent buffers the state dict holds into the module's; no collective.
     A tied parameter loads from any of its names; the state dict of the
     unwrapped model, which holds every name of it, is accepted when those
     tensors are equal."""
     state = get_state(module)
     names = names_by_slot(module, state)
+    buffers = persistent_buffers(module)
     present = {fqn: [n for n in aliases if n in state_dict] for fqn, aliases in names.items()}
     missing = sorted(fqn for fqn, found in present.items() if not found)
-    unexpected = sorted(set(state_dict) - {n for aliases in names.values() for n in aliases})
+    unexpected = sorted(set(state_dict) - {n for aliases in names.values() for n in aliases}
+                        - set(buffers))
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
-                       f"{unexpected}; the state dict must hold exactly the module's parameters "
-                       "(a tied parameter under one or more of its names)")
+                       f"{unexpected}; the state dict must hold every parameter of the module "
+                       "(a tied parameter under one or more of its names) and may hold its "
+                       "persistent buffers")
     refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
     shapes = {fqn: ref.shape for fqn, ref in refs.items()}
     for fqn, found in present.items():
@@ -368,8 +372,30 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
                                  f"{tuple(state_dict[key].shape)} but the parameter is "
                                  f"{tuple(shapes[fqn])}")
         check_tied_values(found, state_dict.__getitem__, "load_full_state_dict")
+    _load_buffers(buffers, state_dict)
     for bucket in state.buckets:
         bucket.load_full(lambda fqn: _tp_local(refs[fqn], state_dict[present[fqn][0]]))
+
+
+def persistent_buffers(module: nn.Module) -> dict:
+    """FQN -> buffer, for the buffers a state dict holds (non-persistent ones left out)."""
+    return {f"{prefix}.{name}" if prefix else name: buf
+            for prefix, sub in module.named_modules()
+            for name, buf in sub._buffers.items()
+            if buf is not None and name not in sub._non_persistent_buffers_set}
+
+
+def _load_buffers(buffers: dict, state_dict: dict) -> None:
+    """Copy the persistent buffers `state_dict` holds into the module's, in place."""
+    loaded = [(fqn, buf, state_dict[fqn]) for fqn, buf in buffers.items() if fqn in state_dict]
+    for fqn, buf, value in loaded:  # every shape checked before anything is written
+        if tuple(value.shape) != tuple(buf.shape):
+            raise ValueError(f"load_full_state_dict: buffer {fqn!r} has shape "
+                             f"{tuple(value.shape)} in the state dict but {tuple(buf.shape)} in "
+                             "the module; load a state dict of the same model configuration")
+    with torch.no_grad():
+        for _, buf, value in loaded:
+            buf.copy_(value)
 
 
 def _tp_local(ref: SlotRef, full: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ class FlexShardState:
     bucket_meshes: dict = field(default_factory=dict)  # id(mesh) -> (mesh, MeshGroups): buckets'
     #                                                   own meshes (BucketSpec.mesh)
     subgroups: dict = field(default_factory=dict)  # id(shard group) -> mesh.Subgroups
+    unset_buffers: Any = None  # checkpoint.unset_buffers.UnsetBuffers: to_empty()'s, until written
 
 
 def files_group(state: FlexShardState) -> tuple:
