@@ -65,13 +65,8 @@ def _tensor_attr(attr: str, used_for: str) -> str:
 
 check_torch_version()
 
-# Activation checkpointing (runtime/reshard.py): the generator behind
-# torch.utils.checkpoint's non-reentrant checkpoint, driven from forward hooks.
-# Called as (fn, preserve_rng_state, context_fn, determinism_check, debug, *args).
-checkpoint_without_reentrant_generator = resolve(
-    "torch.utils.checkpoint:_checkpoint_without_reentrant_generator",
-    "to open an activation checkpoint in a pre-forward hook and close it in the post hook")
-# The saved-tensors hooks on top of the stack, None when none are active.
+# Activation checkpointing (runtime/reshard.py): the saved-tensors hooks on top of
+# the stack, None when none are active.
 top_saved_tensors_default_hooks = resolve(
     "torch._C._autograd:_top_saved_tensors_default_hooks",
     "to skip the recompute region inside a user's activation checkpoint")
@@ -125,16 +120,39 @@ def root_mesh(mesh):
     return _get_root_mesh(mesh)
 
 
+# DTensor's side of DCP's protocol (runtime/dtensor_param.py): its one chunk says
+# where this rank's local tensor lies in the global tensor, for any placements.
+DTENSOR_CHUNKS = "__create_chunk_list__"
+
+
+def dtensor_local_offsets(dtensor) -> tuple:
+    """Where `dtensor`'s local tensor starts in the global one, per dim."""
+    return tuple(getattr(dtensor, DTENSOR_CHUNKS)()[0].offsets)
+
+
+# Modules (checkpoint/state_dict.py): the names of a module's buffers that stay out
+# of its state dict (register_buffer(..., persistent=False)).
+_NON_PERSISTENT = "_non_persistent_buffers_set"
+
+
+def persistent_buffer_names(module) -> list:
+    """Names of `module`'s own buffers that its state dict holds."""
+    skip = getattr(module, _NON_PERSISTENT)
+    return [name for name, buf in module._buffers.items() if buf is not None and name not in skip]
+
+
 # torch.compile on CPU (runtime/compiled.py): the C++ compilers inductor searches,
-# read when asked (the CXX environment variable sets it at import).
-_inductor_cpp = resolve("torch._inductor.config:cpp",
-                        "to check that inductor will find a C++ compiler before compiling on CPU")
+# read when asked (the CXX environment variable sets it at import). Resolved on
+# first use, not at import: importing inductor costs about 0.5 s, paid only by
+# users who compile.
+INDUCTOR_CPP = "torch._inductor.config:cpp"
 
 
 def inductor_cpp_compilers() -> tuple:
     """The C++ compilers inductor tries on CPU, in order (None: conda's gcc, which
     inductor installs only when TORCH_INDUCTOR_INSTALL_GXX is set)."""
-    cxx = _inductor_cpp.cxx
+    cxx = resolve(INDUCTOR_CPP, "to check that inductor will find a C++ compiler before "
+                                "compiling on CPU").cxx
     return tuple(cxx) if isinstance(cxx, (list, tuple)) else (cxx,)
 
 
@@ -147,10 +165,6 @@ all_gather_autograd = resolve(
 # The namespace of those ops, as the selective checkpoint policy sees them.
 FUNCTIONAL_COLLECTIVES_NAMESPACE = "_c10d_functional"
 
-
-# Optimizers: torch's global step pre-hooks (an OrderedDict it iterates on every step).
-global_optimizer_pre_hooks = resolve("torch.optim.optimizer:_global_optimizer_pre_hooks",
-                                     "to count flexshard's one global optimizer hook")
 
 # nn.Module.load_state_dict(assign=True) sets this key in the local_metadata
 # its load_state_dict pre-hooks receive.

@@ -9,10 +9,10 @@ leaves the weak set mid-step) breaks nobody's optimizer.step().
 import gc
 
 import torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks as global_optimizer_pre_hooks
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import flexshard as fs
-from flexshard.compat import global_optimizer_pre_hooks
 from flexshard.checkpoint.pieces import ShardedPieces
 from flexshard.runtime.state import get_state
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compat import ASSIGN_METADATA_KEY
+from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from ..runtime.dtensor_param import shift_boxes
@@ -379,10 +379,9 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
 
 def persistent_buffers(module: nn.Module) -> dict:
     """FQN -> buffer, for the buffers a state dict holds (non-persistent ones left out)."""
-    return {f"{prefix}.{name}" if prefix else name: buf
+    return {f"{prefix}.{name}" if prefix else name: getattr(sub, name)
             for prefix, sub in module.named_modules()
-            for name, buf in sub._buffers.items()
-            if buf is not None and name not in sub._non_persistent_buffers_set}
+            for name in persistent_buffer_names(sub)}
 
 
 def _load_buffers(buffers: dict, state_dict: dict) -> None:

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..compat import dtensor_local_offsets
+
 
 class TPSpec(NamedTuple):
     """How a slot's local tensor sits in its DTensor param."""
@@ -58,10 +60,9 @@ class TPSpec(NamedTuple):
 
 def tp_spec(param) -> TPSpec:
     """The TPSpec of a DTensor param on this rank."""
-    # DTensor's DCP chunk: where the local tensor lies in the global one.
-    chunk = param.__create_chunk_list__()[0]
     return TPSpec(param.device_mesh, tuple(param.placements), tuple(param.shape),
-                  tuple(param.stride()), tuple(chunk.offsets), tuple(param.to_local().shape))
+                  tuple(param.stride()), dtensor_local_offsets(param),
+                  tuple(param.to_local().shape))
 
 
 def wrap_unsharded(specs: Optional[Sequence[Optional[TPSpec]]],
