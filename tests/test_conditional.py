@@ -170,3 +170,36 @@ def test_unused_and_twice_used_params_train_as_one_process(world, reshard, place
                 torch.testing.assert_close(first[k], want, rtol=1e-5, atol=1e-7, msg=k)
         for k, want in ref_params.items():
             torch.testing.assert_close(params[k], want, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class WithSpare(Routed):
+    """Routed with a param in the root bucket (which runs) that no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(DIM, DIM)
+
+
+def spare_grads(placement_name: str) -> tuple:
+    """Rank body: one step of WithSpare; the full grads of `spare` and of `inp`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = fs.flex_shard(WithSpare(), placement=PLACEMENTS[placement_name], buckets=[
+        *(fs.BucketSpec(f"experts.{e}.*") for e in range(4)),
+        fs.BucketSpec(["inp.*", "out.*", "spare.*"])])
+    x, y = data(0, rank)
+    route, skip = routing(0, rank, world)
+    F.cross_entropy(model(x, route, skip), y).backward()
+    grads = full_grads(model)
+    return grads["spare.weight"], grads["experts.2.w1.weight"], grads["inp.weight"]
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_a_param_no_rank_used_in_a_bucket_that_ran_gets_a_zero_grad(placement):
+    """As FSDP2 with set_reduce_scatter_unused_params(True): the bucket's one
+    reduce-scatter carries zeros for it (docs/placements-and-buckets.md says so);
+    a bucket whose module ran on no rank keeps None grads."""
+    for spare, skipped, used in run_world(2, spare_grads, placement):
+        assert spare is not None and torch.count_nonzero(spare) == 0
+        assert skipped is None
+        assert used is not None and torch.count_nonzero(used) > 0
