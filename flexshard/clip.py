@@ -8,6 +8,7 @@ import numbers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 from .runtime.state import get_state
 
@@ -22,10 +23,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     state = get_state(module)
     grads = _grads_by_group(state)
     device = state.buckets[0].compute_device  # CPU offload: some grads are in host memory
-    if state.bucket_meshes:
-        total = _norm_over_bucket_meshes(state, norm_type, device)
-    else:
-        total = _global_norm(grads, norm_type, device, state)
+    with record_function("FlexShard::clip_grad_norm_all_reduce"):
+        if state.bucket_meshes:
+            total = _norm_over_bucket_meshes(state, norm_type, device)
+        else:
+            total = _global_norm(grads, norm_type, device, state)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"{total.item()}; pass error_if_nonfinite=False to clip anyway")

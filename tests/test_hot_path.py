@@ -32,7 +32,9 @@ class OpCount(TorchDispatchMode):
         self.ops = self.data_ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
+        # A profiler label (record_function) is two ops per label and bucket, not
+        # per param: not part of the data path this test bounds.
+        self.ops += func.namespace != "profiler"
         self.data_ops += func.overloadpacket.__name__ in DATA_OPS
         return func(*args, **(kwargs or {}))
 

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
@@ -166,8 +167,10 @@ class Bucket:
         self.post_forward = None
         n = self.post_forward_size
         if keep and gathered is not None and n is not None:
-            self.post_forward = keep_slice(gathered, self.gather_layout, self.rank, n,
-                                           self.subgroups.of(self.rank, n), self.storage.buffer)
+            with record_function("FlexShard::post_forward_keep_slice"):
+                self.post_forward = keep_slice(gathered, self.gather_layout, self.rank, n,
+                                               self.subgroups.of(self.rank, n),
+                                               self.storage.buffer)
 
     def _post_forward_source(self, layout: BucketLayout) -> Optional[PostForwardShard]:
         """The kept post-forward shard, when a gather in backward may start from it."""
@@ -313,7 +316,8 @@ class Bucket:
         # output's padding as long: its params are copied out when padding is heavy.
         kept = self.reshard_after_forward is False
         view_ok = plans.keeps_views and not (plans.pins_padding and kept)
-        with hidden_from_checkpoint():  # recomputed anyway: skip the per-op Python dispatch
+        with hidden_from_checkpoint(), record_function("FlexShard::all_gather_copy_out"):
+            # hidden: recomputed anyway, skip the per-op Python dispatch
             for i, slot in enumerate(self.slots):  # copy-out on the compute stream
                 full, copied = gathered_param(pending.gathered, layout, slot, i,
                                               view_ok, plans.copies[i])
@@ -369,11 +373,12 @@ class Bucket:
             send, gathered = self._gather_buffers(layout, plans, source)
             after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
             if source is None and (not plans.is_storage or self.offload is not None):
-                with on_stream(ctx, ctx.copy_in, ready):
+                with on_stream(ctx, ctx.copy_in, ready), \
+                        record_function("FlexShard::all_gather_copy_in"):
                     self._copy_in(send, layout, plans)
                     after = ctx.record(ctx.copy_in)
             work = None
-            with on_stream(ctx, ctx.gather, after):
+            with on_stream(ctx, ctx.gather, after), record_function("FlexShard::all_gather"):
                 if self.world_size > 1 and layout.segments is not None:
                     work = self.comm.all_gather_segments(gathered, send, layout.segments,
                                                          self.group, async_op=async_op)
@@ -445,7 +450,8 @@ class Bucket:
         send = (torch.empty if gaps is not None else torch.zeros)(
             layout.wire_bytes, dtype=torch.uint8, device=self.compute_device)
         op = None
-        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: grads computed, buffers allocated
+        with on_stream(ctx, ctx.reduce, ctx.record()), \
+                record_function("FlexShard::reduce_scatter_copy_in"):  # after: grads, buffers
             for start, stop in gaps or ():
                 send[start:stop].zero_()
             self._pack(send, grads)
@@ -467,7 +473,8 @@ class Bucket:
         ctx = self.device_ctx
         out = send if self.world_size == 1 else torch.empty(
             self.reduce_layout.segment_bytes, dtype=torch.uint8, device=send.device)
-        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: the output's allocation
+        with on_stream(ctx, ctx.reduce, ctx.record()), \
+                record_function("FlexShard::reduce_scatter"):  # after: the output's allocation
             work = self._reduce_scatter(send, out, op)
         return PendingReduce(work, out, (send,), op.post_divide)
 
@@ -476,11 +483,13 @@ class Bucket:
         (cast on the reduce stream; the compute stream waits for them)."""
         ctx = self.device_ctx
         targets = self._grad_targets(pending.output)
-        with on_stream(ctx, ctx.reduce, ctx.record()):  # after: the cast outputs' allocation
+        with on_stream(ctx, ctx.reduce, ctx.record()), \
+                record_function("FlexShard::reduce_scatter_copy_out"):  # after: cast outputs
             if pending.work is not None:
                 pending.work.wait()
             if self.replicate_group is not None:  # after the reduce-scatter: it sums the shards
-                self.comm.all_reduce(self._typed(pending.output), self.replicate_group)
+                with record_function("FlexShard::all_reduce"):
+                    self.comm.all_reduce(self._typed(pending.output), self.replicate_group)
                 self.counters.all_reduces += 1
                 self.counters.all_reduce_bytes += pending.output.numel()
             if pending.post_divide is not None:
