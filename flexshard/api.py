@@ -45,6 +45,17 @@ class FlexShardModule:
         for bucket in get_state(self).buckets:
             bucket.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """HSDP gradient accumulation: when False, backward reduce-scatters within
+        the shard group and keeps the reduced shards summed per bucket, with no
+        all-reduce across replicas and no grads delivered; the next backward with
+        True all-reduces that sum once (FSDP2's set_requires_all_reduce). Without
+        replicas it changes nothing."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"set_requires_all_reduce expects a bool, got {requires_all_reduce!r}")
+        for bucket in get_state(self).buckets:
+            bucket.requires_all_reduce = requires_all_reduce
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by `factor` instead of the number of ranks (the
         mean; replicas included under HSDP); 1.0 sums them, for losses already

@@ -89,6 +89,9 @@ class Bucket:
         # resharding forward our hooks saw (None: none seen yet); False: no regather in backward
         self.saved_version = -1  # storage version when its unsharded params were registered
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas this backward
+        self.partial_reduced: Optional[torch.Tensor] = None  # HSDP: reduced shards summed
+        #   over backwards that skipped the all-reduce (requires_all_reduce False)
         # reduced grads are divided by it: the mean over every rank of flex_shard's mesh
         # (a bucket mesh's grads hold every rank's tokens: see design.md, "A mesh per bucket")
         self.gradient_divide_factor = float(divide_factor or world_size * replicate_size)
@@ -200,6 +203,8 @@ class Bucket:
         self.assert_state(BucketState.SHARDED)
         if self.pending_grads is not None:
             self.pending_grads = fn(self.pending_grads)  # unreduced: on the compute device
+        if self.partial_reduced is not None:
+            self.partial_reduced = fn(self.partial_reduced)
         offload, old = self.offload, self.storage.buffer
         buffer = fn(old) if offload is None else offload.move(fn, old)
         if buffer is old:
@@ -480,32 +485,53 @@ class Bucket:
 
     def finish_reduce(self, pending: PendingReduce) -> list:
         """Wait for a launched reduce-scatter; returns sharded grads per slot
-        (cast on the reduce stream; the compute stream waits for them)."""
+        (cast on the reduce stream; the compute stream waits for them). None
+        for each when HSDP's all-reduce is deferred (set_requires_all_reduce)."""
         ctx = self.device_ctx
-        targets = self._grad_targets(pending.output)
+        deferred = self.replicate_group is not None and not self.requires_all_reduce
+        targets = [] if deferred else self._grad_targets(pending.output)
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter_copy_out"):  # after: cast outputs
             if pending.work is not None:
                 pending.work.wait()
-            if self.replicate_group is not None:  # after the reduce-scatter: it sums the shards
-                with record_function("FlexShard::all_reduce"):
-                    self.comm.all_reduce(self._typed(pending.output), self.replicate_group)
-                self.counters.all_reduces += 1
-                self.counters.all_reduce_bytes += pending.output.numel()
-            if pending.post_divide is not None:
+            if deferred:
+                self._keep_partial(pending.output)
+            elif self.replicate_group is not None:  # after the reduce-scatter: it sums the shards
+                self._all_reduce(pending.output)
+            if pending.post_divide is not None and not deferred:
                 self._typed(pending.output).div_(pending.post_divide)
             for view, target in targets:
                 if target is not view:  # a cast, or offload's D2H (async into pinned memory)
                     target.copy_(view, non_blocking=self.offload is not None)
             done = ctx.record(ctx.reduce)
         ctx.wait(done)  # now `pending` (its input, the grads) may die: see PendingReduce.held
-        if self.offload is not None:  # the host reads the grads only after host_wait()
+        if self.offload is not None and not deferred:  # the host reads the grads after host_wait()
             self.offload.grads_copied = done
             self.counters.d2h_bytes += sum(t.numel() * t.element_size() for _, t in targets)
         grads: list = [None] * len(self.slots)
         for i, (_, target) in zip(self.grad_slots, targets):
             grads[i] = target
         return grads
+
+    def _all_reduce(self, output: torch.Tensor) -> None:
+        """HSDP, on the reduce stream: add the partial sum kept by the backwards
+        that deferred their all-reduce, then all-reduce across replicas."""
+        if self.partial_reduced is not None:
+            self._typed(output).add_(self._typed(self.partial_reduced))
+            self.partial_reduced = None
+        with record_function("FlexShard::all_reduce"):
+            self.comm.all_reduce(self._typed(output), self.replicate_group)
+        self.counters.all_reduces += 1
+        self.counters.all_reduce_bytes += output.numel()
+
+    def _keep_partial(self, output: torch.Tensor) -> None:
+        """HSDP with the all-reduce deferred: sum the reduced shards for the next
+        backward that all-reduces (as FSDP2's partial reduce output). Linear all
+        the way: the pre-divide and post-divide commute with the deferral."""
+        if self.partial_reduced is None:
+            self.partial_reduced = output
+        else:
+            self._typed(self.partial_reduced).add_(self._typed(output))
 
     def host_wait(self) -> None:
         """The host waits for the last D2H copy of this offloaded bucket's grads."""
