@@ -23,7 +23,7 @@ from .planning.options import check_options, check_params, check_specs, resolve_
 from .planning.plan import WrapPlan, plan_wrap
 from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,
                                        to_local_params)
-from .runtime.bucket import Bucket
+from .runtime.bucket import Bucket, BucketState
 from .runtime.comm import Comm
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.device import DeviceContexts
@@ -65,7 +65,14 @@ class FlexShardModule:
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}; "
                              "use 1.0 to sum gradients or the world size to average them")
-        for bucket in get_state(self).buckets:
+        buckets = get_state(self).buckets
+        held = [b.name for b in buckets if b.partial_reduced is not None]
+        if held and float(factor) != buckets[0].gradient_divide_factor:
+            raise ValueError(f"set_gradient_divide_factor: bucket(s) {held} hold reduced "
+                             "gradients whose all-reduce set_requires_all_reduce(False) deferred, "
+                             "scaled for the current factor; change the factor before the first "
+                             "micro-batch or after the backward that all-reduces")
+        for bucket in buckets:
             bucket.gradient_divide_factor = float(factor)
 
     def set_reshard_after_forward(self, reshard_after_forward) -> None:
@@ -76,8 +83,9 @@ class FlexShardModule:
         check_reshard(reshard_after_forward, "set_reshard_after_forward: ")
         buckets = get_state(self).buckets
         values = [resolve_reshard(reshard_after_forward, b.world_size, b.name) for b in buckets]
+        _check_between_steps(buckets, "set_reshard_after_forward")
         for bucket, value in zip(buckets, values):
-            bucket.reshard_after_forward = value
+            bucket.set_reshard_after_forward(value)  # re-plans what depends on it
             if bucket.post_forward_size is not None:
                 bucket.subgroups.of(bucket.rank, value)  # made now, by every member
 
@@ -133,6 +141,15 @@ class FlexShardModule:
         reshard_explicitly(state.buckets)
         for hooks in state.hooks:
             hooks.reshard_kept()
+
+
+def _check_between_steps(buckets, setter: str) -> None:
+    """A setter that re-plans buckets runs between steps: every bucket sharded."""
+    for bucket in buckets:
+        if bucket.state is not BucketState.SHARDED or bucket.held is not None:
+            raise RuntimeError(
+                f"{setter}: bucket {bucket.name!r} is {bucket.state.value}; call it between "
+                "training steps (after backward, or after module.reshard())")
 
 
 def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,

@@ -13,6 +13,7 @@ import torch.nn as nn
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT
+from training_helpers import NoCollectives
 
 ROOT = ["tok.*", "pos", "norm.*", "head.*"]
 
@@ -123,15 +124,6 @@ CONFIG_CASES = {
     "gradient sync flag": (lambda: _grad_sync_flag(None), TypeError,
                            r"set_requires_gradient_sync expects a bool, got 1"),
 }
-
-
-class NoCollectives(fs.Comm):
-    """Fails the test if flex_shard issues any collective."""
-
-    def all_gather(self, *args, **kwargs):
-        raise AssertionError("a collective was issued before the error")
-
-    reduce_scatter = all_reduce = all_gather
 
 
 @pytest.mark.parametrize("name", sorted(WRAP_CASES))

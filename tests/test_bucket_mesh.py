@@ -22,7 +22,7 @@ import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import batch
 from test_parity import assert_rel_close
-from training_helpers import GroupComm
+from training_helpers import GroupComm, NoCollectives
 
 pytestmark = pytest.mark.world
 
@@ -183,13 +183,6 @@ def test_moe_parity(dense_hsdp):
 
 
 # Bad input: every rank raises before any collective.
-
-
-class NoCollectives(fs.Comm):
-    def all_gather(self, *args, **kwargs):
-        raise AssertionError("a collective was issued before the error")
-
-    reduce_scatter = all_reduce = all_to_all = all_gather
 
 
 def _bucket_mesh_outside_world():

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import flexshard as fs
 from harness import run_world
+from training_helpers import full_grads
 
 DIM, HID, OUT, ROWS, STEPS = 16, 24, 5, 6, 4
 PLACEMENTS = {"shard": fs.Shard(0), "ragged": fs.RaggedShard(), "owned": fs.Owned()}
@@ -130,26 +131,6 @@ def sharded(placement_name: str, reshard) -> tuple:
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     return losses, first, fs.full_state_dict(model)
-
-
-def full_grads(model) -> dict:
-    """FQN -> the full gradient (None where this rank's sharded grad is None)."""
-    from flexshard.runtime.state import get_state
-
-    out = {}
-    for bucket in get_state(model).buckets:
-        for slot, param in zip(bucket.slots, bucket.params):
-            has = torch.tensor([param.grad is not None], dtype=torch.int32)
-            dist.all_reduce(has)  # every rank agrees on None
-            if has.item() == 0:
-                out[slot.fqn] = None
-                continue
-            assert has.item() == dist.get_world_size(), f"{slot.fqn}: None on some ranks"
-            full = torch.zeros(slot.shape, dtype=param.dtype)
-            slot.placement.shard(full, bucket.rank, bucket.world_size).copy_(param.grad)
-            dist.all_reduce(full)  # each element lives on one rank
-            out[slot.fqn] = full
-    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])

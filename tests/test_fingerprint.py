@@ -14,6 +14,7 @@ from flexshard.planning.fingerprint import (_FIELDS, BucketFingerprint, _describ
 from flexshard.runtime.state import find_state
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT
+from training_helpers import NoCollectives
 
 pytestmark = pytest.mark.world
 
@@ -37,15 +38,6 @@ class CountingComm(fs.Comm):
     def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM):
         self.calls.append("all_reduce")
         return super().all_reduce(tensor, group, op)
-
-
-class NoCollectives(fs.Comm):
-    """A Comm that fails the test if any collective is issued."""
-
-    def all_gather(self, *args, **kwargs):
-        raise AssertionError("unexpected all_gather")
-
-    reduce_scatter = all_reduce = all_gather
 
 
 # ---- bodies (run on every rank of the harness world)

@@ -16,7 +16,8 @@ from models import batch, loss_fn
 from placement_ref import adamw, comm_counter, make_model, reference_run
 from test_clip_grad import MAX_NORM, clip_step
 from test_parity import assert_rel_close
-from training_helpers import CountingComm, accumulate_two_halves, check_against_reference, train
+from training_helpers import (CountingComm, NoCollectives, accumulate_two_halves,
+                              check_against_reference, train)
 
 pytestmark = pytest.mark.world
 
@@ -296,13 +297,6 @@ def test_fingerprint_compares_replicas_too():
 
 
 # Bad input: a clear error on every rank before any collective.
-
-
-class NoCollectives(fs.Comm):
-    def all_gather(self, *args, **kwargs):
-        raise AssertionError("a collective was issued before the error")
-
-    reduce_scatter = all_reduce = all_gather
 
 
 def _three_dim_mesh():

@@ -14,6 +14,7 @@ from harness import run_world
 from models import batch, loss_fn
 from placement_ref import make_model
 from test_hsdp import PLACEMENTS, hsdp_mesh
+from training_helpers import full_grads
 
 pytestmark = pytest.mark.world
 
@@ -64,22 +65,6 @@ def accumulate(placement: str, defer: bool) -> tuple:
         counts = (sum(b.counters.all_reduces for b in buckets) - before[0],
                   sum(b.counters.all_reduce_bytes for b in buckets) - before[1])
     return grads, fs.full_state_dict(model), counts, any(early) if defer else None
-
-
-def full_grads(model) -> dict:
-    """FQN -> full grad: each shard group's pieces placed, summed over the shard
-    group (the replicas hold the same all-reduced pieces)."""
-    from flexshard.runtime.state import get_state
-
-    state = get_state(model)
-    out = {}
-    for bucket in state.buckets:
-        for slot, param in zip(bucket.slots, bucket.params):
-            full = torch.zeros(slot.shape)
-            slot.placement.shard(full, bucket.rank, bucket.world_size).copy_(param.grad)
-            dist.all_reduce(full, group=bucket.group)
-            out[slot.fqn] = full
-    return out
 
 
 @pytest.mark.parametrize("placement", ["shard0", "owned", "ragged"])

@@ -17,7 +17,7 @@ from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn
 from placement_ref import adamw, make_model, reference_run
 from test_parity import assert_rel_close
-from training_helpers import GroupComm
+from training_helpers import GroupComm, NoCollectives
 
 pytestmark = pytest.mark.world
 
@@ -140,13 +140,6 @@ def test_dry_run_plans_the_int_reshard():
     assert all(b.regather_ranks in (0, 4) for b in full.buckets)
     kept = fs.describe(make_model(), mesh_shape=(1, 4), reshard_after_forward=1)
     assert {b.reshard_after_forward for b in kept.buckets} == {False}
-
-
-class NoCollectives(fs.Comm):
-    def all_gather(self, *args, **kwargs):
-        raise AssertionError("a collective was issued before the error")
-
-    reduce_scatter = all_reduce = all_gather
 
 
 def _not_a_divisor():

@@ -21,15 +21,32 @@ LR = 1e-2
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
+class NoCollectives(fs.Comm):
+    """Fails the test if flexshard issues any collective (bad input must be
+    refused before one)."""
+
+    def all_gather(self, *args, **kwargs):
+        raise AssertionError("a collective was issued before the error")
+
+    all_gather_segments = reduce_scatter = all_reduce = all_to_all = all_gather
+
+
 class CountingComm(fs.Comm):
-    """Counts collectives."""
+    """Counts collectives; wraps the real ones, compact gathers included (a
+    compact gather counts as one all_gather), so the path users run is the one
+    counted."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
 
     def all_gather(self, output, input, group, async_op=False):
         self.calls["all_gather"] += 1
         return super().all_gather(output, input, group, async_op)
+
+    def all_gather_segments(self, output, input, segments, group, async_op=False):
+        self.calls["all_gather"] += 1
+        return super().all_gather_segments(output, input, segments, group, async_op)
 
     def reduce_scatter(self, output, input, group, async_op=False):
         self.calls["reduce_scatter"] += 1
@@ -44,9 +61,11 @@ class CountingComm(fs.Comm):
 
 
 class GroupComm(fs.Comm):
-    """Counts each bucket collective by (kind, the global ranks of its group)."""
+    """Counts each bucket collective by (kind, the global ranks of its group),
+    compact gathers as all_gathers (see CountingComm)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls: Counter = Counter()
 
     def _count(self, kind, group) -> None:
@@ -55,6 +74,10 @@ class GroupComm(fs.Comm):
     def all_gather(self, output, input, group, async_op=False):
         self._count("all_gather", group)
         return super().all_gather(output, input, group, async_op)
+
+    def all_gather_segments(self, output, input, segments, group, async_op=False):
+        self._count("all_gather", group)
+        return super().all_gather_segments(output, input, segments, group, async_op)
 
     def reduce_scatter(self, output, input, group, async_op=False, **kwargs):
         self._count("reduce_scatter", group)
@@ -141,6 +164,11 @@ class DelayComm(CountingComm):
     def all_gather(self, output, input, group, async_op=False):
         work = DelayedWork(super().all_gather(output, input, group, True), self.delay,
                            self, "all_gather")
+        return work if async_op else work.wait() and None
+
+    def all_gather_segments(self, output, input, segments, group, async_op=False):
+        work = DelayedWork(super().all_gather_segments(output, input, segments, group, True),
+                           self.delay, self, "all_gather")
         return work if async_op else work.wait() and None
 
     def reduce_scatter(self, output, input, group, async_op=False):
@@ -244,3 +272,26 @@ def check_against_reference(losses, full: dict, world: int, steps: int, model_kw
             assert torch.equal(full[k], ref_params[k]), k
         else:
             assert_rel_close(full[k], ref_params[k], rtol, k)
+
+
+def full_grads(model) -> dict:
+    """FQN -> the full gradient of a flex-sharded `model` on every rank (None
+    where every rank's sharded grad is None; an AssertionError where only some
+    ranks have one). Each bucket's pieces are placed and summed over its shard
+    group; under HSDP the replicas hold the same all-reduced pieces."""
+    from flexshard.runtime.state import get_state
+
+    out = {}
+    for bucket in get_state(model).buckets:
+        for slot, param in zip(bucket.slots, bucket.params):
+            has = torch.tensor([param.grad is not None], dtype=torch.int32)
+            dist.all_reduce(has, group=bucket.group)
+            if has.item() == 0:
+                out[slot.fqn] = None
+                continue
+            assert has.item() == bucket.world_size, f"{slot.fqn}: None on some ranks"
+            full = torch.zeros(slot.shape, dtype=param.dtype)
+            slot.placement.shard(full, bucket.rank, bucket.world_size).copy_(param.grad)
+            dist.all_reduce(full, group=bucket.group)  # each element lives on one rank
+            out[slot.fqn] = full
+    return out

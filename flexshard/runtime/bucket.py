@@ -69,11 +69,12 @@ class Bucket:
         self.mesh = None  # its DeviceMesh (its own or the model's; None without a process group)
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard
-        layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
-        if world_size > 1:
-            uneven = comm.gathers_uneven(group, torch.device(device))
-            layouts = compact_gather(layouts, reshard_after_forward, offload_policy is not None,
-                                     uneven)
+        # Planned once; the gather layout is re-derived when a setter changes what it
+        # depends on (set_reshard_after_forward: a compact gather only without an int).
+        self._layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
+        self._uneven = world_size > 1 and comm.gathers_uneven(group, torch.device(device))
+        layouts = compact_gather(self._layouts, reshard_after_forward, offload_policy is not None,
+                                 self._uneven)
         # CPU offload: the storage lives in host memory, `device` is the compute device.
         self.offload = None if offload_policy is None else Offload(offload_policy, device)
         self.storage = BucketStorage(layouts.storage, slots, rank,
@@ -107,11 +108,10 @@ class Bucket:
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         self._held_version = -1
         self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
-        # Decided once, at wrap time; looked up by identity (comparing layouts is O(ranks)).
-        # a compact gather's broadcasts (one per non-empty segment), counted once here
-        self._broadcasts = sum(1 for _, n in self.gather_layout.segments or () if n)
-        self._plans = {id(lay): self._layout_plans(lay)
-                       for lay in (self.storage.layout, self.gather_layout)}
+        # Decided at wrap time (and by set_reshard_after_forward); looked up by identity
+        # (comparing layouts is O(ranks)).
+        self._plans = {id(self.storage.layout): self._layout_plans(self.storage.layout)}
+        self._use_gather_layout(self.gather_layout)
         # What the reduce input's pack leaves unwritten, zeroed per step: nothing
         # (dense), each gap (a few: Owned's segment tails), or all of it (many gaps).
         gaps = self.reduce_layout.gaps()
@@ -122,6 +122,26 @@ class Bucket:
         self._grad_bytes = grad_bytes if grad_bytes < self.reduce_layout.segment_bytes else None
         self._reduce_copies = plan_copies(self.reduce_layout,
                                           [slots[i] for i in self.grad_slots])
+
+    def _use_gather_layout(self, layout: BucketLayout) -> None:
+        """Gather over `layout` from now on, with its plans made here."""
+        self.gather_layout = layout
+        # a compact gather's broadcasts (one per non-empty segment), counted once here
+        self._broadcasts = sum(1 for _, n in layout.segments or () if n)
+        self._plans[id(layout)] = self._layout_plans(layout)
+
+    def set_reshard_after_forward(self, value) -> None:
+        """The setter's part in the bucket: what depended on the wrap-time value
+        follows the new one. The gather layout is compact only where the value
+        allows (an int slices equal segments after forward: compact_gather)."""
+        self.assert_state(BucketState.SHARDED)
+        self.discard_gather()  # launched over the old layout
+        self.reshard_after_forward = value
+        self.post_forward = self._forward_gathered = None
+        gather = compact_gather(self._layouts, value, self.offload is not None,
+                                self._uneven).gather
+        if gather != self.gather_layout:
+            self._use_gather_layout(gather)
 
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
         # a compact gather layout has the storage's bytes in a segment of another length

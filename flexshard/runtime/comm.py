@@ -73,8 +73,12 @@ class Comm:
         take any sizes), whatever the size: a compact gather saves the
         padding's memory, which W round trips for a small buffer are worth.
         A Comm that overrides `all_gather` (to count, delay or fail it) keeps
-        the equal segments it was written for."""
-        if type(self).all_gather is not Comm.all_gather or not dist.is_initialized():
+        the equal segments it was written for, unless it overrides
+        `all_gather_segments` too (and so sees the compact gathers)."""
+        own = type(self)
+        if (own.all_gather is not Comm.all_gather
+                and own.all_gather_segments is Comm.all_gather_segments) \
+                or not dist.is_initialized():
             return False
         return self._rooted_group(device, group)
 

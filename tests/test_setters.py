@@ -1,0 +1,125 @@
+"""No setter invalidates a wrap-time decision: each re-plans what depends on it,
+or refuses with a clear error before anything changes.
+
+The case that trained silently wrong: a Hugging Face Llama, one Owned bucket per
+layer plus a root bucket, 4 gloo ranks, wrapped with reshard_after_forward=True
+(so its Owned buckets gather compact on gloo), then set_reshard_after_forward(2):
+the int reshard kept equal-segment slices of a compact gather output. The tests
+here run the default Comm, the path users get on gloo.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import flexshard as fs
+from harness import expect_all_ranks_raise, run_world
+from training_helpers import full_grads
+
+WORLD, STEPS = 4, 5
+
+
+def llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+
+
+def buckets() -> list:
+    return [fs.BucketSpec(f"model.layers.{i}.*", placement=fs.Owned()) for i in range(2)] + [
+        fs.BucketSpec(["model.embed_tokens.*", "model.norm.*", "lm_head.*"],
+                      placement=fs.Owned())]
+
+
+def ids(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(step * 10 + rank))
+
+
+def reference() -> tuple:
+    """One process on every rank's batch: (losses, first grads, final params)."""
+    torch.set_num_threads(1)
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, first = [], None
+    for step in range(STEPS):
+        batch = torch.cat([ids(step, r) for r in range(WORLD)])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        first = first or {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, first, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def owned_with_setter() -> tuple:
+    """Rank body: wrap with reshard True, then set_reshard_after_forward(2), train."""
+    from flexshard.runtime.state import get_state
+
+    rank = dist.get_rank()
+    model = fs.flex_shard(llama(), buckets=buckets(), reshard_after_forward=True)
+    layers = get_state(model).buckets[:2]
+    compact_at_wrap = all(b.gather_layout.segments is not None for b in layers)
+    model.set_reshard_after_forward(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, first = [], None
+    for step in range(STEPS):
+        batch = ids(step, rank)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        first = first or full_grads(model)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+    kept = sum(b.counters.post_forward_gathers for b in layers)
+    model.set_reshard_after_forward(True)  # back: compact again
+    recompacted = all(b.gather_layout.segments is not None for b in layers)
+    return losses, first, fs.full_state_dict(model), compact_at_wrap, kept, recompacted
+
+
+def test_owned_buckets_given_an_int_reshard_by_the_setter_train_as_one_process():
+    ref_losses, ref_first, ref_params = reference()
+    for losses, first, params, compact, kept, recompacted in run_world(WORLD, owned_with_setter):
+        assert compact and recompacted, "the case needs the compact gathers gloo users get"
+        assert kept > 0, "backward regathered from the post-forward groups"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0)
+        for k, want in ref_first.items():
+            torch.testing.assert_close(first[k], want, rtol=1e-5, atol=1e-7, msg=k)
+        for k, want in ref_params.items():
+            torch.testing.assert_close(params[k], want, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def setter_while_unsharded() -> None:
+    model = fs.flex_shard(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+                          buckets=[fs.BucketSpec("0.*"), fs.BucketSpec("1.*")])
+    model.unshard()
+    model.set_reshard_after_forward(False)
+
+
+def test_reshard_setter_refuses_while_params_are_unsharded():
+    expect_all_ranks_raise(2, setter_while_unsharded, RuntimeError,
+                           r"set_reshard_after_forward: bucket '0\.\*' is unsharded; call it "
+                           r"between training steps \(after backward, or after module\.reshard\(\)\)")
+
+
+def divide_factor_mid_accumulation() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fs.flex_shard(torch.nn.Linear(8, 8), mesh)
+    model.set_requires_all_reduce(False)
+    model(torch.randn(4, 8)).sum().backward()
+    model.set_gradient_divide_factor(2.0)
+
+
+def test_divide_factor_refuses_while_a_deferred_all_reduce_holds_grads():
+    expect_all_ranks_raise(4, divide_factor_mid_accumulation, ValueError,
+                           r"set_gradient_divide_factor: bucket\(s\) \[.*\] hold reduced "
+                           r"gradients whose all-reduce set_requires_all_reduce\(False\) deferred")
