@@ -1,4 +1,5 @@
-"""Every code block in README.md works: python blocks run, bash commands parse.
+"""Every code block in README.md and docs/*.md works: python blocks run, bash
+commands parse, and every local link and file named exists.
 
 Python blocks carry a `<!-- readme-test: world 1, 2 -->` marker naming the world
 sizes to run them at: world 1 in this process, larger worlds in the harness (as
@@ -24,6 +25,7 @@ from harness import run_world
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- readme-test: world ([\d, ]+) -->")
 
 
@@ -32,10 +34,16 @@ class Block(NamedTuple):
     code: str
     line: int  # 1-based line of the opening fence
     worlds: tuple  # world sizes from the marker line just above, () if none
+    doc: str = "README.md"  # the page, relative to the repository
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
 
 
-def readme_blocks() -> list:
-    lines = README.read_text().splitlines()
+def readme_blocks(page: Path = README) -> list:
+    doc = page.relative_to(REPO).as_posix()
+    lines = page.read_text().splitlines()
     blocks, i = [], 0
     while i < len(lines):
         fence = re.fullmatch(r"```(\w*)", lines[i])
@@ -45,36 +53,40 @@ def readme_blocks() -> list:
         end = lines.index("```", i + 1)
         marker = MARKER.fullmatch(lines[i - 1]) if i else None
         worlds = tuple(int(w) for w in marker.group(1).split(",")) if marker else ()
-        blocks.append(Block(fence.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1, worlds))
+        blocks.append(Block(fence.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1, worlds,
+                            doc))
         i = end + 1
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [b for page in DOCS for b in readme_blocks(page)]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 BASH = [b for b in BLOCKS if b.lang == "bash"]
 RUNS = [(b, w) for b in PYTHON for w in b.worlds]
 
 
-def test_readme_has_the_blocks_it_documents():
-    assert len(PYTHON) >= 2 and len(BASH) >= 4
-    assert {b.lang for b in BLOCKS} <= {"python", "bash"}, "a block with no runnable language"
-    unmarked = [b.line for b in PYTHON if not b.worlds]
-    assert not unmarked, f"python blocks at lines {unmarked} have no readme-test marker"
+def test_the_pages_have_the_blocks_they_document():
+    readme = [b for b in BLOCKS if b.doc == "README.md"]
+    assert sum(b.lang == "python" for b in readme) >= 2 and sum(b.lang == "bash" for b in readme) >= 2
+    assert len(BASH) >= 6 and len(PYTHON) >= 10
+    # text blocks show output (an error message): nothing to run
+    assert {b.lang for b in BLOCKS} <= {"python", "bash", "text"}, "a block with no language"
+    unmarked = [b.where for b in PYTHON if not b.worlds]
+    assert not unmarked, f"python blocks at {unmarked} have no readme-test marker"
 
 
-def _exec_block(code: str) -> None:
-    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+def _exec_block(code: str, doc: str = "README.md") -> None:
+    exec(compile(code, doc, "exec"), {"__name__": "__readme__"})
 
 
-@pytest.mark.parametrize("block, world", RUNS, ids=[f"line{b.line}-world{w}" for b, w in RUNS])
+@pytest.mark.parametrize("block, world", RUNS, ids=[f"{b.doc}:{b.line}-world{w}" for b, w in RUNS])
 def test_python_block_runs(block, world, monkeypatch, capsys):
     if world == 1:
         monkeypatch.delenv("RANK", raising=False)
-        _exec_block(block.code)
+        _exec_block(block.code, block.doc)
         assert capsys.readouterr().out.strip(), "the block printed nothing"
     else:
-        run_world(world, _exec_block, block.code, timeout=120)
+        run_world(world, _exec_block, block.code, block.doc, timeout=120)
 
 
 def _commands(block: Block) -> list:
@@ -129,7 +141,7 @@ def _check_example(argv: list) -> None:
     module.parse_args(argv[2:])
 
 
-@pytest.mark.parametrize("block", BASH, ids=[f"line{b.line}" for b in BASH])
+@pytest.mark.parametrize("block", BASH, ids=[b.where for b in BASH])
 def test_bash_block_parses_and_names_real_things(block):
     syntax = subprocess.run(["bash", "-n"], input=block.code, text=True, capture_output=True)
     assert syntax.returncode == 0, syntax.stderr
@@ -143,7 +155,7 @@ def test_bash_block_parses_and_names_real_things(block):
         elif argv[0] == "python" and argv[1].startswith("examples/"):
             _check_example(argv)
         else:
-            raise AssertionError(f"README line {block.line}: no check for command {argv}")
+            raise AssertionError(f"{block.where}: no check for command {argv}")
 
 
 def test_ci_runs_the_readme_test_command_and_it_installs_what_tests_import():
@@ -156,15 +168,20 @@ def test_ci_runs_the_readme_test_command_and_it_installs_what_tests_import():
     assert main == "torchrun --standalone --nproc-per-node 2 examples/train.py"
 
 
-def test_local_links_and_named_files_exist():
-    text = README.read_text()
+@pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
+def test_local_links_and_named_files_exist(page):
+    text = page.read_text()
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
-    local = [link for link in links if not re.match(r"\w+://", link)]
-    assert local, "no local links found"
-    named = re.findall(r"`((?:examples|data|benchmarks|flexshard|tests)/[\w./-]+)`", text)
-    assert named, "no file of the repository named in backticks"
-    missing = [path for path in local + named if not (REPO / path).exists()]
-    assert not missing, f"README names missing files: {missing}"
+    local = [page.parent / link for link in links if not re.match(r"\w+://", link)]
+    named = [REPO / p for p in
+             re.findall(r"`((?:examples|data|benchmarks|flexshard|tests)/[\w./-]+)`", text)]
+    missing = [str(path.relative_to(REPO)) for path in local + named if not path.exists()]
+    assert not missing, f"{page.name} names missing files: {missing}"
+
+
+def test_the_readme_links_every_page_of_docs():
+    linked = set(re.findall(r"\(docs/([\w-]+\.md)\)", README.read_text()))
+    assert linked == {p.name for p in DOCS[1:]}, "a page of docs/ the README's map misses"
 
 
 if __name__ == "__main__":
