@@ -7,7 +7,7 @@ For each reshard setting one model per mode trains `benchmarks/model.py`'s model
 under flex_shard (one bucket per block plus root): "eager"; "hooks", every block
 compiled after flex_shard (`block.compile()`, inductor), the gather in flexshard's
 eager hooks around it; "in-graph", every block compiled with its bucket's gather
-inside the graph (`runtime/ingraph.py`, reshard = the compiler's selective recompute);
+inside the graph (`experimental/ingraph.py`, reshard = the compiler's selective recompute);
 "in-graph-aot", the same with the aot_eager backend (AOTAutograd's graphs run by eager
 kernels), to tell the partitioner's choices from inductor's.
 Warm-up steps (the compiles among them) are not timed; then the modes take turns,
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
-from flexshard.runtime.ingraph import compile_gather_in_graph
+from flexshard.experimental.ingraph import compile_gather_in_graph
 
 from .allocator_peak import allocated
 from .model import batch, build_model, loss_fn

@@ -156,7 +156,7 @@ def inductor_cpp_compilers() -> tuple:
     return tuple(cxx) if isinstance(cxx, (list, tuple)) else (cxx,)
 
 
-# The in-graph gather (runtime/ingraph.py, experimental): an all-gather that dynamo
+# The in-graph gather (experimental/ingraph.py, experimental): an all-gather that dynamo
 # traces into the graph (the _c10d_functional ops) and whose backward is a
 # reduce-scatter summing over the group.
 all_gather_autograd = resolve(

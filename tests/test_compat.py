@@ -212,7 +212,7 @@ def _root_meshes() -> tuple:
 
 @pytest.mark.world
 def test_functional_all_gather_gathers_and_its_backward_sums():
-    """runtime/ingraph.py relies on it: rank-major output, a summing reduce-scatter
+    """experimental/ingraph.py relies on it: rank-major output, a summing reduce-scatter
     as backward (the in-graph gather divides by the bucket's factor itself)."""
     from harness import run_world
 

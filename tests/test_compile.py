@@ -295,9 +295,9 @@ def _saved_numels(model, x) -> set:
 
 def gather_in_graph(reshard: bool, backend: str = "inductor") -> dict:
     """Rank body: 5 AdamW steps of flex_shard(TinyGPT) with each block compiled
-    with its gather inside the graph (runtime/ingraph.py)."""
+    with its gather inside the graph (experimental/ingraph.py)."""
     import torch.distributed as dist
-    from flexshard.runtime.ingraph import compile_gather_in_graph
+    from flexshard.experimental.ingraph import compile_gather_in_graph
 
     torch._dynamo.reset()
     counters.clear()
@@ -339,7 +339,7 @@ def test_gather_in_graph_matches_the_reference_and_recomputes_the_gather():
 
 
 def gather_in_graph_bf16() -> None:
-    from flexshard.runtime.ingraph import compile_gather_in_graph
+    from flexshard.experimental.ingraph import compile_gather_in_graph
 
     model = fs.flex_shard(make_model(), mp_policy=BF16)
     compile_gather_in_graph(model, model.layers[0])

@@ -81,7 +81,7 @@ class CopyPlan:
 
     def traced_full(self, typed: torch.Tensor) -> torch.Tensor:
         """The full tensor from `typed` (the rank-major buffer already typed as the
-        plan's dtype) by out-of-place ops only, for a traced graph (runtime/ingraph.py):
+        plan's dtype) by out-of-place ops only, for a traced graph (experimental/ingraph.py):
         a view when the plan is one, else a new tensor."""
         if self.span is not None:
             start = self.span[0] // self.dtype.itemsize

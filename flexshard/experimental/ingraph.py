@@ -33,9 +33,9 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, all_gather_autograd
-from .bucket import Bucket
-from .copyplan import plan_copies
-from .state import get_state
+from ..runtime.bucket import Bucket
+from ..runtime.copyplan import plan_copies
+from ..runtime.state import get_state
 
 # aten ops that turn a gather output into unsharded params (besides views): the
 # send's concatenation and gaps, copy-outs, casts. Recomputed like the gather:
