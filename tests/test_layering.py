@@ -25,7 +25,7 @@ LAYERS = [
     {"runtime.bucket"},
     {"runtime.prefetch", "runtime.reshard"},
     {"runtime.hooks", "runtime"},
-    {"collectives", "clip", "optim", "experimental", "experimental."},
+    {"collectives", "collectives.", "clip", "optim", "experimental", "experimental."},
     {"planning", "planning.", "checkpoint", "checkpoint."},
     {"api"},
     {"", "integrations", "integrations."},

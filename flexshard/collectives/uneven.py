@@ -41,7 +41,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .runtime.comm import Comm
+from ..runtime.comm import Comm
 
 
 class FullGrad(enum.Enum):

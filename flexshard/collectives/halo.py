@@ -1,0 +1,193 @@
+"""Halo exchange: the boundary rows each rank needs from its neighbours, with autograd.
+
+A graph (or grid) whose nodes are partitioned over a model group in contiguous,
+possibly uneven blocks (`sizes[r]` nodes on rank r) computes each node from its
+neighbours; a neighbour on another rank is a *halo* row. `HaloPlan` is built once
+from the graph: which of its rows each rank sends to which rank, and how many it
+receives from each. `halo_exchange(x, plan)` then moves the rows in one
+all-to-all per call; its backward sends the halo rows' gradients back and adds
+them at the rows they came from (a row sent to several ranks sums their grads).
+
+Received rows come rank by rank, in increasing global node id within a rank, so
+`torch.cat([x, halo])` holds the local rows then the halo, and
+`plan.local_index(ids)` maps global node ids to rows of that concatenation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from ..runtime.comm import Comm
+from .uneven import _agree, _group, _Group, _offsets
+
+
+class HaloPlan(NamedTuple):
+    """Who sends which rows to whom, for one rank; built once, used every step."""
+
+    rank: int
+    sizes: tuple  # nodes per rank of the partition
+    send_index: tuple  # per destination rank: a LongTensor of local rows to send it
+    recv_ids: tuple  # per source rank: a LongTensor of the global ids received from it
+
+    @property
+    def send_counts(self) -> list:
+        return [int(t.numel()) for t in self.send_index]
+
+    @property
+    def recv_counts(self) -> list:
+        return [int(t.numel()) for t in self.recv_ids]
+
+    @classmethod
+    def from_edges(cls, edge_index: torch.Tensor, sizes: Sequence[int], group=None, *,
+                   comm: Optional[Comm] = None, check: bool = True) -> "HaloPlan":
+        """The plan of a graph: `edge_index` (2, E) holds global node ids, row 0
+        the sources and row 1 the targets of messages, the same on every rank;
+        rank r owns nodes sum(sizes[:r]) .. sum(sizes[:r+1]) - 1 and needs every
+        remote source of an edge into one of its nodes. No collective, except
+        the one check (skipped by `check=False`) that every rank has the same
+        sizes and edges."""
+        g = _group(group, comm)
+        sizes = _check_sizes("HaloPlan.from_edges", sizes, g)
+        edges = _check_edges(edge_index, sum(sizes))
+        if check:
+            _agree("HaloPlan.from_edges", g, edges, {"sizes": sizes, "edges": (
+                edges.shape[1], hash(tuple(edges.flatten().tolist())))})
+        owner = torch.bucketize(edges, torch.tensor(_offsets(sizes)[1:]), right=True)
+        needs = [_needed(edges, owner, src, dst) for src in range(g.size) for dst in range(g.size)]
+        send = tuple(needs[g.rank * g.size + dst] - _offsets(sizes)[g.rank] for dst in range(g.size))
+        recv = tuple(needs[src * g.size + g.rank] for src in range(g.size))
+        return cls(g.rank, sizes, send, recv)
+
+    @classmethod
+    def from_send_index(cls, send_index: Sequence[Sequence[int]], sizes: Sequence[int],
+                        group=None, *, comm: Optional[Comm] = None) -> "HaloPlan":
+        """The plan from explicit lists: `send_index[j]` are the local rows this
+        rank sends to rank j (any order; it is kept). One small all-to-all tells
+        each rank which global ids it receives, and checks the ranks agree."""
+        g = _group(group, comm)
+        sizes = _check_sizes("HaloPlan.from_send_index", sizes, g)
+        send = _check_send_index(send_index, sizes[g.rank], g.size)
+        if g.size > 1:
+            _agree("HaloPlan.from_send_index", g, torch.empty(0), {"sizes": sizes})
+        start = _offsets(sizes)[g.rank]
+        recv = _exchange_ids([t + start for t in send], g)
+        return cls(g.rank, sizes, send, tuple(recv))
+
+    def local_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of `torch.cat([x, halo])` holding the global node `ids` (each
+        one this rank's own or received); ValueError naming an id it lacks."""
+        start, own = _offsets(self.sizes)[self.rank], self.sizes[self.rank]
+        halo = torch.cat(self.recv_ids)
+        table = torch.full((sum(self.sizes),), -1, dtype=torch.long)
+        table[start:start + own] = torch.arange(own)
+        table[halo] = own + torch.arange(halo.numel())
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        inside = (ids >= 0) & (ids < table.numel())
+        rows = torch.where(inside, table[ids.clamp(0, table.numel() - 1)], -1)
+        if (rows < 0).any():
+            missing = ids[rows < 0][:5].tolist()
+            raise ValueError(f"HaloPlan.local_index: node ids {missing} are neither rank "
+                             f"{self.rank}'s nor in its halo; build the plan from the edges "
+                             "that use them")
+        return rows
+
+
+def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *,
+                  comm: Optional[Comm] = None) -> torch.Tensor:
+    """The halo rows `plan` says this rank receives (rank by rank), from each
+    sender's `x` (its own rows along dim 0); differentiable: the backward adds
+    each halo row's gradient at the row it was sent from. One all-to-all."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"halo_exchange: expected a tensor, got {type(x).__name__}")
+    if not isinstance(plan, HaloPlan):
+        raise TypeError(f"halo_exchange: plan must be a HaloPlan, got {type(plan).__name__}")
+    g = _group(group, comm)
+    if x.dim() == 0 or x.shape[0] != plan.sizes[g.rank]:
+        raise ValueError(f"halo_exchange: x has {x.shape[0] if x.dim() else 0} rows on rank "
+                         f"{g.rank} but the plan gives it {plan.sizes[g.rank]} nodes; pass "
+                         "this rank's own rows (dim 0) of the partition the plan was built on")
+    return _Halo.apply(x, plan, g)
+
+
+class _Halo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: HaloPlan, g: _Group):
+        ctx.plan, ctx.g, ctx.rows = plan, g, x.shape[0]
+        index = torch.cat(plan.send_index).to(x.device)
+        return _move(x.index_select(0, index), plan.send_counts, plan.recv_counts, g)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        plan, g = ctx.plan, ctx.g
+        back = _move(grad.contiguous(), plan.recv_counts, plan.send_counts, g)
+        index = torch.cat(plan.send_index).to(grad.device)
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        return out.index_add_(0, index, back), None, None
+
+
+def _move(rows: torch.Tensor, send: list, recv: list, g: _Group) -> torch.Tensor:
+    """Rows in destination order -> received rows in source order: one all-to-all."""
+    width = math.prod(rows.shape[1:])
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    if g.size == 1:
+        return out.copy_(rows)
+    g.comm.all_to_all(out.view(-1), rows.reshape(-1), [n * width for n in recv],
+                      [n * width for n in send], g.group)
+    return out
+
+
+def _needed(edges: torch.Tensor, owner: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+    """Sorted global ids of rank `src`'s nodes that rank `dst` needs (none if src == dst)."""
+    if src == dst:
+        return torch.empty(0, dtype=torch.long)
+    used = (owner[0] == src) & (owner[1] == dst)
+    return torch.unique(edges[0][used])
+
+
+def _exchange_ids(sent_ids: list, g: _Group) -> list:
+    """What each rank receives: the ids every sender sends it (counts, then ids)."""
+    if g.size == 1:
+        return [torch.empty(0, dtype=torch.long)]
+    counts = torch.tensor([t.numel() for t in sent_ids], dtype=torch.long)
+    recv_counts = torch.empty_like(counts)
+    g.comm.all_to_all(recv_counts, counts, [1] * g.size, [1] * g.size, g.group)
+    ids = torch.empty(int(recv_counts.sum()), dtype=torch.long)
+    g.comm.all_to_all(ids, torch.cat(sent_ids), recv_counts.tolist(), counts.tolist(), g.group)
+    return list(ids.split(recv_counts.tolist()))
+
+
+def _check_sizes(name: str, sizes, g: _Group) -> tuple:
+    sizes = tuple(sizes)
+    if len(sizes) != g.size or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                                   for s in sizes):
+        raise ValueError(f"{name}: sizes={list(sizes)} must hold one int >= 0 per rank of the "
+                         f"group ({g.size} ranks): the nodes each rank owns")
+    return sizes
+
+
+def _check_edges(edge_index, nodes: int) -> torch.Tensor:
+    if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 \
+            or edge_index.shape[0] != 2 or edge_index.dtype.is_floating_point:
+        raise ValueError("HaloPlan.from_edges: edge_index must be an integer tensor of shape "
+                         f"(2, E) (sources, targets), got {getattr(edge_index, 'shape', edge_index)}")
+    edges = edge_index.long().cpu()
+    if edges.numel() and (edges.min() < 0 or edges.max() >= nodes):
+        raise ValueError(f"HaloPlan.from_edges: edge_index holds node ids outside 0..{nodes - 1} "
+                         f"(the sum of sizes); got ids {edges.min().item()}..{edges.max().item()}")
+    return edges
+
+
+def _check_send_index(send_index, rows: int, world: int) -> tuple:
+    if len(send_index) != world:
+        raise ValueError(f"HaloPlan.from_send_index: send_index has {len(send_index)} lists, "
+                         f"one per rank of the group ({world}) is needed (empty ones included)")
+    out = tuple(torch.as_tensor(list(s) if not isinstance(s, torch.Tensor) else s,
+                                dtype=torch.long).flatten() for s in send_index)
+    for j, t in enumerate(out):
+        if t.numel() and (t.min() < 0 or t.max() >= rows):
+            raise ValueError(f"HaloPlan.from_send_index: send_index[{j}] holds rows outside this "
+                             f"rank's 0..{rows - 1}: {t[(t < 0) | (t >= rows)][:5].tolist()}")
+    return out

@@ -1,0 +1,143 @@
+"""fs.collectives.halo_exchange and HaloPlan: the rows a single process would pick,
+the exact adjoint in backward, uneven and empty partitions, errors before any
+collective, and the example's message passing matching one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexshard as fs
+from flexshard.collectives import HaloPlan, halo_exchange
+from harness import expect_all_ranks_raise, run_world
+
+WORLD = 3
+
+
+def exchange_case(sizes: tuple, edges: list, explicit: bool) -> tuple:
+    """Rank body: the halo of the global features' own rows, from a plan made from
+    the edges (or from the send lists that plan derived); and x's gradient for a
+    fixed weight on the halo."""
+    rank = dist.get_rank()
+    edge_index = torch.tensor(edges, dtype=torch.long).reshape(2, -1)
+    plan = HaloPlan.from_edges(edge_index, sizes)
+    if explicit:
+        plan = HaloPlan.from_send_index([t.tolist() for t in plan.send_index], sizes)
+    full = torch.arange(sum(sizes) * 2, dtype=torch.float64).reshape(-1, 2)
+    start = sum(sizes[:rank])
+    x = full[start:start + sizes[rank]].clone().requires_grad_(True)
+    halo = halo_exchange(x, plan)
+    weight = torch.arange(halo.numel(), dtype=torch.float64).reshape(halo.shape) + rank
+    (halo * weight).sum().backward()
+    return halo.detach(), torch.cat(plan.recv_ids), x.grad, weight
+
+
+def _edges(draw_sizes, data):
+    nodes = sum(draw_sizes)
+    count = data.draw(st.integers(0, 12))
+    ids = st.integers(0, nodes - 1)
+    return [data.draw(ids) for _ in range(count)] + [data.draw(ids) for _ in range(count)]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(sizes=st.tuples(*[st.integers(0, 5)] * WORLD).filter(lambda s: sum(s) > 0),
+       explicit=st.booleans(), data=st.data())
+def test_the_halo_is_the_rows_one_process_would_pick_and_its_grads_add_back(sizes, explicit,
+                                                                             data):
+    edges = _edges(sizes, data)
+    results = run_world(WORLD, exchange_case, sizes, edges, explicit)
+    full = torch.arange(sum(sizes) * 2, dtype=torch.float64).reshape(-1, 2)
+    grad_full = torch.zeros_like(full)
+    e = torch.tensor(edges, dtype=torch.long).reshape(2, -1)
+    starts = [sum(sizes[:r]) for r in range(WORLD)]
+    for rank, (halo, ids, _, weight) in enumerate(results):
+        mine = (e[1] >= starts[rank]) & (e[1] < starts[rank] + sizes[rank])
+        remote = e[0][mine][(e[0][mine] < starts[rank]) | (e[0][mine] >= starts[rank] + sizes[rank])]
+        assert ids.tolist() == sorted(set(remote.tolist()))  # every remote source, once
+        assert torch.equal(halo, full[ids])
+        grad_full.index_add_(0, ids, weight)
+    for rank, (_, _, grad, _) in enumerate(results):
+        torch.testing.assert_close(grad, grad_full[starts[rank]:starts[rank] + sizes[rank]],
+                                   rtol=0, atol=0)
+
+
+def adjoint_case() -> tuple:
+    """Rank body, float64: <halo(x), v> and <x, halo^T(v)> on this rank (their sums
+    over the ranks must agree: the backward is the exact adjoint)."""
+    rank = dist.get_rank()
+    sizes = (2, 0, 5)
+    g = torch.Generator().manual_seed(7)
+    edges = torch.randint(0, sum(sizes), (2, 20), generator=g)
+    plan = HaloPlan.from_edges(edges, sizes)
+    x = torch.randn(sizes[rank], 3, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+    halo = halo_exchange(x, plan)
+    v = torch.randn(halo.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9 + rank))
+    (grad,) = torch.autograd.grad(halo, x, v)
+    return (halo * v).sum().item(), (x * grad).sum().item()
+
+
+def test_the_backward_is_the_exact_adjoint():
+    pairs = run_world(WORLD, adjoint_case)
+    assert sum(a for a, _ in pairs) == pytest.approx(sum(b for _, b in pairs), rel=1e-12)
+
+
+def _example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "halo_graph.py"
+    spec = importlib.util.spec_from_file_location("halo_graph_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def example_body() -> tuple:
+    loss, grads, _ = _example().run()
+    return loss, grads
+
+
+def test_the_example_matches_one_process():
+    loss, grads, _ = _example().run()
+    for got_loss, got_grads in run_world(WORLD, example_body):
+        assert got_loss == pytest.approx(loss, rel=1e-12)
+        for k, want in grads.items():
+            torch.testing.assert_close(got_grads[k], want, rtol=1e-12, atol=1e-12, msg=k)
+
+
+def _disagreeing_sizes():
+    sizes = (3, 3, 3) if dist.get_rank() else (4, 2, 3)
+    HaloPlan.from_edges(torch.zeros(2, 1, dtype=torch.long), sizes)
+
+
+def _rows_mismatch():
+    plan = HaloPlan.from_edges(torch.tensor([[0], [5]]), (2, 2, 2))
+    halo_exchange(torch.zeros(3, 1), plan)
+
+
+def test_bad_input_is_refused_on_every_rank_before_the_data_moves():
+    expect_all_ranks_raise(WORLD, _disagreeing_sizes, ValueError,
+                           r"HaloPlan\.from_edges: sizes differs across the ranks of the group")
+    expect_all_ranks_raise(WORLD, _rows_mismatch, ValueError,
+                           r"halo_exchange: x has 3 rows on rank \d but the plan gives it 2 nodes")
+    with pytest.raises(ValueError, match=r"edge_index holds node ids outside 0\.\.3"):
+        HaloPlan.from_edges(torch.tensor([[0], [4]]), (4,))
+    with pytest.raises(ValueError, match=r"sizes=\[2, 2\] must hold one int >= 0 per rank"):
+        HaloPlan.from_edges(torch.tensor([[0], [1]]), (2, 2))
+    with pytest.raises(ValueError, match=r"send_index\[0\] holds rows outside this rank's 0\.\.1"):
+        HaloPlan.from_send_index([[2]], (2,))
+    plan = HaloPlan.from_edges(torch.tensor([[0], [1]]), (2,))
+    with pytest.raises(ValueError, match=r"node ids \[5\] are neither rank 0's nor in its halo"):
+        plan.local_index(torch.tensor([5]))
+
+
+def test_one_process_has_no_halo():
+    plan = HaloPlan.from_edges(torch.tensor([[0, 1], [1, 0]]), (2,))
+    x = torch.randn(2, 3, requires_grad=True)
+    halo = halo_exchange(x, plan)
+    assert halo.shape == (0, 3)
+    assert fs.collectives.halo_exchange is halo_exchange
