@@ -27,6 +27,12 @@ unless `check_sizes=False`, one small all-gather of the sizes, dims and shape
 instead of hanging or mixing rows. Once a loop's sizes are known to be right,
 `check_sizes=False` saves that collective (and, on GPUs, its host sync).
 
+Under `torch.compile` every collective here traces into the graph (dynamo turns
+the c10d calls into functional collectives, and traces the autograd Functions),
+with no graph break: the local checks run while tracing, the cross-rank check is
+left out (it reads its result on the host). A user Comm's methods are traced
+too; one doing what dynamo cannot trace breaks the graph there.
+
 gloo has no uneven all-gather: pieces travel padded to the largest one
 through `all_gather_into_tensor` / `reduce_scatter_tensor` and are trimmed.
 The all-to-all is one uneven `all_to_all_single` of flat buffers.
@@ -124,8 +130,8 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, fields: dict, pieces=()) 
     passed different `fields` (label -> tuple of ints, the same length on every
     rank, as validated locally), tensors that differ outside the `pieces`' dims,
     or a piece whose rows do not match its sizes on some rank."""
-    if g.size == 1:
-        return
+    if g.size == 1 or torch.compiler.is_compiling():
+        return  # compiled: the check would read its result on the host mid-graph
     # hash() of a tuple of ints is the same in every process (only str and
     # bytes hashes are salted), so one int stands for the fixed dims.
     shape = tuple(n for d, n in enumerate(tensor.shape) if d not in {p.dim for p in pieces})

@@ -137,8 +137,10 @@ class Comm:
                 and self._rooted_group(segment.device, group))
 
     def _rooted_group(self, device: torch.device, group) -> bool:
-        """Whether gloo's rooted collectives may run on `group` for `device`'s tensors."""
-        if not getattr(self, "rooted_on_gloo", True) or device.type != "cpu":
+        """Whether gloo's rooted collectives may run on `group` for `device`'s tensors
+        (not in a compiled region: dynamo traces the plain collectives)."""
+        if (not getattr(self, "rooted_on_gloo", True) or device.type != "cpu"
+                or torch.compiler.is_compiling()):
             return False
         cache = self.__dict__.setdefault("_gloo", {})
         key = group if group is not None else dist.group.WORLD
