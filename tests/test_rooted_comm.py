@@ -136,7 +136,7 @@ def test_owned_buckets_gather_without_padding_on_the_rooted_path():
 def rooted_where(max_ranks: int) -> tuple:
     """(rooted at 1 MiB, rooted below it) for a 1 MiB segment on the world,
     with ROOTED_MAX_RANKS set to `max_ranks` for a fresh Comm."""
-    from flexshard.runtime import comm as comm_module
+    from flexshard.runtime import gloo as comm_module
 
     saved, comm_module.ROOTED_MAX_RANKS = comm_module.ROOTED_MAX_RANKS, max_ranks
     try:

@@ -3,44 +3,18 @@
 A bucket calls its Comm for every collective, so tests and benchmarks can
 inject one that counts, delays or fails them.
 
-On gloo, a flat buffer of at least `ROOTED_MIN_BYTES` per rank is gathered by
-one broadcast per rank and reduced by one reduce per rank (each into its
-root's segment), all launched at once: on 2 ranks a training step's time fell
-from 0.90-0.93x FSDP2's to 0.80-0.81x against gloo's all_gather_into_tensor and
-reduce_scatter_tensor (benchmarks/RESULTS.md, "Rooted collectives on gloo").
-Below that size the one collective is kept (one round trip instead of W), and
-above `ROOTED_MAX_RANKS` ranks the W launches per collective would make a
-bucket's step grow with the world: both keep the one collective. NCCL keeps
-its all_gather_into_tensor / reduce_scatter_tensor.
+Collectives a CPU run with gloo takes instead (rooted broadcasts and reduces,
+uneven segments) live in gloo.py, behind one switch: `Comm(rooted_on_gloo=False)`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-ROOTED_MIN_BYTES = 1 << 20
-ROOTED_MAX_RANKS = 8
-
-
-class Works:
-    """Several launched collectives as one handle: `wait()` waits for each,
-    then runs `then` once (the host's copy of a result out of its buffer)."""
-
-    def __init__(self, works: Sequence[dist.Work], then: Optional[Callable[[], None]] = None):
-        self.works, self.then = list(works), then
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
-        return True
-
+from .gloo import ROOTED_MIN_BYTES, Works, broadcast_segments, reduce_to_roots, takes_rooted
 
 class Comm:
     """The collectives flexshard issues, each over a whole flat buffer.
@@ -88,14 +62,7 @@ class Comm:
         """Rank k's `input` lands in `output[start:start + length]` on every rank,
         (start, length) = segments[k] (uneven, 0 allowed): one broadcast per
         non-empty segment. Only where `gathers_uneven` said so."""
-        rank = dist.get_rank(group)
-        start, length = segments[rank]
-        mine = output[start:start + length]
-        if length and mine.data_ptr() != input.data_ptr():
-            mine.copy_(input[:length])
-        works = [dist.broadcast(output[a:a + n], group=group, group_src=k, async_op=True)
-                 for k, (a, n) in enumerate(segments) if n]
-        return _finish(Works(works), async_op)
+        return broadcast_segments(output, input, segments, group, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
@@ -106,11 +73,7 @@ class Comm:
         if not self._rooted(output, group):
             return dist.reduce_scatter_tensor(output, input, op=op, group=group,
                                               async_op=async_op)
-        segments = input.view(dist.get_world_size(group), -1)
-        works = [dist.reduce(seg, group=group, group_dst=k, op=op, async_op=True)
-                 for k, seg in enumerate(segments)]
-        mine = segments[dist.get_rank(group)]
-        return _finish(Works(works, lambda: output.copy_(mine)), async_op)
+        return reduce_to_roots(output, input, group, async_op, op)
 
     def averages(self, group) -> bool:
         """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;
@@ -145,13 +108,6 @@ class Comm:
         cache = self.__dict__.setdefault("_gloo", {})
         key = group if group is not None else dist.group.WORLD
         if key not in cache:
-            cache[key] = (dist.get_backend(group) == dist.Backend.GLOO
-                          and dist.get_world_size(group) <= ROOTED_MAX_RANKS)
+            cache[key] = takes_rooted(group)
         return cache[key]
 
-
-def _finish(works: Works, async_op: bool) -> Optional[Works]:
-    if async_op:
-        return works
-    works.wait()
-    return None
