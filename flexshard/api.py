@@ -43,7 +43,7 @@ class FlexShardModule:
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}")
         for bucket in get_state(self).buckets:
-            bucket.requires_gradient_sync = requires_gradient_sync
+            bucket.grads.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """HSDP gradient accumulation: when False, backward reduce-scatters within
@@ -54,7 +54,7 @@ class FlexShardModule:
         if not isinstance(requires_all_reduce, bool):
             raise TypeError(f"set_requires_all_reduce expects a bool, got {requires_all_reduce!r}")
         for bucket in get_state(self).buckets:
-            bucket.requires_all_reduce = requires_all_reduce
+            bucket.grads.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by `factor` instead of the number of ranks (the
@@ -66,14 +66,14 @@ class FlexShardModule:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}; "
                              "use 1.0 to sum gradients or the world size to average them")
         buckets = get_state(self).buckets
-        held = [b.name for b in buckets if b.partial_reduced is not None]
-        if held and float(factor) != buckets[0].gradient_divide_factor:
+        held = [b.name for b in buckets if b.grads.partial_reduced is not None]
+        if held and float(factor) != buckets[0].grads.gradient_divide_factor:
             raise ValueError(f"set_gradient_divide_factor: bucket(s) {held} hold reduced "
                              "gradients whose all-reduce set_requires_all_reduce(False) deferred, "
                              "scaled for the current factor; change the factor before the first "
                              "micro-batch or after the backward that all-reduces")
         for bucket in buckets:
-            bucket.gradient_divide_factor = float(factor)
+            bucket.grads.gradient_divide_factor = float(factor)
 
     def set_reshard_after_forward(self, reshard_after_forward) -> None:
         """Whether every bucket frees its unsharded params after its module's

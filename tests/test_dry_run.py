@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flexshard as fs
-from flexshard.runtime.counters import BucketCounters
 from flexshard.runtime.layout import ALIGN
 from flexshard.runtime.state import get_state
 from harness import run_world
@@ -81,7 +80,7 @@ def _bytes(tensors) -> int:
 def _step_counts(model, buckets, opt, step: int) -> dict:
     """One training step; per bucket what it moved and the grads and AdamW state it holds."""
     for b in buckets:
-        b.counters = BucketCounters()
+        b.counters.reset()
     x, y = batch(step, dist.get_rank())
     loss_fn(model(x), y).backward()
     grads = {b.name: _bytes(p.grad for p in b.params) for b in buckets}

@@ -18,7 +18,7 @@ LAYERS = [
     {"runtime.layout", "runtime.copyplan", "runtime.storage", "runtime.state", "runtime.order",
      "runtime.device", "runtime.offload", "runtime.dtensor_param",
      "runtime.mesh", "runtime.postforward", "runtime.bucket_plan", "runtime.counters",
-     "runtime.inflight", "runtime.dispatch"},
+     "runtime.inflight", "runtime.dispatch", "runtime.grad_reduce"},
     {"runtime.reduction"},
     {"runtime.delivery"},
     {"runtime.unshard_node"},

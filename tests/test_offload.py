@@ -79,7 +79,7 @@ def _counted_steps(config: dict, steps: int) -> list:
     train(model, steps, opt=opt)
     buckets = get_state(model).buckets
     for b in buckets:
-        b.counters = type(b.counters)()
+        b.counters.reset()
     train(model, 1, opt=opt, first_step=steps)
     rank = dist.get_rank()
     out = []

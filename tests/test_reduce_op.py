@@ -1,4 +1,4 @@
-"""How a bucket averages its grads (Bucket._reduce_op): the backend's AVG where
+"""How a bucket averages its grads (GradReduce.reduce_op): the backend's AVG where
 it has one (NCCL), else a power-of-two pre-divide before the sum and the rest
 of the factor after it, so low-precision sums do not overflow at large world
 sizes; set_gradient_divide_factor keeps its meaning. Simulated worlds in one
@@ -45,7 +45,7 @@ class EqualRanksComm(LocalComm):
 def _reduce(world, grad, comm, mp=BF16, factor=None):
     bucket = make_bucket(world, fs.Shard(0), [tuple(grad.shape)], mp=mp, comm=comm)
     if factor is not None:
-        bucket.gradient_divide_factor = factor
+        bucket.grads.gradient_divide_factor = factor
     (sharded,) = bucket.finish_reduce(bucket.start_reduce([grad]))
     rows = bucket.slots[0].local_shapes[0][0]
     return sharded, rows

@@ -165,7 +165,7 @@ def test_same_stream_consumption_adopts_nothing():
 
 def test_no_sync_pack_is_waited_before_the_grads_can_die():
     bucket, ctx = _bucket()
-    bucket.requires_gradient_sync = False
+    bucket.grads.requires_gradient_sync = False
     assert bucket.start_reduce([torch.ones(s.shape) for s in bucket.slots]) is None
     last = max(i for i, x in enumerate(ctx.log) if x[0] == "record" and x[1] == "reduce")
     assert ("wait", "compute", ctx.log[last][2]) in ctx.log[last:]

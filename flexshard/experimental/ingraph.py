@@ -82,7 +82,7 @@ class TracedGather:
                        for reg in layout.regions]
         self.order = sorted(range(len(self.pieces)), key=lambda i: self.pieces[i][0])
         self.copies = plan_copies(layout, bucket.slots)
-        self.group, self.factor = bucket.group, bucket.gradient_divide_factor
+        self.group, self.factor = bucket.group, bucket.grads.gradient_divide_factor
 
     def gather_input(self, sharded: Sequence[torch.Tensor]) -> torch.Tensor:
         """This rank's segment: its pieces at their offsets, zeros in the gaps."""

@@ -11,11 +11,9 @@ early (`start_gather`, prefetch) and consumed by the next unshard.
 from __future__ import annotations
 
 import enum
-import math
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
@@ -28,7 +26,8 @@ from .unshard_node import _Unshard
 from .device import DeviceContexts, HostContext, on_stream
 from .bucket_plan import LayoutPlans, compact_gather, hooks_needed, plan_bucket_layouts
 from .counters import BucketCounters
-from .inflight import PendingGather, PendingReduce, ReduceOp
+from .grad_reduce import GradReduce
+from .inflight import PendingGather, PendingReduce
 from .layout import BucketLayout, SlotPlan
 from .postforward import PostForwardShard, keep_slice, usable
 from .delivery import GradRoute
@@ -36,12 +35,6 @@ from .offload import Offload
 from .dtensor_param import wrap_unsharded
 from .reduction import ReduceQueue, in_backward
 from .storage import BucketStorage, gathered_param, moved_param, segment_views, typed_view
-
-# Up to this many unwritten ranges of a reduce input are zeroed one by one each
-# step (Owned's segment tails: one per rank); more, and one memset of the
-# whole buffer costs less Python than the loop.
-_FEW_GAPS = 64
-
 
 class BucketState(enum.Enum):
     SHARDED = "sharded"  # modules hold sharded parameters, no gather in flight
@@ -81,7 +74,7 @@ class Bucket:
                                      device if self.offload is None else self.offload.storage_device)
         if self.offload is not None:
             self.storage.replace_buffer(self.offload.to_host(self.storage.buffer))
-        self.gather_layout, self.reduce_layout = layouts.gather, layouts.reduce
+        self.gather_layout = layouts.gather
         self.grad_slots = [i for i, t in enumerate(trainable) if t]
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
@@ -89,15 +82,11 @@ class Bucket:
         self.saved_in_forward: Optional[bool] = None  # autograd saved a param in the last
         # resharding forward our hooks saw (None: none seen yet); False: no regather in backward
         self.saved_version = -1  # storage version when its unsharded params were registered
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True  # HSDP: all-reduce across replicas this backward
-        self.partial_reduced: Optional[torch.Tensor] = None  # HSDP: reduced shards summed
-        #   over backwards that skipped the all-reduce (requires_all_reduce False)
-        # reduced grads are divided by it: the mean over every rank of flex_shard's mesh
-        # (a bucket mesh's grads hold every rank's tokens: see design.md, "A mesh per bucket")
-        self.gradient_divide_factor = float(divide_factor or world_size * replicate_size)
-        self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.counters = BucketCounters()
+        self.grads = GradReduce(layouts.reduce, slots, self.grad_slots, rank, world_size, group,
+                                comm, self.counters, replicate_group=replicate_group,
+                                replicate_size=replicate_size, divide_factor=divide_factor,
+                                offload=self.offload)
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
         self.aliases: tuple = ()  # per slot: every (module, attr) registering it (see attach)
@@ -112,16 +101,6 @@ class Bucket:
         # (comparing layouts is O(ranks)).
         self._plans = {id(self.storage.layout): self._layout_plans(self.storage.layout)}
         self._use_gather_layout(self.gather_layout)
-        # What the reduce input's pack leaves unwritten, zeroed per step: nothing
-        # (dense), each gap (a few: Owned's segment tails), or all of it (many gaps).
-        gaps = self.reduce_layout.gaps()
-        self._reduce_gaps = gaps if len(gaps) <= _FEW_GAPS else None
-        # the sharded grads' bytes when they are copied out of a mostly-padding reduce
-        # output (as the storage holds the params: see _grad_targets), else None
-        grad_bytes = self.reduce_layout.storage_bytes(rank)
-        self._grad_bytes = grad_bytes if grad_bytes < self.reduce_layout.segment_bytes else None
-        self._reduce_copies = plan_copies(self.reduce_layout,
-                                          [slots[i] for i in self.grad_slots])
 
     def _use_gather_layout(self, layout: BucketLayout) -> None:
         """Gather over `layout` from now on, with its plans made here."""
@@ -221,10 +200,7 @@ class Bucket:
         .to(device)); the sharded params become views of the new buffer (new
         nn.Parameter objects, as nn.Module makes for incompatible tensors)."""
         self.assert_state(BucketState.SHARDED)
-        if self.pending_grads is not None:
-            self.pending_grads = fn(self.pending_grads)  # unreduced: on the compute device
-        if self.partial_reduced is not None:
-            self.partial_reduced = fn(self.partial_reduced)
+        self.grads.move(fn)
         offload, old = self.offload, self.storage.buffer
         buffer = fn(old) if offload is None else offload.move(fn, old)
         if buffer is old:
@@ -458,6 +434,12 @@ class Bucket:
             typed_view(send, reg.offsets[self.rank], reg.dtype,
                        slot.local_shapes[self.rank]).copy_(view)
 
+    # The gradient path (grad_reduce.py owns its fields and steps).
+
+    @property
+    def reduce_layout(self) -> BucketLayout:
+        return self.grads.layout
+
     def start_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
         """Pack the unsharded grads and launch their reduce-scatter on the
         reduce stream without waiting; None under no-sync (the packed grads are
@@ -466,181 +448,18 @@ class Bucket:
         return None if packed is None else self.launch_reduce(packed)
 
     def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
-        """Pack the unsharded grads into the reduce input on the reduce stream;
-        returns what launch_reduce needs, or None under no-sync (the packed
-        grads are added to pending_grads instead)."""
-        ctx, layout, sync = self.device_ctx, self.reduce_layout, self.requires_gradient_sync
-        # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
-        gaps = self._reduce_gaps if all(grads[i] is not None for i in self.grad_slots) else None
-        send = (torch.empty if gaps is not None else torch.zeros)(
-            layout.wire_bytes, dtype=torch.uint8, device=self.compute_device)
-        op = None
-        with on_stream(ctx, ctx.reduce, ctx.record()), \
-                record_function("FlexShard::reduce_scatter_copy_in"):  # after: grads, buffers
-            for start, stop in gaps or ():
-                send[start:stop].zero_()
-            self._pack(send, grads)
-            if not sync:
-                self._accumulate_pending(send)
-            else:
-                op = self._reduce_op()
-                self._add_pending_and_scale(send, op)
-            packed = ctx.record(ctx.reduce)
-        # Autograd frees the unsharded grads when backward returns, and a consumed
-        # no-sync sum dies here: the compute stream waits for the pack (not for the
-        # collective), so only the reduce input is held until finish_reduce.
-        ctx.wait(packed)
-        return (send, op) if sync else None
+        """GradReduce.pack on this bucket's compute device."""
+        return self.grads.pack(grads, self.device_ctx, self.compute_device)
 
     def launch_reduce(self, packed: tuple) -> PendingReduce:
-        """Launch the reduce-scatter of a packed reduce input (pack_reduce)."""
-        send, op = packed
-        ctx = self.device_ctx
-        out = send if self.world_size == 1 else torch.empty(
-            self.reduce_layout.segment_bytes, dtype=torch.uint8, device=send.device)
-        with on_stream(ctx, ctx.reduce, ctx.record()), \
-                record_function("FlexShard::reduce_scatter"):  # after: the output's allocation
-            work = self._reduce_scatter(send, out, op)
-        return PendingReduce(work, out, (send,), op.post_divide)
+        """GradReduce.launch of a packed reduce input."""
+        return self.grads.launch(packed, self.device_ctx)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
-        """Wait for a launched reduce-scatter; returns sharded grads per slot
-        (cast on the reduce stream; the compute stream waits for them). None
-        for each when HSDP's all-reduce is deferred (set_requires_all_reduce)."""
-        ctx = self.device_ctx
-        deferred = self.replicate_group is not None and not self.requires_all_reduce
-        targets = [] if deferred else self._grad_targets(pending.output)
-        with on_stream(ctx, ctx.reduce, ctx.record()), \
-                record_function("FlexShard::reduce_scatter_copy_out"):  # after: cast outputs
-            if pending.work is not None:
-                pending.work.wait()
-            if deferred:
-                self._keep_partial(pending.output)
-            elif self.replicate_group is not None:  # after the reduce-scatter: it sums the shards
-                self._all_reduce(pending.output)
-            if pending.post_divide is not None and not deferred:
-                self._typed(pending.output).div_(pending.post_divide)
-            for view, target in targets:
-                if target is not view:  # a cast, or offload's D2H (async into pinned memory)
-                    target.copy_(view, non_blocking=self.offload is not None)
-            done = ctx.record(ctx.reduce)
-        ctx.wait(done)  # now `pending` (its input, the grads) may die: see PendingReduce.held
-        if self.offload is not None and not deferred:  # the host reads the grads after host_wait()
-            self.offload.grads_copied = done
-            self.counters.d2h_bytes += sum(t.numel() * t.element_size() for _, t in targets)
-        grads: list = [None] * len(self.slots)
-        for i, (_, target) in zip(self.grad_slots, targets):
-            grads[i] = target
-        return grads
-
-    def _all_reduce(self, output: torch.Tensor) -> None:
-        """HSDP, on the reduce stream: add the partial sum kept by the backwards
-        that deferred their all-reduce, then all-reduce across replicas."""
-        if self.partial_reduced is not None:
-            self._typed(output).add_(self._typed(self.partial_reduced))
-            self.partial_reduced = None
-        with record_function("FlexShard::all_reduce"):
-            self.comm.all_reduce(self._typed(output), self.replicate_group)
-        self.counters.all_reduces += 1
-        self.counters.all_reduce_bytes += output.numel()
-
-    def _keep_partial(self, output: torch.Tensor) -> None:
-        """HSDP with the all-reduce deferred: sum the reduced shards for the next
-        backward that all-reduces (as FSDP2's partial reduce output). Linear all
-        the way: the pre-divide and post-divide commute with the deferral."""
-        if self.partial_reduced is None:
-            self.partial_reduced = output
-        else:
-            self._typed(self.partial_reduced).add_(self._typed(output))
+        """GradReduce.finish: the sharded grads per slot."""
+        return self.grads.finish(pending, self.device_ctx, self.storage.buffer.device)
 
     def host_wait(self) -> None:
         """The host waits for the last D2H copy of this offloaded bucket's grads."""
         if self.offload is not None:
             self.device_ctx.synchronize(self.offload.grads_copied)
-
-    def _typed(self, buf: torch.Tensor) -> torch.Tensor:
-        dtype = self.reduce_layout.regions[0].dtype
-        return buf.view(dtype)
-
-    def _pack(self, send: torch.Tensor, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Every unsharded grad into its rank pieces of the reduce input: a few
-        ops per param whatever the world size (see copyplan.py)."""
-        for j, i in enumerate(self.grad_slots):
-            if grads[i] is not None:
-                plan = self._reduce_copies[j]
-                plan.pack(send, grads[i])
-                self.counters.copy_in_bytes += plan.numel * plan.dtype.itemsize
-
-    def _accumulate_pending(self, send: torch.Tensor) -> None:
-        if self.pending_grads is None:
-            self.pending_grads = send
-        else:
-            self._typed(self.pending_grads).add_(self._typed(send))
-
-    def _reduce_op(self) -> ReduceOp:
-        """The backend's average where it has one (NCCL AVG). Else the grads are
-        pre-multiplied by 2**-k, 2**k the largest power of two <= factor (exact:
-        a power of two only moves the exponent), summed, and divided by the
-        rest of the factor (in [1, 2)): the sum of W grads so pre-divided stays
-        below twice the largest grad, where a sum first and a divide after
-        overflows in low precision at large world sizes. Bitwise, this is
-        sum-then-divide wherever that does not overflow (or go subnormal).
-        A factor of 1 (torchtitan's) sums."""
-        factor = self.gradient_divide_factor
-        if self.world_size * self.replicate_size == 1 or factor == 1.0:
-            return ReduceOp(None, None, dist.ReduceOp.SUM)
-        # Under HSDP the replicas' all-reduce sums: the whole factor is applied around it.
-        if (factor == self.world_size and self.replicate_group is None
-                and self.comm.averages(self.group)):
-            return ReduceOp(None, None, dist.ReduceOp.AVG)
-        mantissa, exponent = math.frexp(factor)  # factor = (2 * mantissa) * 2 ** (exponent - 1)
-        post = 2.0 * mantissa
-        return ReduceOp(2.0 ** (1 - exponent), None if post == 1.0 else post, dist.ReduceOp.SUM)
-
-    def _add_pending_and_scale(self, send: torch.Tensor, op: "ReduceOp") -> None:
-        """On the reduce stream: add the no-sync sum, pre-scale."""
-        if self.pending_grads is not None:
-            self._typed(send).add_(self._typed(self.pending_grads))
-            self.pending_grads = None  # its last use: start_reduce's compute wait covers it
-        if op.pre_scale is not None:
-            self._typed(send).mul_(op.pre_scale)
-
-    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: "ReduceOp") -> Any:
-        """On the reduce stream: launch the reduce-scatter (None at world size 1)."""
-        layout = self.reduce_layout
-        self.counters.reduces += 1
-        if self.world_size == 1:
-            return None
-        self.counters.reduce_wire_bytes += layout.wire_bytes
-        self.counters.reduce_ideal_bytes += layout.ideal_bytes
-        kwargs = {} if op.op == dist.ReduceOp.SUM else {"op": op.op}  # a Comm may not take op
-        return self.comm.reduce_scatter(self._typed(out), self._typed(send), self.group,
-                                        async_op=True, **kwargs)
-
-    def _grad_targets(self, out: torch.Tensor) -> list:
-        """(view of the reduce output, sharded grad) per trainable slot; the
-        grad is the view itself when no cast is needed, else a new tensor
-        (allocated here, on the compute stream); offloaded: a host tensor. Where
-        over 1/16 of this rank's reduce segment is padding (an Owned bucket's light
-        rank) the grads are views of one buffer of their own bytes instead, so they
-        do not pin the padding until the optimizer is done with them."""
-        targets, offload = [], self.offload
-        own = None if self._grad_bytes is None or offload is not None else torch.empty(
-            self._grad_bytes, dtype=torch.uint8, device=out.device)
-        for j, i in enumerate(self.grad_slots):
-            reg, slot = self.reduce_layout.regions[j], self.slots[i]
-            shape = slot.local_shapes[self.rank]
-            if math.prod(shape) == 0:  # a view would pin the whole reduce output
-                empty = torch.zeros(shape, dtype=slot.dtype, device=self.storage.buffer.device)
-                targets.append((empty, empty))
-                continue
-            view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
-            if offload is not None:
-                targets.append((view, offload.host_empty(shape, slot.dtype)))
-            elif reg.dtype != slot.dtype:
-                targets.append((view, torch.empty(shape, dtype=slot.dtype, device=out.device)))
-            else:
-                targets.append((view, view if own is None else
-                                typed_view(own, reg.offsets[self.rank], reg.dtype, shape)))
-        return targets
-

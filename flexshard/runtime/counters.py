@@ -3,7 +3,7 @@ benchmarks read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -27,6 +27,11 @@ class BucketCounters:
     copy_out_bytes: int = 0
     h2d_bytes: int = 0  # CPU offload: storage bytes staged to the compute device
     d2h_bytes: int = 0  # CPU offload: sharded grad bytes copied back to host memory
+
+    def reset(self) -> None:
+        """Every counter back to 0, in place (the gather and the gradient path share it)."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
 
     def count_gather(self, layout, collective: bool, post_forward: bool, copy_in: int,
                      broadcasts: int) -> None:

@@ -30,11 +30,11 @@ class PendingReduce(NamedTuple):
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
     held: tuple  # the reduce input, read by the collective on the reduce stream: kept
     #              until finish_reduce's compute stream waited past its last use
-    post_divide: Optional[float]  # what the reduced sum is still divided by (see _reduce_op)
+    post_divide: Optional[float]  # what the reduced sum is still divided by (see GradReduce.reduce_op)
 
 
 class ReduceOp(NamedTuple):
-    """How a bucket averages its grads: see Bucket._reduce_op."""
+    """How a bucket averages its grads: see GradReduce.reduce_op."""
 
     pre_scale: Optional[float]  # a power of two the reduce input is multiplied by
     post_divide: Optional[float]  # in [1, 2): the reduced output is divided by it

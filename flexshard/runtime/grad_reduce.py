@@ -1,0 +1,248 @@
+"""A bucket's gradient path, in named steps: pack the unsharded grads into the
+reduce input (or add them to the no-sync sum), launch the reduce-scatter, finish
+it (wait, the replicas' all-reduce or its deferral, the post-divide, the copy-out
+into sharded grads). `GradReduce` owns every field of that path; the bucket calls
+it with the device context and devices of the moment (they change with to()).
+
+Streams (design.md, "Streams and buffers"): packing and the collective run on the
+device context's reduce stream, ordered by events; the compute stream waits for
+the pack (not for the collective) and, in `finish`, for the copy-out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .comm import Comm
+from .copyplan import plan_copies
+from .counters import BucketCounters
+from .device import HostContext, on_stream
+from .inflight import PendingReduce, ReduceOp
+from .layout import BucketLayout, SlotPlan
+from .storage import typed_view
+
+# Up to this many unwritten ranges of a reduce input are zeroed one by one each
+# step (Owned's segment tails: one per rank); more, and one memset of the
+# whole buffer costs less Python than the loop.
+_FEW_GAPS = 64
+
+
+class GradReduce:
+    """One bucket's reduction of its trainable slots' grads (see the module docstring)."""
+
+    def __init__(self, layout: BucketLayout, slots: Sequence[SlotPlan], grad_slots: list,
+                 rank: int, world_size: int, group, comm: Comm, counters: BucketCounters, *,
+                 replicate_group=None, replicate_size: int = 1,
+                 divide_factor: Optional[float] = None, offload=None) -> None:
+        self.layout, self.slots, self.grad_slots = layout, tuple(slots), grad_slots
+        self.rank, self.world_size, self.group, self.comm = rank, world_size, group, comm
+        self.replicate_group, self.replicate_size = replicate_group, replicate_size
+        self.counters, self.offload = counters, offload
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas this backward
+        # reduced grads are divided by it: the mean over every rank of flex_shard's mesh
+        # (a bucket mesh's grads hold every rank's tokens: see design.md, "A mesh per bucket")
+        self.gradient_divide_factor = float(divide_factor or world_size * replicate_size)
+        self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
+        self.partial_reduced: Optional[torch.Tensor] = None  # HSDP: reduced shards summed
+        #   over backwards that deferred the all-reduce (requires_all_reduce False)
+        # What the reduce input's pack leaves unwritten, zeroed per step: nothing
+        # (dense), each gap (a few: Owned's segment tails), or all of it (many gaps).
+        gaps = layout.gaps()
+        self._gaps = gaps if len(gaps) <= _FEW_GAPS else None
+        # the sharded grads' bytes when they are copied out of a mostly-padding reduce
+        # output (as the storage holds the params: see _grad_targets), else None
+        grad_bytes = layout.storage_bytes(rank)
+        self._grad_bytes = grad_bytes if grad_bytes < layout.segment_bytes else None
+        self._copies = plan_copies(layout, [slots[i] for i in grad_slots])
+
+    def move(self, fn) -> None:
+        """nn.Module._apply's `fn` (to_empty, .to): the unreduced and partial sums follow."""
+        if self.pending_grads is not None:
+            self.pending_grads = fn(self.pending_grads)  # unreduced: on the compute device
+        if self.partial_reduced is not None:
+            self.partial_reduced = fn(self.partial_reduced)
+
+    # Step 1: pack.
+
+    def pack(self, grads: Sequence[Optional[torch.Tensor]], ctx: HostContext,
+             device: torch.device) -> Optional[tuple]:
+        """Pack the unsharded grads into the reduce input on the reduce stream;
+        returns what `launch` needs, or None under no-sync (the packed grads
+        are added to pending_grads instead)."""
+        layout, sync = self.layout, self.requires_gradient_sync
+        # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
+        gaps = self._gaps if all(grads[i] is not None for i in self.grad_slots) else None
+        send = (torch.empty if gaps is not None else torch.zeros)(
+            layout.wire_bytes, dtype=torch.uint8, device=device)
+        op = None
+        with on_stream(ctx, ctx.reduce, ctx.record()), \
+                record_function("FlexShard::reduce_scatter_copy_in"):  # after: grads, buffers
+            for start, stop in gaps or ():
+                send[start:stop].zero_()
+            self._pack(send, grads)
+            if not sync:
+                self._accumulate_pending(send)
+            else:
+                op = self.reduce_op()
+                self._add_pending_and_scale(send, op)
+            packed = ctx.record(ctx.reduce)
+        # Autograd frees the unsharded grads when backward returns, and a consumed
+        # no-sync sum dies here: the compute stream waits for the pack (not for the
+        # collective), so only the reduce input is held until finish.
+        ctx.wait(packed)
+        return (send, op) if sync else None
+
+    def _pack(self, send: torch.Tensor, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Every unsharded grad into its rank pieces of the reduce input: a few
+        ops per param whatever the world size (see copyplan.py)."""
+        for j, i in enumerate(self.grad_slots):
+            if grads[i] is not None:
+                plan = self._copies[j]
+                plan.pack(send, grads[i])
+                self.counters.copy_in_bytes += plan.numel * plan.dtype.itemsize
+
+    def _accumulate_pending(self, send: torch.Tensor) -> None:
+        if self.pending_grads is None:
+            self.pending_grads = send
+        else:
+            self.typed(self.pending_grads).add_(self.typed(send))
+
+    def reduce_op(self) -> ReduceOp:
+        """The backend's average where it has one (NCCL AVG). Else the grads are
+        pre-multiplied by 2**-k, 2**k the largest power of two <= factor (exact:
+        a power of two only moves the exponent), summed, and divided by the
+        rest of the factor (in [1, 2)): the sum of W grads so pre-divided stays
+        below twice the largest grad, where a sum first and a divide after
+        overflows in low precision at large world sizes. Bitwise, this is
+        sum-then-divide wherever that does not overflow (or go subnormal).
+        A factor of 1 (torchtitan's) sums."""
+        factor = self.gradient_divide_factor
+        if self.world_size * self.replicate_size == 1 or factor == 1.0:
+            return ReduceOp(None, None, dist.ReduceOp.SUM)
+        # Under HSDP the replicas' all-reduce sums: the whole factor is applied around it.
+        if (factor == self.world_size and self.replicate_group is None
+                and self.comm.averages(self.group)):
+            return ReduceOp(None, None, dist.ReduceOp.AVG)
+        mantissa, exponent = math.frexp(factor)  # factor = (2 * mantissa) * 2 ** (exponent - 1)
+        post = 2.0 * mantissa
+        return ReduceOp(2.0 ** (1 - exponent), None if post == 1.0 else post, dist.ReduceOp.SUM)
+
+    def _add_pending_and_scale(self, send: torch.Tensor, op: ReduceOp) -> None:
+        """On the reduce stream: add the no-sync sum, pre-scale."""
+        if self.pending_grads is not None:
+            self.typed(send).add_(self.typed(self.pending_grads))
+            self.pending_grads = None  # its last use: pack's compute wait covers it
+        if op.pre_scale is not None:
+            self.typed(send).mul_(op.pre_scale)
+
+    # Step 2: launch.
+
+    def launch(self, packed: tuple, ctx: HostContext) -> PendingReduce:
+        """Launch the reduce-scatter of a packed reduce input (`pack`)."""
+        send, op = packed
+        out = send if self.world_size == 1 else torch.empty(
+            self.layout.segment_bytes, dtype=torch.uint8, device=send.device)
+        with on_stream(ctx, ctx.reduce, ctx.record()), \
+                record_function("FlexShard::reduce_scatter"):  # after: the output's allocation
+            work = self._reduce_scatter(send, out, op)
+        return PendingReduce(work, out, (send,), op.post_divide)
+
+    def _reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
+        """On the reduce stream: launch the reduce-scatter (None at world size 1)."""
+        self.counters.reduces += 1
+        if self.world_size == 1:
+            return None
+        self.counters.reduce_wire_bytes += self.layout.wire_bytes
+        self.counters.reduce_ideal_bytes += self.layout.ideal_bytes
+        kwargs = {} if op.op == dist.ReduceOp.SUM else {"op": op.op}  # a Comm may not take op
+        return self.comm.reduce_scatter(self.typed(out), self.typed(send), self.group,
+                                        async_op=True, **kwargs)
+
+    # Step 3: finish.
+
+    def finish(self, pending: PendingReduce, ctx: HostContext,
+               storage_device: torch.device) -> list:
+        """Wait for a launched reduce-scatter; returns sharded grads per slot
+        (cast on the reduce stream; the compute stream waits for them). None
+        for each when HSDP's all-reduce is deferred (set_requires_all_reduce)."""
+        deferred = self.replicate_group is not None and not self.requires_all_reduce
+        targets = [] if deferred else self._grad_targets(pending.output, storage_device)
+        with on_stream(ctx, ctx.reduce, ctx.record()), \
+                record_function("FlexShard::reduce_scatter_copy_out"):  # after: cast outputs
+            if pending.work is not None:
+                pending.work.wait()
+            if deferred:
+                self._keep_partial(pending.output)
+            elif self.replicate_group is not None:  # after the reduce-scatter: it sums the shards
+                self._all_reduce(pending.output)
+            if pending.post_divide is not None and not deferred:
+                self.typed(pending.output).div_(pending.post_divide)
+            for view, target in targets:
+                if target is not view:  # a cast, or offload's D2H (async into pinned memory)
+                    target.copy_(view, non_blocking=self.offload is not None)
+            done = ctx.record(ctx.reduce)
+        ctx.wait(done)  # now `pending` (its input, the grads) may die: see PendingReduce.held
+        if self.offload is not None and not deferred:  # the host reads the grads after host_wait()
+            self.offload.grads_copied = done
+            self.counters.d2h_bytes += sum(t.numel() * t.element_size() for _, t in targets)
+        grads: list = [None] * len(self.slots)
+        for i, (_, target) in zip(self.grad_slots, targets):
+            grads[i] = target
+        return grads
+
+    def _all_reduce(self, output: torch.Tensor) -> None:
+        """HSDP, on the reduce stream: add the partial sum kept by the backwards
+        that deferred their all-reduce, then all-reduce across replicas."""
+        if self.partial_reduced is not None:
+            self.typed(output).add_(self.typed(self.partial_reduced))
+            self.partial_reduced = None
+        with record_function("FlexShard::all_reduce"):
+            self.comm.all_reduce(self.typed(output), self.replicate_group)
+        self.counters.all_reduces += 1
+        self.counters.all_reduce_bytes += output.numel()
+
+    def _keep_partial(self, output: torch.Tensor) -> None:
+        """HSDP with the all-reduce deferred: sum the reduced shards for the next
+        backward that all-reduces (as FSDP2's partial reduce output). Linear all
+        the way: the pre-divide and post-divide commute with the deferral."""
+        if self.partial_reduced is None:
+            self.partial_reduced = output
+        else:
+            self.typed(self.partial_reduced).add_(self.typed(output))
+
+    def _grad_targets(self, out: torch.Tensor, storage_device: torch.device) -> list:
+        """(view of the reduce output, sharded grad) per trainable slot; the
+        grad is the view itself when no cast is needed, else a new tensor
+        (allocated here, on the compute stream); offloaded: a host tensor. Where
+        over 1/16 of this rank's reduce segment is padding (an Owned bucket's light
+        rank) the grads are views of one buffer of their own bytes instead, so they
+        do not pin the padding until the optimizer is done with them."""
+        targets, offload = [], self.offload
+        own = None if self._grad_bytes is None or offload is not None else torch.empty(
+            self._grad_bytes, dtype=torch.uint8, device=out.device)
+        for j, i in enumerate(self.grad_slots):
+            reg, slot = self.layout.regions[j], self.slots[i]
+            shape = slot.local_shapes[self.rank]
+            if math.prod(shape) == 0:  # a view would pin the whole reduce output
+                empty = torch.zeros(shape, dtype=slot.dtype, device=storage_device)
+                targets.append((empty, empty))
+                continue
+            view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
+            if offload is not None:
+                targets.append((view, offload.host_empty(shape, slot.dtype)))
+            elif reg.dtype != slot.dtype:
+                targets.append((view, torch.empty(shape, dtype=slot.dtype, device=out.device)))
+            else:
+                targets.append((view, view if own is None else
+                                typed_view(own, reg.offsets[self.rank], reg.dtype, shape)))
+        return targets
+
+    def typed(self, buf: torch.Tensor) -> torch.Tensor:
+        """A reduce buffer's bytes in the reduce dtype."""
+        return buf.view(self.layout.regions[0].dtype)
