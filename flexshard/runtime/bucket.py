@@ -296,6 +296,34 @@ class Bucket:
         return self.grad_route.anchor_for_unshard(self.reduce_queue, self.params,
                                                   bool(self.grad_slots), self.compute_device)
 
+    # What the backward's autograd nodes and saved-tensor hooks change (unshard_node.py,
+    # reshard.py): through these methods, never by writing the fields.
+
+    def note_registered(self) -> int:
+        """Forward registered the unsharded params with the saved-tensor hooks:
+        nothing saved yet; returns the storage version they were gathered at."""
+        self.saved_in_forward = False
+        self.saved_version = tensor_version(self.storage.buffer)
+        return self.saved_version
+
+    def note_saved(self) -> None:
+        """Autograd saved one of the unsharded params in this forward."""
+        self.saved_in_forward = True
+
+    def regather(self) -> tuple:
+        """(the unsharded params backward uses, whether they were gathered now):
+        one gather per backward, held until backward_done()."""
+        if self.regathered is not None:
+            return self.regathered, False
+        with torch.no_grad():
+            self.regathered = self.gather_params()
+        return self.regathered, True
+
+    def backward_done(self) -> None:
+        """Backward no longer needs the regathered params nor the int reshard's slice."""
+        self.regathered = None
+        self.post_forward = None
+
     def mark_resharded(self) -> None:
         self.assert_state(BucketState.UNSHARDED, BucketState.SHARDED)
         self.state = BucketState.SHARDED

@@ -113,14 +113,13 @@ class SavedParams:
         no-op unless our hooks see the saves (see push)."""
         if not self.active():
             return
-        bucket.saved_in_forward = False
+        bucket.note_registered()
         keys = self._keys.setdefault(id(bucket), [])
         for i, t in enumerate(outs):
             ptr = t.untyped_storage().data_ptr()
             if ptr and ptr not in self._by_storage:  # 0: empty or meta, never a match
                 self._by_storage[ptr] = (bucket, i)
                 keys.append(ptr)
-        bucket.saved_version = tensor_version(bucket.storage.buffer)
 
     def forget(self, bucket) -> None:
         """`bucket` resharded: its storages (still alive here) leave the registry."""
@@ -158,7 +157,7 @@ class SavedParams:
             # unpack, as autograd checks it without hooks.
             return _Activation(t.detach(), tensor_version(t))
         bucket, slot = found
-        bucket.saved_in_forward = True
+        bucket.note_saved()
         return ParamHandle(bucket, slot, t.dtype, tuple(t.shape), t.stride(),
                            t.storage_offset(), bucket.saved_version)
 
@@ -196,15 +195,13 @@ class SavedParams:
                 f"bucket {bucket.name!r}: its sharded params changed between forward and "
                 "backward (an optimizer step or an in-place write?); backward regathers them "
                 "and needs the values forward used: change the params after backward")
-        if bucket.regathered is None:
-            self.queue.watch_backward()  # the pass ends by dropping what it regathers
-            with torch.no_grad():
-                bucket.regathered = bucket.gather_params()
+        self.queue.watch_backward()  # the pass ends by dropping what it regathers
+        params, new = bucket.regather()
+        if new:
             self.prefetcher.unsharded(bucket)
-        return bucket.regathered
+        return params
 
     def end_backward(self) -> None:
         """Backward ended (a ReduceQueue listener): drop every regathered param."""
         for bucket in self.buckets:
-            bucket.regathered = None
-            bucket.post_forward = None  # an int reshard's slice, if backward never used it
+            bucket.backward_done()  # an int reshard's slice too, if backward never used it

@@ -2,24 +2,46 @@
 its backward packs the bucket's unsharded grads and defers the launch of their
 reduce-scatter until the node has returned (see reduction.py).
 
-The node receives the bucket as an argument and calls the methods a Bucket
-has for this (gather_params, pack_reduce, launch_reduce, finish_reduce); it
-imports nothing from bucket.py, which imports it.
+The node receives the bucket as an argument and reaches it through
+`UnshardTarget`, the typed interface Bucket implements (bucket.py imports this
+file, so the node names what it needs instead of importing Bucket).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Optional, Protocol, Sequence
+
 import torch
 
-from .delivery import anchor_grad
+from .delivery import GradRoute, anchor_grad
+from .inflight import PendingReduce
+from .reduction import ReduceQueue
+
+
+class UnshardTarget(Protocol):
+    """What _Unshard needs of a bucket (runtime/bucket.py's Bucket)."""
+
+    grad_slots: list
+    grad_route: GradRoute
+    reduce_queue: ReduceQueue
+    offload: Any
+    compute_device: torch.device
+    device_ctx: Any
+
+    def gather_params(self) -> list: ...
+    def backward_done(self) -> None: ...
+    def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]: ...
+    def launch_reduce(self, packed: tuple) -> PendingReduce: ...
+    def finish_reduce(self, pending: PendingReduce) -> list: ...
+    def host_wait(self) -> None: ...
 
 
 class _Unshard(torch.autograd.Function):
     """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, bucket, anchor: torch.Tensor):
+    def forward(ctx, bucket: UnshardTarget, anchor: torch.Tensor):
         # The route's Delivery of this forward (None under no_grad): a later forward's
         # new route must not receive this graph's grads.
         ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
@@ -38,8 +60,7 @@ class _Unshard(torch.autograd.Function):
         bucket = ctx.bucket
         # Every grad is known: the block's backward is done with its regathered params;
         # dropped before the reduce buffers are made, so the two never coexist.
-        bucket.regathered = None
-        bucket.post_forward = None  # the int reshard's kept slice (postforward.py)
+        bucket.backward_done()  # and the int reshard's kept slice (postforward.py)
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
         packed = bucket.pack_reduce(grads)
@@ -50,7 +71,7 @@ class _Unshard(torch.autograd.Function):
         return None, anchor_grad(bucket.compute_device)
 
 
-def _launch_reduce(bucket, packed: tuple, delivery) -> None:
+def _launch_reduce(bucket: UnshardTarget, packed: tuple, delivery) -> None:
     """Launch a bucket's packed reduction; its Delivery (None: a forward under
     no_grad made this graph) receives the sharded grads when it finishes."""
     # How many may stay in flight is the device's call (HostContext.reduces_in_flight);
