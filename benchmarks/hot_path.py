@@ -19,7 +19,7 @@ import torch
 
 import flexshard as fs
 from flexshard.runtime.bucket import Bucket
-from flexshard.runtime.layout import SlotPlan, bind_placements
+from flexshard.planning.layout import SlotPlan, bind_placements
 
 WORLDS = (2, 8, 64, 256, 1024)
 HIDDEN = 64  # small tensors: the time is the Python side, not the bytes

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flexshard as fs
-from flexshard.runtime.layout import ALIGN
+from flexshard.planning.layout import ALIGN
 from flexshard.runtime.state import get_state
 from harness import run_world
 from models import batch, loss_fn

@@ -162,7 +162,7 @@ def test_mismatch_raises_on_every_rank_naming_bucket_and_field(body, match):
 
 
 def _plan(*shapes, name="b"):
-    from flexshard.runtime.layout import SlotPlan
+    from flexshard.planning.layout import SlotPlan
 
     slots = [SlotPlan(f"w{i}", torch.Size(s), torch.float32, fs.Shard(0), (torch.Size(s),))
              for i, s in enumerate(shapes)]

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from benchmarks.hot_path import LocalComm, block_shapes, make_bucket, step
-from flexshard.runtime.copyplan import CopyPlan
-from flexshard.runtime.layout import SlotPlan, bind_placements, plan_layout
+from flexshard.planning.copyplan import CopyPlan
+from flexshard.planning.layout import SlotPlan, bind_placements, plan_layout
 
 
 DATA_OPS = {"copy_", "index", "index_copy_", "index_select", "mul_", "div_", "add_", "_to_copy"}

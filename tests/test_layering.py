@@ -15,9 +15,9 @@ LAYERS = [
     {"runtime.gloo", "runtime.comm", "compat", "runtime.compiled"},
     {"placements", "placements."},
     {"config"},
-    {"runtime.layout", "runtime.copyplan", "runtime.storage", "runtime.state", "runtime.order",
+    {"planning.layout", "planning.copyplan", "runtime.storage", "runtime.state", "runtime.order",
      "runtime.device", "runtime.offload", "runtime.dtensor_param",
-     "runtime.mesh", "runtime.postforward", "runtime.bucket_plan", "runtime.counters",
+     "runtime.mesh", "runtime.postforward", "planning.bucket_plan", "runtime.counters",
      "runtime.inflight", "runtime.dispatch", "runtime.grad_reduce"},
     {"runtime.reduction"},
     {"runtime.delivery"},
@@ -79,8 +79,10 @@ def _reachable(graph: dict, start: str) -> set:
 
 
 def _layer_of(name: str) -> int:
-    hits = [i for i, layer in enumerate(LAYERS)
-            if name in layer or any(e.endswith(".") and name.startswith(e) for e in layer)]
+    """A module's layer: where its name is listed, else where a package entry holds it."""
+    hits = [i for i, layer in enumerate(LAYERS) if name in layer]
+    hits = hits or [i for i, layer in enumerate(LAYERS)
+                    if any(e.endswith(".") and name.startswith(e) for e in layer)]
     if len(hits) != 1:
         raise AssertionError(f"module {name!r} is in layers {hits}; put it in exactly one")
     return hits[0]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flexshard as fs
-from flexshard.runtime.layout import ALIGN, SlotPlan, bind_placements, plan_layout
+from flexshard.planning.layout import ALIGN, SlotPlan, bind_placements, plan_layout
 from flexshard.runtime.storage import gathered_param, segment_views
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.uint8]

@@ -10,7 +10,7 @@ import torch
 import flexshard as fs
 from flexshard.planning.assign import default_buckets
 from flexshard.planning.plan import plan_wrap
-from flexshard.runtime.layout import ALIGN, plan_layout
+from flexshard.planning.layout import ALIGN, plan_layout
 from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
 
 pytestmark = pytest.mark.world

@@ -260,7 +260,7 @@ def _recorded_bucket(mp=None):
     from test_streams import SHAPES, RecordingContext, StreamComm
 
     from flexshard.runtime.bucket import Bucket
-    from flexshard.runtime.layout import SlotPlan, bind_placements
+    from flexshard.planning.layout import SlotPlan, bind_placements
 
     class SyncRecording(RecordingContext):
         def synchronize(self, event):

@@ -16,7 +16,7 @@ import flexshard as fs
 from flexshard.planning.assign import default_buckets
 from flexshard.planning.owners import balance_owners
 from flexshard.planning.plan import plan_wrap
-from flexshard.runtime.layout import SlotPlan, bind_placements, piece_bytes
+from flexshard.planning.layout import SlotPlan, bind_placements, piece_bytes
 
 
 def _slots(shapes_and_placements, world: int, load: list) -> list:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import flexshard as fs
 from flexshard.runtime.bucket import Bucket
-from flexshard.runtime.layout import SlotPlan, bind_placements
+from flexshard.planning.layout import SlotPlan, bind_placements
 from harness import run_world
 
 SETTINGS = settings(max_examples=40, deadline=None)

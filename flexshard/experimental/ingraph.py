@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, all_gather_autograd
 from ..runtime.bucket import Bucket
-from ..runtime.copyplan import plan_copies
+from ..planning.copyplan import plan_copies
 from ..runtime.state import get_state
 
 # aten ops that turn a gather output into unsharded params (besides views): the

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..config import MixedPrecisionPolicy
 from ..placements.shard import Shard
-from ..runtime.bucket_plan import compact_gather, plan_bucket_layouts
+from .bucket_plan import compact_gather, plan_bucket_layouts
 from ..runtime.gloo import ROOTED_MAX_RANKS
 from .assign import default_buckets
 from .options import check_options, check_params, check_specs

@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..placements.owned import Owned
-from ..runtime.layout import SlotPlan, piece_bytes
+from .layout import SlotPlan, piece_bytes
 
 
 class _Bucket(NamedTuple):

@@ -17,8 +17,8 @@ import torch.nn as nn
 from ..config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from ..placements.contract import Placement
 from ..placements.owned import Owned
-from ..runtime.bucket_plan import hooks_needed
-from ..runtime.layout import SlotPlan, bind_placements
+from .bucket_plan import hooks_needed
+from .layout import SlotPlan, bind_placements
 from ..runtime.mesh import mesh_shape
 from .assign import (
     assign_params,

@@ -9,7 +9,7 @@ from typing import NamedTuple, Sequence
 
 import torch.nn as nn
 
-from ..runtime.bucket_plan import BucketLayouts
+from .bucket_plan import BucketLayouts
 from ..runtime.state import FlexShardState
 
 

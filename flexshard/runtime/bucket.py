@@ -20,15 +20,16 @@ from torch.profiler import record_function
 from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
 from .comm import Comm
-from .copyplan import plan_copies
+from ..planning.copyplan import plan_copies
 from .dispatch import hidden_from_checkpoint
 from .unshard_node import _Unshard
 from .device import DeviceContexts, HostContext, on_stream
-from .bucket_plan import LayoutPlans, compact_gather, hooks_needed, plan_bucket_layouts
+from ..planning.bucket_plan import (LayoutPlans, compact_gather, hooks_needed,
+                                     plan_bucket_layouts)
 from .counters import BucketCounters
 from .grad_reduce import GradReduce
 from .inflight import PendingGather, PendingReduce
-from .layout import BucketLayout, SlotPlan
+from ..planning.layout import BucketLayout, SlotPlan
 from .postforward import PostForwardShard, keep_slice, usable
 from .delivery import GradRoute
 from .offload import Offload

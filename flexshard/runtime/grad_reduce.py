@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .comm import Comm
-from .copyplan import plan_copies
+from ..planning.copyplan import plan_copies
 from .counters import BucketCounters
 from .device import HostContext, on_stream
 from .inflight import PendingReduce, ReduceOp
-from .layout import BucketLayout, SlotPlan
+from ..planning.layout import BucketLayout, SlotPlan
 from .storage import typed_view
 
 # Up to this many unwritten ranges of a reduce input are zeroed one by one each

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .layout import BucketLayout
+from ..planning.layout import BucketLayout
 
 
 class PendingGather(NamedTuple):

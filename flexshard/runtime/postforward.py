@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..compat import tensor_version
-from .layout import BucketLayout
+from ..planning.layout import BucketLayout
 
 
 class PostForwardShard(NamedTuple):

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from ..compat import POST_ACCUMULATE_GRAD_HOOKS
-from .copyplan import CopyPlan
-from .layout import BucketLayout, SlotPlan
+from ..planning.copyplan import CopyPlan
+from ..planning.layout import BucketLayout, SlotPlan
 
 
 def typed_view(buffer: torch.Tensor, start: int, dtype: torch.dtype,
