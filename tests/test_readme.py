@@ -11,6 +11,7 @@ checked without running them: shell syntax, the files they name, and every
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -25,7 +26,7 @@ from harness import run_world
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "RESULTS.md"]
 MARKER = re.compile(r"<!-- readme-test: world ([\d, ]+) -->")
 
 
@@ -90,10 +91,27 @@ def test_python_block_runs(block, world, monkeypatch, capsys):
 
 
 def _commands(block: Block) -> list:
-    """The block's commands: continuation lines joined, split on &&, tokenised."""
+    """The block's commands: continuation lines joined, split on &&, tokenised,
+    comments and leading VAR=value assignments dropped."""
     text = block.code.replace("\\\n", " ")
-    return [shlex.split(part) for line in text.splitlines() if line.strip()
-            for part in line.split("&&")]
+    out = []
+    for line in text.splitlines():
+        for part in line.split("&&"):
+            argv = shlex.split(part, comments=True)
+            while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
+                argv = argv[1:]
+            if argv:
+                out.append(argv)
+    return out
+
+
+def _check_benchmark(module: str, argv: list) -> None:
+    """`python -m benchmarks.NAME ARGS`: its own parser takes ARGS (then --help exits)."""
+    assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{module} does not exist"
+    done = subprocess.run([sys.executable, "-m", module, *argv, "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, f"{module} {argv}: {done.stderr[-500:]}"
 
 
 def _load_train_module():
@@ -109,7 +127,9 @@ def _check_torchrun(argv: list) -> None:
 
     args = get_args_parser().parse_args(argv)
     script = args.training_script
-    if args.module:
+    if args.module and script.startswith("benchmarks."):
+        _check_benchmark(script, args.training_script_args)
+    elif args.module:
         assert script == "torchtitan.train", f"unknown module {script}"
         from torchtitan.config import ConfigManager
 
@@ -150,6 +170,8 @@ def test_bash_block_parses_and_names_real_things(block):
             _check_torchrun(argv[1:])
         elif argv[:3] == ["python", "-m", "pip"]:
             _check_pip(argv)
+        elif argv[:2] == ["python", "-m"] and argv[2].startswith("benchmarks."):
+            _check_benchmark(argv[2], argv[3:])
         elif argv[:3] == ["python", "-m", "pytest"]:
             assert (REPO / "tests").is_dir()
         elif argv[0] == "python" and argv[1].startswith("examples/"):
@@ -181,7 +203,7 @@ def test_local_links_and_named_files_exist(page):
 
 def test_the_readme_links_every_page_of_docs():
     linked = set(re.findall(r"\(docs/([\w-]+\.md)\)", README.read_text()))
-    assert linked == {p.name for p in DOCS[1:]}, "a page of docs/ the README's map misses"
+    assert linked == {p.name for p in DOCS if p.parent.name == "docs"}, "a docs/ page the map misses"
 
 
 if __name__ == "__main__":
