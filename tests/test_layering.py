@@ -20,7 +20,7 @@ LAYERS = [
      "runtime.mesh", "runtime.postforward", "planning.bucket_plan", "runtime.counters",
      "runtime.inflight", "runtime.dispatch", "runtime.grad_reduce"},
     {"runtime.reduction"},
-    {"runtime.delivery"},
+    {"runtime.delivery", "runtime.gather"},
     {"runtime.unshard_node"},
     {"runtime.bucket"},
     {"runtime.prefetch", "runtime.reshard"},

@@ -126,7 +126,7 @@ class BucketLayout(NamedTuple):
         """Bytes of `rank`'s storage buffer: `used_bytes(rank)` when the rest of
         the segment (padding) is more than 1/16 of it, else the whole segment.
         A buffer short of the segment needs a copy-in per gather (into the
-        gather output, see Bucket._gather_buffers); a full one is the gather
+        gather output, see BucketGather._buffers); a full one is the gather
         input itself. So whole tensors that do not split evenly (an Owned
         bucket's light ranks) hold no padding, and the last rows Shard(0) or
         RaggedShard leave short (FSDP2 pads its shards the same) cost no copy."""

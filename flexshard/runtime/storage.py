@@ -45,7 +45,7 @@ class BucketStorage:
     `layout.storage_bytes(rank)` bytes. A rank whose pieces fall well short of
     the segment (the light rank of an Owned bucket) holds only its pieces and
     their alignment gaps; its gather input is padded instead (see
-    `Bucket._gather_buffers`)."""
+    `BucketGather._buffers`)."""
 
     def __init__(self, layout: BucketLayout, slots, rank: int, device) -> None:
         self.layout = layout

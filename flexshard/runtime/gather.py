@@ -1,0 +1,252 @@
+"""A bucket's gather, in named steps: buffers (gather input and output), copy-in
+(cast, or an offloaded storage's H2D), the all-gather on the gather stream, the
+wait on the compute stream and the copy-out into unsharded params. `BucketGather`
+owns every field of it: the gather layout and its copy plans, the reshard value
+they depend on, a gather a prefetch launched, and an int reshard's kept slice.
+The bucket calls it with the device context and compute device of the moment.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.profiler import record_function
+
+from ..compat import tensor_version
+from ..planning.bucket_plan import BucketLayouts, LayoutPlans, compact_gather
+from ..planning.copyplan import plan_copies
+from ..planning.layout import BucketLayout
+from .comm import Comm
+from .counters import BucketCounters
+from .device import HostContext, on_stream
+from .dispatch import hidden_from_checkpoint
+from .inflight import PendingGather
+from .postforward import PostForwardShard, keep_slice, usable
+from .reduction import in_backward
+from .storage import BucketStorage, gathered_param, segment_views, typed_view
+
+
+class BucketGather:
+    """One bucket's all-gather of its storage (see the module docstring)."""
+
+    def __init__(self, layouts: BucketLayouts, storage: BucketStorage, slots, rank: int,
+                 world_size: int, group, comm: Comm, counters: BucketCounters, *,
+                 reshard_after_forward, uneven: bool, offload=None, subgroups=None) -> None:
+        self.storage, self.slots, self.rank, self.world_size = storage, tuple(slots), rank, world_size
+        self.group, self.comm, self.counters = group, comm, counters
+        self.offload, self.subgroups = offload, subgroups
+        self._layouts, self._uneven = layouts, uneven  # the plan before compaction
+        self.reshard_after_forward = reshard_after_forward
+        self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
+        self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
+        self._forward_gathered: Optional[torch.Tensor] = None  # until keep()
+        # Looked up by identity (comparing layouts is O(ranks)).
+        self._plans = {id(storage.layout): self._layout_plans(storage.layout)}
+        self._use(compact_gather(layouts, reshard_after_forward, offload is not None,
+                                 uneven).gather)
+
+    def _use(self, layout: BucketLayout) -> None:
+        """Gather over `layout` from now on, with its plans made here."""
+        self.layout = layout
+        # a compact gather's broadcasts (one per non-empty segment), counted once here
+        self._broadcasts = sum(1 for _, n in layout.segments or () if n)
+        self._plans[id(layout)] = self._layout_plans(layout)
+
+    def follow_reshard(self, value, ctx: HostContext) -> None:
+        """set_reshard_after_forward's part: the layout is compact only where the
+        value allows (an int slices equal segments after forward: compact_gather)."""
+        self.discard(ctx)  # launched over the old layout
+        self.reshard_after_forward = value
+        self.post_forward = self._forward_gathered = None
+        layout = compact_gather(self._layouts, value, self.offload is not None,
+                                self._uneven).gather
+        if layout != self.layout:
+            self._use(layout)
+
+    def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
+        # a compact gather layout has the storage's bytes in a segment of another length
+        same = layout._replace(segments=None) == self.storage.layout
+        is_storage = same and not self.storage.short and layout.segments is None
+        copy_in = (0 if is_storage else
+                   min(self.storage.buffer.numel(), layout.segment_len(self.rank)) if same
+                   else sum(reg.nbytes[self.rank] for reg in layout.regions))
+        # kept params copy out where equal segments would pin padding, compact or not
+        # (copies die one by one, views pin the whole output: design.md, "Compact gathers")
+        pins = layout._replace(segments=None).pins_padding
+        return LayoutPlans(layout.keeps_views, pins, plan_copies(layout, self.slots),
+                           is_storage, copy_in, same)
+
+    def plans_for(self, layout: BucketLayout) -> LayoutPlans:
+        plans = self._plans.get(id(layout))
+        return plans if plans is not None else self._layout_plans(layout)
+
+    # The int reshard's kept slice (postforward.py).
+
+    @property
+    def post_forward_size(self) -> Optional[int]:
+        """N for an int reshard_after_forward N (1 < N < world_size), else None."""
+        reshard = self.reshard_after_forward
+        return None if isinstance(reshard, bool) else reshard
+
+    def keep(self, keep: bool) -> None:
+        """After the forward's gather (int reshard N): keep this rank's 1/N of
+        the gather output for backward; else drop it."""
+        gathered, self._forward_gathered = self._forward_gathered, None
+        self.post_forward = None
+        n = self.post_forward_size
+        if keep and gathered is not None and n is not None:
+            with record_function("FlexShard::post_forward_keep_slice"):
+                self.post_forward = keep_slice(gathered, self.layout, self.rank, n,
+                                               self.subgroups.of(self.rank, n),
+                                               self.storage.buffer)
+
+    def forget_forward(self) -> None:
+        """Drop the forward's gather output and the kept slice (held, or backward done)."""
+        self._forward_gathered = self.post_forward = None
+
+    def _source(self, layout: BucketLayout) -> Optional[PostForwardShard]:
+        """The kept post-forward shard, when a gather in backward may start from it."""
+        if layout is not self.layout or not in_backward():
+            return None
+        return usable(self.post_forward, self.storage.buffer)
+
+    # Gathering.
+
+    def gather(self, layout: Optional[BucketLayout], ctx: HostContext,
+               device: torch.device) -> list:
+        """One all-gather over the bucket; returns the unsharded tensors, typed
+        by `layout` (the gather layout, i.e. param_dtype, by default). Consumes
+        a prefetched gather of the same layout when one is in flight."""
+        layout = layout or self.layout
+        pending = self._take_inflight(layout, ctx) or self._launch(layout, False, ctx, device)
+        plans = self.plans_for(layout)
+        self.await_(pending, ctx)
+        if self.post_forward_size is not None and not in_backward() and layout is self.layout:
+            self._forward_gathered = pending.gathered  # for keep()
+        # A bucket that keeps its unsharded params until backward would pin the gather
+        # output's padding as long: its params are copied out when padding is heavy.
+        kept = self.reshard_after_forward is False
+        view_ok = plans.keeps_views and not (plans.pins_padding and kept)
+        outs = []
+        with hidden_from_checkpoint(), record_function("FlexShard::all_gather_copy_out"):
+            # hidden: recomputed anyway, skip the per-op Python dispatch
+            for i, slot in enumerate(self.slots):  # copy-out on the compute stream
+                full, copied = gathered_param(pending.gathered, layout, slot, i,
+                                              view_ok, plans.copies[i])
+                self.counters.copy_out_bytes += copied
+                outs.append(full)
+        return outs
+
+    def await_(self, pending: PendingGather, ctx: HostContext) -> None:
+        """Make the compute stream (the current one) wait for a launched gather.
+        After this the gather input may be dropped (see PendingGather.send)."""
+        ctx.wait(pending.done)
+        if pending.work is not None:
+            pending.work.wait()  # NCCL: the current stream waits; gloo: the host waits
+        stream = ctx.current()
+        if stream != pending.stream:  # consumed under another stream than launched
+            ctx.adopt(pending.gathered, stream)
+
+    def start(self, ctx: HostContext, device: torch.device) -> bool:
+        """Launch the gather without waiting (prefetch); the next gather consumes it.
+        False when there is nothing to launch."""
+        if self.inflight is not None or self.world_size == 1:
+            return False
+        self.inflight = self._launch(self.layout, True, ctx, device)
+        self.counters.prefetches += 1
+        return True
+
+    def discard(self, ctx: HostContext) -> None:
+        """Drop a prefetched gather nobody consumed (waits for it first)."""
+        pending, self.inflight = self.inflight, None
+        if pending is None:
+            return
+        self.await_(pending, ctx)  # its buffers die on the compute stream's side
+        self.counters.discarded_prefetches += 1
+
+    def _take_inflight(self, layout: BucketLayout, ctx: HostContext) -> Optional[PendingGather]:
+        pending = self.inflight
+        if pending is None or pending.layout is not layout:
+            return None
+        if pending.version != tensor_version(self.storage.buffer):  # params written since launch
+            self.discard(ctx)
+            return None
+        self.inflight = None
+        return pending
+
+    def _launch(self, layout: BucketLayout, async_op: bool, ctx: HostContext,
+                device: torch.device) -> PendingGather:
+        """Copy-in (cast) on the copy-in stream, then the all-gather on the
+        gather stream. Both buffers are allocated first, on the compute stream,
+        and the side streams start after an event recorded after that."""
+        plans, version = self.plans_for(layout), tensor_version(self.storage.buffer)
+        source = self._source(layout)  # int reshard, in backward
+        with torch.no_grad(), hidden_from_checkpoint():
+            send, gathered = self._buffers(layout, plans, source, device)
+            after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
+            if source is None and (not plans.is_storage or self.offload is not None):
+                with on_stream(ctx, ctx.copy_in, ready), \
+                        record_function("FlexShard::all_gather_copy_in"):
+                    self._copy_in(send, layout, plans)
+                    after = ctx.record(ctx.copy_in)
+            with on_stream(ctx, ctx.gather, after), record_function("FlexShard::all_gather"):
+                work = self._all_gather(gathered, send, layout, source, async_op)
+                done = ctx.record(ctx.gather)
+        self.counters.count_gather(layout, self.world_size > 1, source is not None,
+                                   0 if source is not None else plans.copy_in_bytes,
+                                   self._broadcasts if layout.segments is not None else 0)
+        return PendingGather(work if async_op else None, gathered, layout, version, send, done,
+                             ctx.current())
+
+    def _all_gather(self, gathered, send, layout: BucketLayout,
+                    source: Optional[PostForwardShard], async_op: bool):
+        """The collective (None at world size 1): compact segments, or equal ones
+        over the shard group (or the post-forward group, from the kept slice)."""
+        if self.world_size == 1:
+            return None
+        if layout.segments is not None:
+            return self.comm.all_gather_segments(gathered, send, layout.segments, self.group,
+                                                 async_op=async_op)
+        group = self.group if source is None else source.group
+        return self.comm.all_gather(gathered, send, group, async_op=async_op)
+
+    def _buffers(self, layout: BucketLayout, plans: LayoutPlans,
+                 source: Optional[PostForwardShard], device: torch.device) -> tuple:
+        """(gather input, gather output), on the compute stream. The storage buffer
+        is the gather input when it can be (no cast, not offloaded, not shorter
+        than the segment); otherwise the copy-in writes this rank's segment of the
+        gather output and the all-gather reads it there, in place (as FSDP2's), so
+        no segment-sized temporary exists beside the output."""
+        send = self.storage.buffer if source is None else source.send
+        copy_in = source is None and (not plans.is_storage or self.offload is not None)
+        if self.world_size == 1:
+            if copy_in:
+                send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+            return send, send
+        gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+        if copy_in:
+            start = layout.segment_start(self.rank)
+            send = gathered[start:start + layout.segment_len(self.rank)]
+        return send, gathered
+
+    def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
+        """This rank's pieces, cast to the layout's dtypes: one copy per param;
+        without a cast, one copy of the storage buffer (shorter than `send`).
+        An offloaded storage is first staged to the compute device (H2D): into
+        `send` itself when no cast follows, else into a temporary of this stream."""
+        views, used = self.storage.views, self.storage.buffer.numel()
+        if self.offload is not None:
+            into = send[:used] if plans.same_bytes else None
+            staged = self.offload.stage(self.storage.buffer, into)
+            self.counters.h2d_bytes += staged.numel()
+            if plans.same_bytes:
+                return
+            views = segment_views(staged, self.storage.layout, self.slots, self.rank)
+        if plans.same_bytes:  # a storage shorter than the segment: one copy, padded
+            used = min(used, send.numel())  # a compact segment ends with this rank's pieces
+            send[:used].copy_(self.storage.buffer[:used])
+            return
+        for reg, slot, view in zip(layout.regions, self.slots, views):
+            typed_view(send, reg.offsets[self.rank], reg.dtype,
+                       slot.local_shapes[self.rank]).copy_(view)
