@@ -195,7 +195,8 @@ class SavedParams:
                 f"bucket {bucket.name!r}: its sharded params changed between forward and "
                 "backward (an optimizer step or an in-place write?); backward regathers them "
                 "and needs the values forward used: change the params after backward")
-        self.queue.watch_backward()  # the pass ends by dropping what it regathers
+        if bucket.regathered is None:  # once per backward, not per unpack
+            self.queue.watch_backward()  # the pass ends by dropping what it regathers
         params, new = bucket.regather()
         if new:
             self.prefetcher.unsharded(bucket)
