@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -68,8 +67,8 @@ def main() -> None:
     rows = [row(lib, defer, args.micro_batches, mesh)
             for lib in ("flexshard", "fsdp2") for defer in (False, True)]
     if dist.get_rank() == 0:
-        print(f"| library | all-reduce | all-reduces/step | all-reduce MiB/step | "
-              f"all collectives MiB/step |\n|---|---|---|---|---|")
+        print("| library | all-reduce | all-reduces/step | all-reduce MiB/step | "
+              "all collectives MiB/step |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['library']} | {r['all-reduce']} | {r['all_reduces']} | "
                   f"{r['all_reduce_MiB']:.2f} | {r['wire_MiB']:.2f} |")

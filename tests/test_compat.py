@@ -4,14 +4,11 @@ behaves as flexshard expects; nothing else in flexshard names a private torch AP
 from __future__ import annotations
 
 import ast
-import contextlib
-import inspect
 import pathlib
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)

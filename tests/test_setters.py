@@ -10,7 +10,6 @@ here run the default Comm, the path users get on gloo.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import transformers

@@ -233,12 +233,11 @@ class Bucket:
     # What the backward's autograd nodes and saved-tensor hooks change (unshard_node.py,
     # reshard.py): through these methods, never by writing the fields.
 
-    def note_registered(self) -> int:
+    def note_registered(self) -> None:
         """Forward registered the unsharded params with the saved-tensor hooks:
-        nothing saved yet; returns the storage version they were gathered at."""
+        nothing saved yet; they were gathered at the storage's current version."""
         self.saved_in_forward = False
         self.saved_version = tensor_version(self.storage.buffer)
-        return self.saved_version
 
     def note_saved(self) -> None:
         """Autograd saved one of the unsharded params in this forward."""
