@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python -m benchmarks.compare            # world sizes 1, 2, 4
     PYTHONPATH=$PWD python -m benchmarks.compare --world-sizes 2 --steps 6
     PYTHONPATH=$PWD python -m benchmarks.compare --grid engine --world-sizes 2   # issue 12's
+    PYTHONPATH=$PWD python -m benchmarks.compare --grid gather --world-sizes 2   # quantized
     torchrun --nproc-per-node 2 -m benchmarks.compare       # one world, from torchrun
 
 Per configuration both runners (and the plain model at world size 1) train
@@ -252,12 +253,13 @@ def _parse(argv) -> argparse.Namespace:
                         "naming one this checkout lacks is an error")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default",
                    help="default: one change at a time from Shard/fp32/reshard/odd; engine: "
-                        "shard, ragged and owned x fp32 and bf16, reshard on (issue 12's targets)")
+                        "shard, ragged and owned x fp32 and bf16, reshard on (issue 12's targets); "
+                        "gather: fp32 and bf16 x flexshard gathering param_dtype, int8 or fp8")
     p.add_argument("--models", nargs="+", choices=MODELS, default=None,
                    help="run the grid on these models (default grid: odd and even as it "
                         "lists them; engine grid: llama)")
     p.add_argument("--reshard", nargs="+", choices=("on", "off"), default=["on"],
-                   help="engine grid: reshard after forward on, off or both (memory targets)")
+                   help="engine and gather grids: reshard after forward on, off or both")
     p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=None,
                    help="only these param dtypes (default: the grid's)")
     p.add_argument("--gloo", nargs="+", choices=GLOO, default=["rooted"],
@@ -273,9 +275,9 @@ def _parse(argv) -> argparse.Namespace:
 
 
 def _grid(args, world_sizes) -> list:
-    if args.grid == "engine":
-        grid = GRIDS["engine"](tuple(world_sizes), tuple(args.models or ("llama",)),
-                               tuple(r == "on" for r in args.reshard))
+    if args.grid in ("engine", "gather"):
+        grid = GRIDS[args.grid](tuple(world_sizes), tuple(args.models or ("llama",)),
+                                tuple(r == "on" for r in args.reshard))
     else:
         grid = GRIDS["default"](tuple(world_sizes))
         if args.models:  # the same variants on these models instead

@@ -9,6 +9,7 @@ PARAM_DTYPES = ("fp32", "bf16")
 MODELS = ("odd", "even", "llama")
 OPTIMIZERS = ("adamw", "muon")
 GLOO = ("rooted", "plain")  # fs.Comm(rooted_on_gloo=True / False): see runtime/comm.py
+GATHERS = ("param", "int8", "fp8")  # flexshard's all-gather: param_dtype, or fs.QuantizedGather
 
 
 @dataclass(frozen=True)
@@ -22,11 +23,12 @@ class Config:
     model: str = "odd"
     optimizer: str = "adamw"  # "muon": Muon on block matrices, AdamW on the rest
     gloo: str = "rooted"  # flexshard's Comm on gloo: "rooted" (the default) or "plain"
+    gather: str = "param"  # flexshard's gather format (FSDP2 always gathers param_dtype)
 
     def __post_init__(self) -> None:
         for field, allowed in (("placement", PLACEMENTS), ("param_dtype", PARAM_DTYPES),
                                ("model", MODELS), ("optimizer", OPTIMIZERS),
-                               ("gloo", GLOO)):
+                               ("gloo", GLOO), ("gather", GATHERS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"Config.{field}={getattr(self, field)!r}; use one of {allowed}")
         if self.world_size < 1:
@@ -43,6 +45,8 @@ class Config:
             parts.append(self.optimizer)
         if self.gloo != "rooted":
             parts.append(f"{self.gloo}-gloo")
+        if self.gather != "param":
+            parts.append(f"{self.gather}-gather")
         return "/".join(parts)
 
     @property
@@ -77,4 +81,13 @@ def engine_grid(world_sizes=(2,), models=("llama",), reshards=(True,)) -> list:
             for p in ("shard", "ragged", "owned") for d in PARAM_DTYPES]
 
 
-GRIDS = {"default": default_grid, "engine": engine_grid}
+def gather_grid(world_sizes=(2,), models=("llama",), reshards=(True,)) -> list:
+    """Quantized gathers (issue 27): Shard(0) buckets gathering the weights in
+    param_dtype (fp32, bf16) or quantized (int8, fp8 with a scale per row), each
+    beside FSDP2 gathering in param_dtype."""
+    return [Config(ws, param_dtype=d, model=m, reshard=r, gather=g)
+            for ws in world_sizes for m in models for r in reshards
+            for d in PARAM_DTYPES for g in GATHERS]
+
+
+GRIDS = {"default": default_grid, "engine": engine_grid, "gather": gather_grid}

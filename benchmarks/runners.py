@@ -92,6 +92,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def gather_format(cfg):
+    """flexshard's WirePolicy for the configuration (None: gather param_dtype)."""
+    if cfg.gather == "param":
+        return None
+    return fs.QuantizedGather(torch.int8 if cfg.gather == "int8" else torch.float8_e4m3fn)
+
+
 class Runner:
     """One model copy trained one way ("plain", "fsdp2" or "flexshard")."""
 
@@ -104,7 +111,8 @@ class Runner:
             self._wrap_fsdp2(mesh, dtype)
         elif kind == "flexshard":
             fs.flex_shard(self.model, mesh, placement=flexshard_placement(cfg.placement),
-                          mp_policy=fs.MixedPrecisionPolicy(param_dtype=dtype),
+                          mp_policy=fs.MixedPrecisionPolicy(param_dtype=dtype,
+                                                            gather_format=gather_format(cfg)),
                           reshard_after_forward=cfg.reshard,
                           comm=fs.Comm(rooted_on_gloo=cfg.gloo == "rooted"))
         elif kind != "plain" or dtype is not None:

@@ -13,6 +13,7 @@ is `final loss <value>`; the loss curve goes to --plot (needs matplotlib).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import math
@@ -54,6 +55,11 @@ def _sharding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mp", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 = no mixed precision; bf16 = compute and gather in bfloat16, "
                         "reduce gradients in float32, keep float32 master weights (default fp32)")
+    p.add_argument("--gather", choices=("param", "int8", "fp8"), default="param",
+                   help="what the all-gathers send: param = the weights in the --mp dtype; "
+                        "int8 / fp8 = block matrices quantized with a scale per row "
+                        "(fs.QuantizedGather), dequantized after the gather; master weights, "
+                        "grads and AdamW stay full precision (default param)")
     p.add_argument("--no-reshard", action="store_true",
                    help="keep each block's parameters unsharded from forward to backward "
                         "(one gather per bucket per step instead of two; more memory)")
@@ -148,6 +154,9 @@ def build_model(args, env: Dist) -> torch.nn.Module:
     model = GPT(GPTConfig()).to(env.device)
     mp = (fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if args.mp == "bf16" else fs.MixedPrecisionPolicy())
+    if args.gather != "param":
+        wire = torch.int8 if args.gather == "int8" else torch.float8_e4m3fn
+        mp = dataclasses.replace(mp, gather_format=fs.QuantizedGather(wire))
     buckets = None
     if args.bucket_bytes is not None:
         example = (torch.zeros(1, model.cfg.seq, dtype=torch.long, device=env.device),)

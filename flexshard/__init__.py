@@ -8,15 +8,18 @@ from .checkpoint.pretrained import PretrainedKeys, load_pretrained
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
-from .placements import Owned, Placement, RaggedShard, Shard, shard_sizes
+from .placements import (BlockQuantized, Cast, Owned, Placement, QuantizedGather, RaggedShard,
+                         Shard, WireFormat, WirePart, WirePolicy, shard_sizes)
 from .planning.budget import plan_buckets
 from .planning.describe import describe
 from .planning.report import BucketPlan, ShardingPlan
 from .runtime.comm import Comm
 
 __all__ = [
+    "BlockQuantized",
     "BucketPlan",
     "BucketSpec",
+    "Cast",
     "Comm",
     "FlexShardModule",
     "MixedPrecisionPolicy",
@@ -24,8 +27,12 @@ __all__ = [
     "Owned",
     "Placement",
     "PretrainedKeys",
+    "QuantizedGather",
     "RaggedShard",
     "Shard",
+    "WireFormat",
+    "WirePart",
+    "WirePolicy",
     "ShardedPieces",
     "ShardingPlan",
     "clip_grad_norm_",

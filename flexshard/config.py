@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from .placements.contract import Placement
+from .placements.wire import WirePolicy
 
 PlacementChoice = Union[Placement, Callable[[str, torch.nn.Parameter], Placement]]
 
@@ -54,12 +55,15 @@ class MixedPrecisionPolicy:
     reduce_dtype: dtype of the gradient reduction; None means param_dtype.
     output_dtype: dtype the hooked module's floating outputs are cast to.
     cast_forward_inputs: cast floating forward inputs to param_dtype.
+    gather_format: a `fs.WirePolicy` choosing how some params travel in the
+        all-gather (quantized gathers); None sends every param in param_dtype.
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    gather_format: Optional[WirePolicy] = None
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -67,6 +71,10 @@ class MixedPrecisionPolicy:
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
                             f"got {self.cast_forward_inputs!r}")
+        if self.gather_format is not None and not isinstance(self.gather_format, WirePolicy):
+            raise TypeError(f"MixedPrecisionPolicy.gather_format must be a fs.WirePolicy "
+                            f"(e.g. fs.QuantizedGather(torch.int8)) or None, "
+                            f"got {self.gather_format!r}")
 
 
 @dataclass(frozen=True)

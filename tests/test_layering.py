@@ -15,7 +15,7 @@ LAYERS = [
     {"runtime.gloo", "runtime.comm", "compat", "runtime.compiled"},
     {"placements", "placements."},
     {"config"},
-    {"planning.layout", "planning.copyplan", "runtime.storage", "runtime.state", "runtime.order",
+    {"planning.layout", "planning.copyplan", "planning.wire_plan", "runtime.storage", "runtime.state", "runtime.order",
      "runtime.device", "runtime.offload", "runtime.dtensor_param",
      "runtime.mesh", "runtime.postforward", "planning.bucket_plan", "runtime.counters",
      "runtime.inflight", "runtime.dispatch", "runtime.grad_reduce"},

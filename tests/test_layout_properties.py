@@ -13,12 +13,19 @@ from hypothesis import strategies as st
 
 import flexshard as fs
 from flexshard.planning.layout import ALIGN, SlotPlan, bind_placements, plan_layout
-from flexshard.runtime.storage import gathered_param, segment_views
+from flexshard.planning.wire_plan import ParamWire, cast_wire
+from flexshard.runtime.storage import segment_views
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.uint8]
 FAST = settings(max_examples=60, deadline=None)
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
+
+
+def _decoded(gathered, layout, slots, i):
+    """(slot i's unsharded tensor, bytes copied): its ParamWire's decode, sent as itself."""
+    wire = cast_wire(slots, [s.dtype for s in slots], layout.world_size)
+    return ParamWire(layout, wire, i, 0).decode(gathered)
 
 
 @st.composite
@@ -145,7 +152,7 @@ def test_gathered_buffer_holds_every_full_param(bucket):
         segments.append(buffer)
     gathered = torch.cat(segments)
     for i, (slot, full) in enumerate(zip(slots, fulls)):
-        out, copied = gathered_param(gathered, layout, slot, i)
+        out, copied = _decoded(gathered, layout, slots, i)
         assert torch.equal(out, full)
         is_view = layout.gathered_range(i) is not None
         assert copied == (0 if is_view else full.numel() * full.element_size())
@@ -195,7 +202,7 @@ def test_adjacent_pieces_of_a_non_rank_major_param_are_not_a_view():
     gathered = torch.zeros(layout.wire_bytes, dtype=torch.uint8)
     for r, segment in enumerate(gathered.chunk(2)):  # each piece at its (aligned) offset
         segment_views(segment, layout, [slot], r)[0].copy_(placement.shard(full, r, 2))
-    out, copied = gathered_param(gathered, layout, slot, 0)
+    out, copied = _decoded(gathered, layout, [slot], 0)
     assert torch.equal(out, full) and copied == full.numel() * full.element_size()
 
 
@@ -241,7 +248,7 @@ def test_compacted_layout_holds_every_param_without_padding(bucket):
     assert gathered.numel() == layout.wire_bytes
     covered = torch.zeros(layout.wire_bytes, dtype=torch.int32)
     for i, (slot, full) in enumerate(zip(slots, fulls)):
-        out, copied = gathered_param(gathered, layout, slot, i)
+        out, copied = _decoded(gathered, layout, slots, i)
         assert torch.equal(out, full) and copied == 0
         for r in range(world):
             start = layout.piece_start(i, r)

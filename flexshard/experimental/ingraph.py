@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, all_gather_autograd
 from ..runtime.bucket import Bucket
-from ..planning.copyplan import plan_copies
+from ..planning.wire_plan import plan_param_wires
 from ..runtime.state import get_state
 
 # aten ops that turn a gather output into unsharded params (besides views): the
@@ -81,7 +81,7 @@ class TracedGather:
         self.pieces = [(reg.offsets[bucket.rank] // size, reg.nbytes[bucket.rank] // size)
                        for reg in layout.regions]
         self.order = sorted(range(len(self.pieces)), key=lambda i: self.pieces[i][0])
-        self.copies = plan_copies(layout, bucket.slots)
+        self.wires = plan_param_wires(layout, bucket.gather.wire, bucket.rank)
         self.group, self.factor = bucket.group, bucket.grads.gradient_divide_factor
 
     def gather_input(self, sharded: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -101,7 +101,7 @@ class TracedGather:
         """The unsharded params, made inside the graph that calls this."""
         send = _DivideGrad.apply(self.gather_input(sharded), self.factor)
         gathered = all_gather_autograd(send, 0, self.group)  # backward: reduce-scatter, sum
-        return [plan.traced_full(gathered) for plan in self.copies]
+        return [wire.traced(gathered) for wire in self.wires]
 
 
 def _check_supported(bucket: Bucket) -> None:
@@ -115,6 +115,7 @@ def _check_supported(bucket: Bucket) -> None:
         ("DTensor (tensor-parallel) params", any(bucket.tp_specs or ())),
         ("a mixed precision policy", bucket.mp != type(bucket.mp)()),
         ("params of several dtypes", len({reg.dtype for reg in layout.regions}) > 1),
+        ("a wire format other than the param itself", not bucket.gather.wire.plain),
     ) if bad]
     if missing:
         raise NotImplementedError(

@@ -5,13 +5,21 @@ how to cut a full tensor into those pieces and how to join them again.
 Buckets do the rest (byte layout, the one collective, gradient reduction), so
 a new placement is a frozen dataclass implementing the six methods below.
 
+A wire format says what a parameter's piece sends in its bucket's all-gather
+and how the gathered bytes become the unsharded parameter: one or more *parts*
+(each a tensor with its own dtype, split over the ranks by its own bound
+placement), an encode of the piece into its parts and a decode of the gathered
+parts. A cast (`placements/wire.py`, `Cast`) is the default; quantized gathers
+are other formats, not other code paths (FSDP2's `fsdp_pre_all_gather` /
+`fsdp_post_all_gather`, over any placement and several dtypes in one buffer).
+
 Pieces are always taken in rank order. A rank may hold an empty piece.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -52,3 +60,32 @@ class Placement(abc.ABC):
         """True when the pieces, flattened and concatenated in rank order, are
         the full tensor flattened. The bucket may then lay the pieces out so
         that the gathered bytes are the parameter itself (no copy-out)."""
+
+
+class WirePart(NamedTuple):
+    """One tensor a parameter puts on the wire: its full shape and dtype, and
+    the bound placement that cuts it into the ranks' pieces."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    placement: Placement
+
+
+class WireFormat(abc.ABC):
+    """What one parameter sends in its bucket's all-gather and how it comes
+    back (a frozen value; every rank builds the same one)."""
+
+    @abc.abstractmethod
+    def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
+        """The WireParts of a parameter of `shape` split by bound `placement`
+        over `world_size` ranks, in the order encode writes and decode reads them."""
+
+    @abc.abstractmethod
+    def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Write this rank's `piece` (the sharded param) into `outs`: this
+        rank's piece of each part, typed and shaped, in the gather input."""
+
+    @abc.abstractmethod
+    def decode(self, fulls: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The unsharded parameter from every part's full tensor. May return
+        `fulls[0]` itself (then it stays a view of the gathered buffer)."""

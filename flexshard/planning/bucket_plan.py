@@ -10,7 +10,9 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..config import MixedPrecisionPolicy
+from ..placements.wire import Cast
 from .layout import BucketLayout, SlotPlan, plan_layout
+from .wire_plan import WirePlan, plan_wire
 
 
 class LayoutPlans(NamedTuple):
@@ -18,7 +20,7 @@ class LayoutPlans(NamedTuple):
 
     keeps_views: bool  # see BucketLayout.keeps_views
     pins_padding: bool  # see BucketLayout.pins_padding
-    copies: tuple  # CopyPlan per slot
+    wires: tuple  # ParamWire per slot (planning/wire_plan.py)
     is_storage: bool  # the storage buffer is the gather input (no copy-in)
     copy_in_bytes: int
     same_bytes: bool  # the layout is the storage's (no cast): a copy-in, where one runs
@@ -36,7 +38,7 @@ def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size
     """False at world size 1 without replicas, offload or a cast when every piece
     has the full shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
     return (world_size > 1 or replicas > 1 or offload
-            or any(_gather_dtype(s, mp) != s.dtype for s in slots)
+            or any(f != Cast(s.dtype) for s, f in zip(slots, wire_formats(slots, mp, world_size)))
             or any(s.local_shapes[0] != s.shape for s in slots))
 
 
@@ -55,8 +57,21 @@ class BucketLayouts(NamedTuple):
     """A bucket's three byte plans over the same slots."""
 
     storage: BucketLayout  # the sharded params, in their own dtypes
-    gather: BucketLayout  # the all-gather (param_dtype on the wire)
+    gather: BucketLayout  # the all-gather: every slot's wire parts (see `wire`)
     reduce: BucketLayout  # the reduce-scatter of the trainable slots (one reduce dtype)
+    wire: WirePlan  # what each slot sends in the all-gather
+
+
+def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int) -> tuple:
+    """Each slot's wire format: the policy's gather_format's choice, else a
+    cast to the policy's param_dtype (or none)."""
+    out = []
+    for s in slots:
+        dtype = _gather_dtype(s, mp)
+        chosen = None if mp.gather_format is None else \
+            mp.gather_format.format(s.fqn, s.shape, s.dtype, dtype, s.placement, world_size)
+        out.append(Cast(dtype) if chosen is None else chosen)
+    return tuple(out)
 
 
 def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
@@ -64,9 +79,10 @@ def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
     """The layouts a Bucket of `slots` uses; the dry run (planning/dryrun.py) reads the same."""
     grads = [s for s, t in zip(slots, trainable) if t]
     reduce_dtype = _reduce_dtype(grads, mp)
+    wire = plan_wire(slots, wire_formats(slots, mp, world_size), world_size)
     return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size),
-                         plan_layout(slots, [_gather_dtype(s, mp) for s in slots], world_size),
-                         plan_layout(grads, [reduce_dtype] * len(grads), world_size))
+                         plan_layout(wire.slots, [s.dtype for s in wire.slots], world_size),
+                         plan_layout(grads, [reduce_dtype] * len(grads), world_size), wire)
 
 
 def compact_gather(layouts: BucketLayouts, reshard_after_forward, offloaded: bool,

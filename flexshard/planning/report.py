@@ -5,10 +5,13 @@ mesh one does not have, by the dry run (planning/dryrun.py); both go through
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence
 
+import torch
 import torch.nn as nn
 
+from ..placements.wire import Cast
 from .bucket_plan import BucketLayouts
 from ..runtime.state import FlexShardState
 
@@ -40,6 +43,12 @@ class BucketPlan(NamedTuple):
     reduce_wire_bytes: int  # per step, shard dim: the reduce-scatter's input
     all_reduces_per_step: int  # gradient all-reduces in one backward (replicate dim)
     all_reduce_bytes: int  # per step, replicate dim: the all-reduced reduce segment
+    wire_formats: tuple = ()  # WireFormat per param (Cast: sent as itself, in its gather dtype)
+
+    @property
+    def quantized(self) -> int:
+        """Params sent in a format other than a cast (QuantizedGather's)."""
+        return sum(not isinstance(f, Cast) for f in self.wire_formats)
 
 
 class ShardingPlan(NamedTuple):
@@ -110,7 +119,7 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
     """A bucket's record from its bound slots and layouts; `module_name` is None
     when no hook runs it, `regather` whether backward gathers it again."""
     replicas, shards = mesh_shape
-    storage, gather, reduce = layouts
+    storage, gather, reduce, wire = layouts
     hooked, grads = module_name is not None, any(trainable)
     gathers = (1 + regather) if hooked and shards > 1 else 0
     regather_ranks = 0 if gathers < 2 else (shards if isinstance(reshard, bool) else reshard)
@@ -124,7 +133,8 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         dtypes=tuple(s.dtype for s in slots),
         gather_dtypes=tuple(r.dtype for r in gather.regions),
         local_bytes=tuple(sum(r.nbytes[rank] for r in storage.regions) for rank in range(shards)),
-        unsharded_bytes=gather.ideal_bytes,
+        unsharded_bytes=sum(math.prod(s.shape) * _unsharded_dtype(f, gather.regions[k].dtype).itemsize
+                            for s, f, k in zip(slots, wire.formats, wire.first)),
         padding_bytes=gather.wire_bytes - gather.ideal_bytes,
         reshard_after_forward=reshard,
         gathers_per_step=gathers, regather_ranks=regather_ranks, reduces_per_step=reduces,
@@ -134,7 +144,13 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         gather_wire_bytes=gathers * gather.wire_bytes,
         reduce_wire_bytes=reduces * reduce.wire_bytes,
         all_reduces_per_step=all_reduces,
-        all_reduce_bytes=all_reduces * reduce.segment_bytes)
+        all_reduce_bytes=all_reduces * reduce.segment_bytes,
+        wire_formats=wire.formats)
+
+
+def _unsharded_dtype(fmt, first_part: torch.dtype) -> torch.dtype:
+    """What a format decodes to: its `out_dtype` (a quantized format), else its first part's."""
+    return getattr(fmt, "out_dtype", first_part)
 
 
 def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
@@ -148,7 +164,8 @@ def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
     for bucket in state.buckets:
         shape = (bucket.replicate_size, bucket.world_size)  # its own mesh's, or the model's
         runner = runners.get(id(bucket))
-        layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout)
+        layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout,
+                                bucket.gather.wire)
         trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
         regather = bucket.reshard_after_forward and bucket.saved_in_forward is not False
         rows.append(bucket_plan(
@@ -203,7 +220,8 @@ def _row(b: BucketPlan) -> tuple:
     dtypes = ",".join(sorted({str(d).replace("torch.", "") for d in b.gather_dtypes}))
     local, storage = _range(b.local_bytes), _range(b.storage_bytes)
     module = "-" if b.module is None else (b.module or "<root>")
-    return (b.name, module, str(len(b.params)), dtypes, storage, local,
+    params = str(len(b.params)) + (f" ({b.quantized} quantized)" if b.quantized else "")
+    return (b.name, module, params, dtypes, storage, local,
             f"{b.unsharded_bytes:,}", f"{b.padding_bytes:,}",
             _reshard_text(b.reshard_after_forward), _gathers_text(b),
             str(b.reduces_per_step), str(b.all_reduces_per_step),
@@ -235,7 +253,9 @@ def _table(plan: ShardingPlan) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     for b in plan.buckets:
         lines.append(f"{b.name}:")
-        for fqn, shape, pl, dt in zip(b.params, b.shapes, b.placements, b.dtypes):
-            lines.append(f"  {fqn}  {tuple(shape)}  {pl!r}  {str(dt).replace('torch.', '')}")
+        formats = b.wire_formats or (None,) * len(b.params)
+        for fqn, shape, pl, dt, fmt in zip(b.params, b.shapes, b.placements, b.dtypes, formats):
+            sent = "" if fmt is None or isinstance(fmt, Cast) else f"  sent as {fmt!r}"
+            lines.append(f"  {fqn}  {tuple(shape)}  {pl!r}  {str(dt).replace('torch.', '')}{sent}")
     lines.append(_summary(plan))
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """A bucket's gather, in named steps: buffers (gather input and output), copy-in
-(cast, or an offloaded storage's H2D), the all-gather on the gather stream, the
+(each param's wire format encodes its piece: a cast, or
+an offloaded storage's H2D first), the all-gather on the gather stream, the
 wait on the compute stream and the copy-out into unsharded params. `BucketGather`
 owns every field of it: the gather layout and its copy plans, the reshard value
 they depend on, a gather a prefetch launched, and an int reshard's kept slice.
@@ -15,8 +16,8 @@ from torch.profiler import record_function
 
 from ..compat import tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans, compact_gather
-from ..planning.copyplan import plan_copies
 from ..planning.layout import BucketLayout
+from ..planning.wire_plan import cast_wire, plan_param_wires
 from .comm import Comm
 from .counters import BucketCounters
 from .device import HostContext, on_stream
@@ -24,7 +25,7 @@ from .dispatch import hidden_from_checkpoint
 from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
 from .reduction import in_backward
-from .storage import BucketStorage, gathered_param, segment_views, typed_view
+from .storage import BucketStorage, segment_views
 
 
 class BucketGather:
@@ -37,6 +38,8 @@ class BucketGather:
         self.group, self.comm, self.counters = group, comm, counters
         self.offload, self.subgroups = offload, subgroups
         self._layouts, self._uneven = layouts, uneven  # the plan before compaction
+        # a gather over the storage layout (fs.full_state_dict) sends each piece as it is
+        self._storage_wire = cast_wire(self.slots, [s.dtype for s in self.slots], world_size)
         self.reshard_after_forward = reshard_after_forward
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
@@ -64,9 +67,18 @@ class BucketGather:
         if layout != self.layout:
             self._use(layout)
 
+    @property
+    def wire(self):
+        """What each slot sends in the gather layout (planning/wire_plan.py, WirePlan)."""
+        return self._layouts.wire
+
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
-        # a compact gather layout has the storage's bytes in a segment of another length
-        same = layout._replace(segments=None) == self.storage.layout
+        wire = self._storage_wire if layout is self.storage.layout else self._layouts.wire
+        wires = plan_param_wires(layout, wire, self.rank)
+        # a compact gather layout has the storage's bytes in a segment of another length;
+        # the same bytes only when every piece is sent as it is (a cast to its own dtype)
+        same = (layout._replace(segments=None) == self.storage.layout
+                and all(w.cast for w in wires))
         is_storage = same and not self.storage.short and layout.segments is None
         copy_in = (0 if is_storage else
                    min(self.storage.buffer.numel(), layout.segment_len(self.rank)) if same
@@ -74,8 +86,7 @@ class BucketGather:
         # kept params copy out where equal segments would pin padding, compact or not
         # (copies die one by one, views pin the whole output: design.md, "Compact gathers")
         pins = layout._replace(segments=None).pins_padding
-        return LayoutPlans(layout.keeps_views, pins, plan_copies(layout, self.slots),
-                           is_storage, copy_in, same)
+        return LayoutPlans(layout.keeps_views, pins, wires, is_storage, copy_in, same)
 
     def plans_for(self, layout: BucketLayout) -> LayoutPlans:
         plans = self._plans.get(id(layout))
@@ -131,9 +142,8 @@ class BucketGather:
         outs = []
         with hidden_from_checkpoint(), record_function("FlexShard::all_gather_copy_out"):
             # hidden: recomputed anyway, skip the per-op Python dispatch
-            for i, slot in enumerate(self.slots):  # copy-out on the compute stream
-                full, copied = gathered_param(pending.gathered, layout, slot, i,
-                                              view_ok, plans.copies[i])
+            for wire in plans.wires:  # copy-out (decode) on the compute stream
+                full, copied = wire.decode(pending.gathered, view_ok)
                 self.counters.copy_out_bytes += copied
                 outs.append(full)
         return outs
@@ -247,6 +257,5 @@ class BucketGather:
             used = min(used, send.numel())  # a compact segment ends with this rank's pieces
             send[:used].copy_(self.storage.buffer[:used])
             return
-        for reg, slot, view in zip(layout.regions, self.slots, views):
-            typed_view(send, reg.offsets[self.rank], reg.dtype,
-                       slot.local_shapes[self.rank]).copy_(view)
+        for wire, view in zip(plans.wires, views):
+            wire.encode(send, view)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from ..compat import POST_ACCUMULATE_GRAD_HOOKS
-from ..planning.copyplan import CopyPlan
-from ..planning.layout import BucketLayout, SlotPlan
+from ..planning.layout import BucketLayout
 
 
 def typed_view(buffer: torch.Tensor, start: int, dtype: torch.dtype,
@@ -25,19 +23,6 @@ def segment_views(buffer: torch.Tensor, layout: BucketLayout, slots, rank: int) 
     `layout.used_bytes(rank)` bytes: an empty piece past them views nothing)."""
     return [typed_view(buffer, reg.offsets[rank], reg.dtype, slot.local_shapes[rank])
             for slot, reg in zip(slots, layout.regions)]
-
-
-def gathered_param(gathered: torch.Tensor, layout: BucketLayout, slot: SlotPlan,
-                   index: int, view_ok: bool = True,
-                   plan: Optional[CopyPlan] = None) -> tuple:
-    """(unsharded tensor, copied bytes): a view when the pieces are contiguous
-    (and `view_ok`), else a copy (the copy-out). `plan` is the slot's CopyPlan
-    in `layout`, made at wrap time (made here when not given)."""
-    plan = plan or CopyPlan(layout, slot, index)
-    if plan.span is not None and view_ok:
-        return plan.full(gathered), 0
-    full = plan.full(gathered, copy=True)
-    return full, full.numel() * full.element_size()
 
 
 class BucketStorage:

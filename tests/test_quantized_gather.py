@@ -1,0 +1,173 @@
+"""Quantized gathers (fs.QuantizedGather, a wire format with a scale per block of
+rows): the gathered weight is bit-identical to quantizing the whole weight, for
+every placement that cuts rows, every input dtype and both wire dtypes; training
+with it matches one process that quantizes its weights the same way in forward;
+the policy leaves out what it should and says so in fs.describe."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import flexshard as fs
+from flexshard.planning.layout import SlotPlan, bind_placements, plan_layout
+from flexshard.planning.wire_plan import ParamWire, plan_wire
+from flexshard.runtime.storage import typed_view
+from harness import run_world
+from models import batch, loss_fn
+from reference import make_model, reference_run
+from test_parity import assemble_grads, train_sharded
+
+QDTYPES = [torch.int8, torch.float8_e4m3fn]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _slot(shape, dtype, placement, world):
+    bound = bind_placements([(torch.Size(shape), dtype.itemsize, placement)], world)[0]
+    return SlotPlan("w", torch.Size(shape), dtype, bound,
+                    tuple(bound.local_shape(torch.Size(shape), r, world) for r in range(world)))
+
+
+def _gathered(full, slot, fmt, world):
+    """Every rank encodes its piece into its segment; the segments back to back;
+    the param decoded out of them, as a bucket's gather does."""
+    wire = plan_wire([slot], [fmt], world)
+    layout = plan_layout(wire.slots, [s.dtype for s in wire.slots], world)
+    segments = []
+    for r in range(world):
+        segment = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
+        ParamWire(layout, wire, 0, r).encode(segment, slot.placement.shard(full, r, world))
+        segments.append(segment)
+    out, _ = ParamWire(layout, wire, 0, 0).decode(torch.cat(segments))
+    return out
+
+
+def _whole(full, fmt):
+    """Quantize-then-dequantize of the whole weight on one rank."""
+    return _gathered(full, _slot(full.shape, full.dtype, fs.Shard(0), 1), fmt, 1)
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("placement,world", [
+    (fs.Shard(0), 4), (fs.RaggedShard(units=(3, 0, 5)), 3), (fs.RaggedShard(), 3),
+    (fs.Owned(), 3)])
+def test_gathered_weight_is_the_whole_weight_quantized(qdtype, dtype, placement, world):
+    torch.manual_seed(0)
+    full = (torch.randn(64, 80) * torch.logspace(-3, 2, 64)[:, None]).to(dtype)
+    full[5] = 0  # an all-zero row keeps a finite scale and decodes to zeros
+    slot = _slot(full.shape, dtype, placement, world)
+    fmt = fs.QuantizedGather(qdtype).format("w", full.shape, dtype, dtype, slot.placement, world)
+    assert fmt == fs.BlockQuantized(qdtype, dtype, 1)
+    out = _gathered(full, slot, fmt, world)
+    assert out.dtype == dtype
+    assert torch.equal(out, _whole(full, fmt))
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+    # within half an int8 step of the row's scale, or e4m3's 3-bit mantissa (2**-9
+    # of the scale below its normal range), plus the output dtype's own rounding
+    rows = full.float()
+    amax = rows.abs().amax(1, keepdim=True)
+    bound = (amax / 127 * 0.5 if qdtype == torch.int8
+             else rows.abs() * 2 ** -4 + amax / 448 * 2 ** -9)
+    assert bool(((out.float() - rows).abs() <= bound * 1.001 + rows.abs() * 2 ** -8).all())
+
+
+def test_blocks_of_rows_need_cuts_on_their_boundaries():
+    policy = fs.QuantizedGather(torch.int8, block_rows=4, min_numel=1)
+    shape = torch.Size([16, 8])
+    aligned = _slot(shape, torch.float32, fs.RaggedShard(units=(8, 4, 4)), 3).placement
+    cut = _slot(shape, torch.float32, fs.RaggedShard(units=(6, 5, 5)), 3).placement
+    fmt = policy.format("w", shape, torch.float32, torch.float32, aligned, 3)
+    assert fmt == fs.BlockQuantized(torch.int8, torch.float32, 4)
+    assert policy.format("w", shape, torch.float32, torch.float32, cut, 3) is None
+    full = torch.randn(shape)
+    slot = _slot(shape, torch.float32, fs.RaggedShard(units=(8, 4, 4)), 3)
+    assert torch.equal(_gathered(full, slot, fmt, 3), _whole(full, fmt))
+
+
+def test_the_policy_leaves_out_norms_biases_small_and_column_split_params():
+    policy = fs.QuantizedGather(torch.int8, min_numel=64)
+    f32 = torch.float32
+    big, shard0 = torch.Size([16, 8]), fs.Shard(0)
+    assert policy.format("w", big, f32, f32, shard0, 2) is not None
+    assert policy.format("bias", torch.Size([128]), f32, f32, shard0, 2) is None  # 1-D
+    assert policy.format("w", torch.Size([4, 8]), f32, f32, shard0, 2) is None  # small
+    assert policy.format("w", big, f32, f32, fs.Shard(1), 2) is None  # rows split
+    assert policy.format("ids", big, torch.int64, torch.int64, shard0, 2) is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dtype": torch.float16}, "dtype must be torch.int8 or torch.float8_e4m3fn"),
+    ({"block_rows": 0}, "block_rows must be an int >= 1"),
+    ({"min_numel": -1}, "min_numel must be an int >= 0"),
+])
+def test_bad_policy_values_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fs.QuantizedGather(**kwargs)
+
+
+POLICY = fs.QuantizedGather(torch.int8, min_numel=256)
+STEPS, LR = 4, 1e-2
+
+
+def quantized_reference(world: int, policy) -> tuple:
+    """One process, every rank's batch at once, forward on each weight the
+    policy quantizes replaced by its quantize-then-dequantize (the straight-
+    through grads land on the fp32 weights): (losses, params, step-0 grads)."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    formats = {k: policy.format(k, p.shape, p.dtype, p.dtype, fs.Shard(0), 1)
+               for k, p in model.named_parameters()}
+    losses, first = [], None
+    for step in range(STEPS):
+        params = {k: p if formats[k] is None else p + (_whole(p.detach(), formats[k]) - p).detach()
+                  for k, p in model.named_parameters()}
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        loss = loss_fn(functional_call(model, params, (torch.cat(xs),)), torch.cat(ys))
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            first = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: p.detach() for k, p in model.named_parameters()}, first, formats
+
+
+@pytest.mark.parametrize("world,placement", [(2, None), (3, fs.RaggedShard()),
+                                             (2, "owned_matrices")])
+def test_training_matches_one_process_quantizing_its_weights(world, placement):
+    config = {"mp_policy": fs.MixedPrecisionPolicy(gather_format=POLICY)}
+    if placement == "owned_matrices":
+        config["placement"] = owned_matrices
+    elif placement is not None:
+        config["placement"] = placement
+    results = run_world(world, train_sharded, STEPS, config)
+    ref_losses, ref_params, ref_grads, formats = quantized_reference(world, POLICY)
+    assert sum(f is not None for f in formats.values()) >= 4  # the block matrices
+    plain_losses = reference_run(world, STEPS, lr=LR)[0]  # quantizing shows in the losses
+    assert max(abs(a - b) for a, b in zip(plain_losses, ref_losses)) > 1e-4
+    torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=1e-6)
+    grads = assemble_grads(results)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    for k, v in ref_params.items():
+        torch.testing.assert_close(results[0][1][k], v, rtol=1e-4, atol=1e-5)
+
+
+def owned_matrices(fqn, param):
+    return fs.Owned() if param.dim() > 1 else fs.RaggedShard()
+
+
+def test_describe_shows_what_is_quantized_and_the_bytes():
+    model = make_model()
+    plain = fs.describe(model, mesh_shape=(1, 2))
+    quant = fs.describe(model, mesh_shape=(1, 2),
+                        mp_policy=fs.MixedPrecisionPolicy(gather_format=POLICY))
+    assert sum(b.gather_wire_bytes for b in quant.buckets) < \
+        0.5 * sum(b.gather_wire_bytes for b in plain.buckets)
+    assert sum(b.quantized for b in quant.buckets) >= 4
+    assert "quantized" in str(quant)
