@@ -30,11 +30,11 @@ class SignSplit(fs.WireFormat):
         return (fs.WirePart(shape, self.dtype, placement),
                 fs.WirePart(shape, torch.uint8, placement))
 
-    def encode(self, piece, outs):
+    def encode(self, piece, outs, mesh):
         outs[0].copy_(piece.abs())
         outs[1].copy_(piece < 0)
 
-    def decode(self, fulls):
+    def decode(self, fulls, meta):
         magnitude, negative = fulls
         return torch.where(negative.bool(), -magnitude, magnitude)
 

@@ -19,7 +19,7 @@ Pieces are always taken in rank order. A rank may hold an empty piece.
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -75,17 +75,21 @@ class WireFormat(abc.ABC):
     """What one parameter sends in its bucket's all-gather and how it comes
     back (a frozen value; every rank builds the same one)."""
 
+    needs_mesh = False  # encode's `mesh`: the shard group's 1-D DeviceMesh, else None
+
     @abc.abstractmethod
     def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
         """The WireParts of a parameter of `shape` split by bound `placement`
         over `world_size` ranks, in the order encode writes and decode reads them."""
 
     @abc.abstractmethod
-    def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor], mesh) -> Any:
         """Write this rank's `piece` (the sharded param) into `outs`: this
-        rank's piece of each part, typed and shaped, in the gather input."""
+        rank's piece of each part, typed and shaped, in the gather input.
+        Returns what decode needs besides the parts (None if nothing)."""
 
     @abc.abstractmethod
-    def decode(self, fulls: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The unsharded parameter from every part's full tensor. May return
-        `fulls[0]` itself (then it stays a view of the gathered buffer)."""
+    def decode(self, fulls: Sequence[torch.Tensor], meta: Any) -> torch.Tensor:
+        """The unsharded parameter from every part's full tensor and the
+        `meta` this rank's encode returned. May return `fulls[0]` itself
+        (then it stays a view of the gathered buffer)."""

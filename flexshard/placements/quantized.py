@@ -51,14 +51,14 @@ class BlockQuantized(WireFormat):
         return (WirePart(torch.Size(shape), self.dtype, placement),
                 WirePart(scales, torch.float32, RaggedShard(units=units)))
 
-    def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor], mesh=None) -> None:
         data, scales = outs
         blocks = piece.float().reshape(scales.numel(), self._width(piece.shape))
         scale = blocks.abs().amax(dim=1).clamp(min=_EPS) / _QMAX[self.dtype]
         data.copy_(self._quantize(blocks / scale[:, None]).view(data.shape))
         scales.copy_(scale)
 
-    def decode(self, fulls: Sequence[torch.Tensor]) -> torch.Tensor:
+    def decode(self, fulls: Sequence[torch.Tensor], meta=None) -> torch.Tensor:
         data, scales = fulls
         blocks = data.float().reshape(scales.numel(), self._width(data.shape)) * scales[:, None]
         return blocks.view(data.shape).to(self.out_dtype)

@@ -27,10 +27,10 @@ class Cast(WireFormat):
     def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
         return (WirePart(torch.Size(shape), self.dtype, placement),)
 
-    def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor], mesh=None) -> None:
         outs[0].copy_(piece)
 
-    def decode(self, fulls: Sequence[torch.Tensor]) -> torch.Tensor:
+    def decode(self, fulls: Sequence[torch.Tensor], meta=None) -> torch.Tensor:
         return fulls[0]
 
 

@@ -10,6 +10,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..config import MixedPrecisionPolicy
+from ..placements.subclass import with_gather_dtype
 from ..placements.wire import Cast
 from .layout import BucketLayout, SlotPlan, plan_layout
 from .wire_plan import WirePlan, plan_wire
@@ -21,6 +22,7 @@ class LayoutPlans(NamedTuple):
     keeps_views: bool  # see BucketLayout.keeps_views
     pins_padding: bool  # see BucketLayout.pins_padding
     wires: tuple  # ParamWire per slot (planning/wire_plan.py)
+    needs_mesh: bool  # a format's encode takes the shard group's DeviceMesh
     is_storage: bool  # the storage buffer is the gather input (no copy-in)
     copy_in_bytes: int
     same_bytes: bool  # the layout is the storage's (no cast): a copy-in, where one runs
@@ -63,11 +65,14 @@ class BucketLayouts(NamedTuple):
 
 
 def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int) -> tuple:
-    """Each slot's wire format: the policy's gather_format's choice, else a
-    cast to the policy's param_dtype (or none)."""
+    """Each slot's wire format: its tensor subclass's own gather, else the
+    policy's gather_format's choice, else a cast to the policy's param_dtype (or none)."""
     out = []
     for s in slots:
         dtype = _gather_dtype(s, mp)
+        if s.subclass is not None:  # the param's own tensor subclass gathers it
+            out.append(with_gather_dtype(s.subclass, dtype))
+            continue
         chosen = None if mp.gather_format is None else \
             mp.gather_format.format(s.fqn, s.shape, s.dtype, dtype, s.placement, world_size)
         out.append(Cast(dtype) if chosen is None else chosen)

@@ -28,6 +28,7 @@ class SlotPlan(NamedTuple):
     dtype: torch.dtype
     placement: Placement
     local_shapes: tuple  # torch.Size per rank
+    subclass: Optional[object] = None  # a SubclassGather: the param's tensor subclass gathers itself
 
 
 class Region(NamedTuple):

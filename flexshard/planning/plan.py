@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from ..placements.contract import Placement
 from ..placements.owned import Owned
+from ..placements.subclass import check_pieces, subclass_gather
 from .bucket_plan import hooks_needed
 from .layout import SlotPlan, bind_placements
 from ..runtime.mesh import mesh_shape
@@ -76,6 +77,10 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
                for spec, names, shape in zip(specs, members, shapes)]
     slots = _balanced_owners([b for b, _ in planned], [f for _, f in planned],
                              [shape[1] for shape in shapes])
+    for spec, bucket in zip(specs, slots):  # subclasses that gather themselves need every rank
+        for s in bucket:
+            if s.subclass is not None:
+                check_pieces(s.fqn, spec.label, s.subclass, s.local_shapes)
     registered = param_aliases(module)
     # Per bucket, per slot: [(module, attr, module FQN)] of every registration.
     aliases = [[registered[id(named[s.fqn])] for s in bucket] for bucket in slots]
@@ -131,7 +136,8 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
     bound = bind_placements(entries, world_size, load)
     slots = [SlotPlan(fqn, named[fqn].shape, named[fqn].dtype, pl,
                       tuple(pl.local_shape(named[fqn].shape, r, world_size)
-                            for r in range(world_size)))
+                            for r in range(world_size)),
+                      subclass_gather(fqn, named[fqn]))
              for fqn, pl in zip(names, bound)]
     return slots, [isinstance(p, Owned) and p.rank is None for _, _, p in entries]
 

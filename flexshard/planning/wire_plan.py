@@ -61,7 +61,9 @@ def cast_wire(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
 
 class ParamWire:
     """One parameter's parts in one layout, for one rank: where its piece goes
-    in the gather input (encode) and how the gathered parts become it (decode)."""
+    in the gather input (encode) and how the gathered parts become it (decode).
+    Holds what its last encode returned for decode (a subclass's scale): a
+    gather from an int reshard's kept slice decodes with its forward's."""
 
     def __init__(self, layout, wire: WirePlan, slot: int, rank: int) -> None:
         self.format = wire.formats[slot]
@@ -71,11 +73,12 @@ class ParamWire:
         self._sends = tuple((layout.regions[j].offsets[rank], layout.regions[j].dtype,
                              wire.slots[j].local_shapes[rank]) for j in regions)
         self.cast = isinstance(self.format, Cast)
+        self.meta = None
 
-    def encode(self, send: torch.Tensor, piece: torch.Tensor) -> None:
+    def encode(self, send: torch.Tensor, piece: torch.Tensor, mesh=None) -> None:
         """Write this rank's sharded `piece` into the gather input `send` (its segment)."""
-        self.format.encode(piece, [typed_view(send, start, dtype, shape)
-                                   for start, dtype, shape in self._sends])
+        self.meta = self.format.encode(piece, [typed_view(send, start, dtype, shape)
+                                               for start, dtype, shape in self._sends], mesh)
 
     def decode(self, gathered: torch.Tensor, view_ok: bool = True) -> tuple:
         """(unsharded param, bytes copied out): a view of `gathered` when the
@@ -87,14 +90,19 @@ class ParamWire:
                 return first.full(gathered), 0
             full = first.full(gathered, copy=True)
             return full, full.numel() * full.element_size()
-        out = self.format.decode([plan.full(gathered) for plan in self.copies])
+        fulls = [plan.full(gathered) for plan in self.copies]
+        out = self.format.decode(fulls, self.meta)
+        if type(out) is not torch.Tensor:  # a subclass over the parts: count the parts copied
+            return out, sum(f.numel() * f.element_size()
+                            for f, plan in zip(fulls, self.copies) if plan.span is None)
         if out.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr():
             return out, 0  # the format handed back a view
         return out, math.prod(out.shape) * out.element_size()
 
     def traced(self, gathered: torch.Tensor) -> torch.Tensor:
         """decode for a traced region (no views, no counts)."""
-        return self.format.decode([plan.traced_full(gathered) for plan in self.copies])
+        return self.format.decode([plan.traced_full(gathered) for plan in self.copies],
+                                  self.meta)
 
 
 def plan_param_wires(layout, wire: WirePlan, rank: int) -> tuple:

@@ -42,6 +42,7 @@ class BucketGather:
         self._storage_wire = cast_wire(self.slots, [s.dtype for s in self.slots], world_size)
         self.reshard_after_forward = reshard_after_forward
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
+        self._mesh = None  # shard_mesh(), made on first use
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep()
         # Looked up by identity (comparing layouts is O(ranks)).
@@ -86,7 +87,19 @@ class BucketGather:
         # kept params copy out where equal segments would pin padding, compact or not
         # (copies die one by one, views pin the whole output: design.md, "Compact gathers")
         pins = layout._replace(segments=None).pins_padding
-        return LayoutPlans(layout.keeps_views, pins, wires, is_storage, copy_in, same)
+        return LayoutPlans(layout.keeps_views, pins, wires,
+                           any(w.format.needs_mesh for w in wires), is_storage, copy_in, same)
+
+    def shard_mesh(self, device: torch.device):
+        """The shard group as a 1-D DeviceMesh (a tensor subclass's gather
+        reduces its scale over it); None at world size 1. Made on first use."""
+        if self.world_size == 1 or self.group is None:
+            return None
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh.from_group(self.group, device.type)
+        return self._mesh
 
     def plans_for(self, layout: BucketLayout) -> LayoutPlans:
         plans = self._plans.get(id(layout))
@@ -257,5 +270,6 @@ class BucketGather:
             used = min(used, send.numel())  # a compact segment ends with this rank's pieces
             send[:used].copy_(self.storage.buffer[:used])
             return
+        mesh = self.shard_mesh(send.device) if plans.needs_mesh else None
         for wire, view in zip(plans.wires, views):
-            wire.encode(send, view)
+            wire.encode(send, view, mesh)

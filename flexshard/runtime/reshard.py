@@ -58,6 +58,7 @@ class ParamHandle(NamedTuple):
     stride: tuple
     offset: int  # storage offset, in elements of `dtype`
     version: int  # the bucket's storage version at forward: a later write is refused
+    inner: str = ""  # of a tensor subclass's unsharded param: the inner tensor it views
 
 
 class _Activation(NamedTuple):
@@ -77,6 +78,15 @@ class _Activation(NamedTuple):
         return t
 
 
+def _inner_tensors(t: torch.Tensor) -> list:
+    """(name, tensor) of a plain tensor ('' , itself) or of a subclass's inner tensors."""
+    if type(t) is torch.Tensor:
+        return [("", t)]
+    if not hasattr(t, "__tensor_flatten__"):
+        return []
+    return [(name, getattr(t, name)) for name in t.__tensor_flatten__()[0]]
+
+
 def _is_dtensor(t) -> bool:
     """Called for every saved tensor: no import statement here (1% of a step's
     Python); while torch.distributed.tensor is not imported no DTensor exists."""
@@ -91,13 +101,26 @@ class _DTensorHandle(NamedTuple):
     spec: TPSpec  # mesh, placements, global shape and stride of the saved DTensor
 
 
+class _SubclassHandle(NamedTuple):
+    """A saved tensor subclass (torchao's fp8 weight, or a transpose of it) whose
+    inner tensors view a subclass gather's unsharded param: each inner packed."""
+
+    cls: type
+    ctx: object  # its __tensor_flatten__ context
+    inners: tuple  # (name, packed) per inner tensor
+    size: tuple
+    stride: tuple
+
+
 class SavedParams:
     """One model's registry of unsharded storages and its saved-tensor hooks."""
 
     def __init__(self, prefetcher, queue: ReduceQueue, buckets: Sequence) -> None:
         self.prefetcher, self.queue, self.buckets = prefetcher, queue, list(buckets)
-        self._by_storage: dict = {}  # storage data_ptr -> (bucket, slot index)
+        # storage data_ptr -> (bucket, slot index, inner tensor name or '' for a plain param)
+        self._by_storage: dict = {}
         self._keys: dict = {}  # id(bucket) -> its data_ptrs in _by_storage
+        self._subclasses = False  # a subclass gather's param was registered (pack looks inside)
         self._hooks = saved_tensors_hooks(self.pack, self.unpack)
         queue.listeners.append(self.end_backward)
 
@@ -116,10 +139,12 @@ class SavedParams:
         bucket.note_registered()
         keys = self._keys.setdefault(id(bucket), [])
         for i, t in enumerate(outs):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr not in self._by_storage:  # 0: empty or meta, never a match
-                self._by_storage[ptr] = (bucket, i)
-                keys.append(ptr)
+            for name, tensor in _inner_tensors(t):
+                ptr = tensor.untyped_storage().data_ptr()
+                if ptr and ptr not in self._by_storage:  # 0: empty or meta, never a match
+                    self._by_storage[ptr] = (bucket, i, name)
+                    keys.append(ptr)
+            self._subclasses |= type(t) is not torch.Tensor
 
     def forget(self, bucket) -> None:
         """`bucket` resharded: its storages (still alive here) leave the registry."""
@@ -150,16 +175,28 @@ class SavedParams:
         found = None
         if type(t) is torch.Tensor and t.layout is torch.strided:  # never a subclass or sparse
             found = self._by_storage.get(t.untyped_storage().data_ptr())
+        elif self._subclasses and self._by_storage and hasattr(t, "__tensor_flatten__"):
+            handle = self._pack_subclass(t)
+            if handle is not None:
+                return handle
         if found is None:
             # Kept as autograd keeps it, but detached: a saved output returned as is
             # would hold its own grad_fn through the node (a cycle no GC sees, leaking
             # the graph of a forward never backpropagated). The version is checked on
             # unpack, as autograd checks it without hooks.
             return _Activation(t.detach(), tensor_version(t))
-        bucket, slot = found
+        bucket, slot, inner = found
         bucket.note_saved()
         return ParamHandle(bucket, slot, t.dtype, tuple(t.shape), t.stride(),
-                           t.storage_offset(), bucket.saved_version)
+                           t.storage_offset(), bucket.saved_version, inner)
+
+    def _pack_subclass(self, t) -> Optional[_SubclassHandle]:
+        """A tensor subclass with an inner tensor over a registered storage."""
+        names, ctx = t.__tensor_flatten__()
+        inners = tuple((name, self.pack(getattr(t, name))) for name in names)
+        if not any(isinstance(p, ParamHandle) for _, p in inners):
+            return None
+        return _SubclassHandle(type(t), ctx, inners, tuple(t.shape), t.stride())
 
     def _pack_dtensor(self, t) -> Optional[_DTensorHandle]:
         """A DTensor over a registered storage (a TP param or a view of one)."""
@@ -179,7 +216,13 @@ class SavedParams:
             local = self.unpack(packed.local)
             with torch.no_grad():
                 return packed.spec.to_param(local)
+        if isinstance(packed, _SubclassHandle):
+            inners = {name: self.unpack(p) for name, p in packed.inners}
+            return packed.cls.__tensor_unflatten__(inners, packed.ctx, packed.size,
+                                                   packed.stride)
         base = self.regathered(packed)[packed.slot]
+        if packed.inner:  # the regathered subclass param's inner tensor
+            base = getattr(base, packed.inner)
         with torch.no_grad():
             if base.dtype == packed.dtype:
                 return base.as_strided(packed.size, packed.stride, packed.offset)

@@ -1,0 +1,198 @@
+"""torchao float8 training with fp8 all-gathers (FSDP2's tensor-subclass
+extension, `Float8LinearConfig(enable_fsdp_float8_all_gather=True)`) through
+flexshard's one collective per bucket: the same losses, first-step grads and
+params as FSDP2 + torchao on the same model and data (fp32 and a bf16 param
+dtype), the same all-gathered bytes, high-precision weights in the state dict,
+and a clear error where the subclass cannot gather (an empty piece)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flexshard as fs
+from harness import expect_all_ranks_raise, run_world
+
+STEPS, LR = 3, 0.1
+
+
+class Blocks(nn.Module):
+    """Two residual MLP blocks and a head; widths multiples of 16 (fp8 matmuls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)) for _ in range(2))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(self.norm(x))
+
+
+def float8_model(fp8_gather: bool = True) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = Blocks()
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return convert_to_float8_training(model, config=config)
+
+
+def data(step: int, rank: int) -> tuple:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 64, generator=g), torch.randn(16, 32, generator=g)
+
+
+def _wrap(kind: str, model: nn.Module, param_dtype) -> nn.Module:
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
+    buckets = [fs.BucketSpec("layers.0.*"), fs.BucketSpec("layers.1.*"),
+               fs.BucketSpec(["norm.*", "head.*"], name="root")]
+    return fs.flex_shard(model, buckets=buckets,
+                         mp_policy=fs.MixedPrecisionPolicy(param_dtype=param_dtype))
+
+
+def _gathered_bytes(meter) -> int:
+    return sum(n for kind, n in meter.events if "gather" in kind or "broadcast" in kind)
+
+
+def _train(kind: str, param_dtype, fp8_gather: bool = True) -> tuple:
+    """Rank body: SGD steps; (losses, full first-step grads, full params, gathered bytes per step)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict)
+
+    from benchmarks.meters import TrafficMeter
+
+    rank = dist.get_rank()
+    model = _wrap(kind, float8_model(fp8_gather), param_dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads, gathered = [], None, []
+    full = StateDictOptions(full_state_dict=True)
+    for step in range(STEPS):
+        x, y = data(step, rank)
+        with TrafficMeter() as meter:
+            loss = (model(x).float() - y).square().mean()
+            loss.backward()
+        gathered.append(_gathered_bytes(meter))
+        if step == 0:
+            grads = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                     for k, v in _grads(model).items()}
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    params = {k: v.float() for k, v in get_model_state_dict(model, options=full).items()}
+    return losses, grads, params, gathered
+
+
+def _grads(model) -> dict:
+    """Full first-step grads, FQN -> tensor, for either library."""
+    import torch.distributed as dist
+
+    from flexshard.runtime.state import find_state
+
+    state = find_state(model)
+    if state is None:
+        return {k: p.grad for k, p in model.named_parameters()}
+    out = {}
+    for bucket in state.buckets:
+        for slot, p in zip(bucket.slots, bucket.params):
+            pieces = [torch.empty(s, dtype=p.grad.dtype) for s in slot.local_shapes]
+            flat = [t.reshape(-1) for t in pieces]
+            sizes = [t.numel() for t in flat]
+            buf = torch.zeros(max(sizes) * len(sizes), dtype=p.grad.dtype)
+            dist.all_gather_into_tensor(buf, torch.nn.functional.pad(
+                p.grad.reshape(-1), (0, max(sizes) - p.grad.numel())))
+            pieces = [buf[r * max(sizes):r * max(sizes) + n].view(s)
+                      for r, (n, s) in enumerate(zip(sizes, slot.local_shapes))]
+            out[slot.fqn] = slot.placement.unshard(pieces, slot.shape)
+    return out
+
+
+def _both(param_dtype) -> dict:
+    return {kind: _train(kind, param_dtype) for kind in ("fsdp2", "flexshard")}
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_fsdp2_with_torchao_and_gathers_as_many_bytes(param_dtype):
+    results = run_world(2, _both, param_dtype)[0]
+    ref, got = results["fsdp2"], results["flexshard"]
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-6, atol=1e-6)
+    for k, g in ref[1].items():
+        torch.testing.assert_close(got[1][k], g, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert got[2].keys() == ref[2].keys()
+    for k, v in ref[2].items():
+        torch.testing.assert_close(got[2][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert got[3] == ref[3]  # the same all-gathered bytes in every step
+
+
+def _plain_vs_fp8() -> tuple:
+    return _train("flexshard", None, fp8_gather=False)[3], _train("flexshard", None)[3]
+
+
+def test_the_fp8_gather_moves_fewer_bytes_than_the_fp32_one():
+    plain, fp8 = run_world(2, _plain_vs_fp8)[0]
+    assert all(f < 0.45 * p for f, p in zip(fp8, plain))  # fp8 matrices, fp32 biases and norm
+
+
+def _owned():
+    return fs.flex_shard(float8_model(), placement=fs.Owned())
+
+
+def test_an_owned_float8_weight_is_refused_on_every_rank():
+    expect_all_ranks_raise(2, _owned, ValueError,
+                           r"WeightWithDynamicFloat8CastTensor.*empty piece.*"
+                           r"fs\.Shard\(0\) or fs\.RaggedShard\(\)")
+
+
+class _NoDtype(torch.Tensor):
+    """A subclass with FSDP2's gather hooks whose context names no wire dtype."""
+
+    def __tensor_flatten__(self):
+        return ["_inner"], {}
+
+    def fsdp_pre_all_gather(self, mesh):
+        raise AssertionError("never called: refused at wrap")
+
+
+def test_a_subclass_without_a_readable_wire_dtype_is_refused_at_wrap():
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(torch.Tensor._make_subclass(_NoDtype, model.weight.detach()))
+    with pytest.raises(NotImplementedError, match="parameter 'weight' is a _NoDtype.*"
+                                                  "unwrap it to a plain tensor"):
+        fs.flex_shard(model)
+
+
+class _TwoInputs:
+    """Stands for a subclass whose pre-all-gather hands back two tensors."""
+
+    @classmethod
+    def __tensor_unflatten__(cls, inners, ctx, size, stride):
+        return cls()
+
+    def fsdp_pre_all_gather(self, mesh):
+        return (torch.zeros(2, 4), torch.zeros(2)), None
+
+
+def test_a_pre_all_gather_of_another_shape_is_refused():
+    from flexshard.placements.subclass import SubclassGather
+
+    fmt = SubclassGather(_TwoInputs, "_data", {}, torch.float8_e4m3fn, torch.float32)
+    out = torch.empty(2, 4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match=r"_TwoInputs.fsdp_pre_all_gather returned "
+                                                  r"\[\(2, 4\), \(2,\)\]; flexshard gathers one"):
+        fmt.encode(torch.zeros(2, 4), [out], None)
