@@ -24,6 +24,7 @@ class Config:
     optimizer: str = "adamw"  # "muon": Muon on block matrices, AdamW on the rest
     gloo: str = "rooted"  # flexshard's Comm on gloo: "rooted" (the default) or "plain"
     gather: str = "param"  # flexshard's gather format (FSDP2 always gathers param_dtype)
+    float8: bool = False  # torchao float8 linears with the fp8 all-gather, in both runners
 
     def __post_init__(self) -> None:
         for field, allowed in (("placement", PLACEMENTS), ("param_dtype", PARAM_DTYPES),
@@ -47,6 +48,8 @@ class Config:
             parts.append(f"{self.gloo}-gloo")
         if self.gather != "param":
             parts.append(f"{self.gather}-gather")
+        if self.float8:
+            parts.append("torchao-float8")
         return "/".join(parts)
 
     @property
@@ -84,10 +87,14 @@ def engine_grid(world_sizes=(2,), models=("llama",), reshards=(True,)) -> list:
 def gather_grid(world_sizes=(2,), models=("llama",), reshards=(True,)) -> list:
     """Quantized gathers (issue 27): Shard(0) buckets gathering the weights in
     param_dtype (fp32, bf16) or quantized (int8, fp8 with a scale per row), each
-    beside FSDP2 gathering in param_dtype."""
-    return [Config(ws, param_dtype=d, model=m, reshard=r, gather=g)
-            for ws in world_sizes for m in models for r in reshards
-            for d in PARAM_DTYPES for g in GATHERS]
+    beside FSDP2 gathering in param_dtype; then both libraries training torchao's
+    float8 linears with its fp8 all-gather."""
+    quantized = [Config(ws, param_dtype=d, model=m, reshard=r, gather=g)
+                 for ws in world_sizes for m in models for r in reshards
+                 for d in PARAM_DTYPES for g in GATHERS]
+    return quantized + [Config(ws, param_dtype=d, model=m, reshard=r, float8=True)
+                        for ws in world_sizes for m in models for r in reshards
+                        for d in PARAM_DTYPES]
 
 
 GRIDS = {"default": default_grid, "engine": engine_grid, "gather": gather_grid}

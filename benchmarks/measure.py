@@ -49,7 +49,9 @@ def _wire(runner, traffic: TrafficMeter, counters: dict, world_size: int) -> dic
         return out
     ideal = runner.fsdp2_ideal(world_size)
     for kind, size in traffic.events:
-        if direction(kind) not in out:
+        # not a param's collective: torchao's fp8 scale all-reduces (4 bytes each), which
+        # flexshard's bucket counters leave out as well
+        if direction(kind) not in out or kind.startswith("all_reduce"):
             continue
         if size not in ideal.get(kind, {}):
             raise AssertionError(f"{runner.kind}: a {kind} of {size} bytes matches no FSDP2 "

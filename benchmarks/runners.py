@@ -99,12 +99,22 @@ def gather_format(cfg):
     return fs.QuantizedGather(torch.int8 if cfg.gather == "int8" else torch.float8_e4m3fn)
 
 
+def _to_float8(model) -> None:
+    """torchao's float8 linears whose weights all-gather as fp8 (its FSDP2 extension)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True))
+
+
 class Runner:
     """One model copy trained one way ("plain", "fsdp2" or "flexshard")."""
 
     def __init__(self, kind: str, cfg, mesh, device: torch.device, rank: int) -> None:
         self.kind, self.cfg, self.device, self.rank = kind, cfg, device, rank
         self.model = build_model(cfg.model).to(device)
+        if cfg.float8:
+            _to_float8(self.model)
         matrices = muon_matrices(self.model) if cfg.optimizer == "muon" else set()
         dtype = DTYPES[cfg.param_dtype]
         if kind == "fsdp2":
@@ -186,18 +196,21 @@ class Runner:
         dtype = DTYPES[self.cfg.param_dtype]
         sizes: dict = {"allgather_base": {}, "reduce_scatter_base": {}}
         for params in groups:
-            wire, ideal = _padded(params, dtype, world_size)
+            wire, ideal = _padded(params, dtype, world_size, gather=True)
             sizes["allgather_base"][wire] = ideal
+            wire, ideal = _padded(params, dtype, world_size, gather=False)
             sizes["reduce_scatter_base"][wire] = ideal
         return sizes
 
 
-def _padded(params, dtype, world_size: int) -> tuple:
+def _padded(params, dtype, world_size: int, gather: bool) -> tuple:
     """(wire, ideal) bytes of one FSDP2 collective over `params`: each
-    parameter padded to a multiple of world_size rows, or not."""
+    parameter padded to a multiple of world_size rows, or not. A gather moves
+    torchao's float8 weights as fp8 (one byte each)."""
     wire = ideal = 0
     for p in params:
-        itemsize = (dtype or p.dtype).itemsize
+        fp8 = gather and hasattr(getattr(p, "_local_tensor", p), "fsdp_pre_all_gather")
+        itemsize = 1 if fp8 else (dtype or p.dtype).itemsize
         rest = math.prod(p.shape[1:])
         wire += -(-p.shape[0] // world_size) * world_size * rest * itemsize
         ideal += p.numel() * itemsize

@@ -196,3 +196,40 @@ def test_a_pre_all_gather_of_another_shape_is_refused():
     with pytest.raises(NotImplementedError, match=r"_TwoInputs.fsdp_pre_all_gather returned "
                                                   r"\[\(2, 4\), \(2,\)\]; flexshard gathers one"):
         fmt.encode(torch.zeros(2, 4), [out], None)
+
+
+def _save_load(directory: str) -> tuple:
+    """Rank body: train 2 steps, save, keep training 1 step; a new model loads
+    the checkpoint and trains the same step: (both losses, max param difference)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def step(model, opt, i):
+        x, y = data(i, rank)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model = _wrap("flexshard", float8_model(), None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(2):
+        step(model, opt, i)
+    fs.save_checkpoint(directory, model, opt, step=2)
+    saved = {k: v.clone() for k, v in fs.full_state_dict(model).items()}
+    first = step(model, opt, 2)
+    fresh = _wrap("flexshard", float8_model(), None)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert fs.load_checkpoint(directory, fresh, fresh_opt) == 2
+    loaded = fs.full_state_dict(fresh)
+    diff = max((loaded[k].float() - v.float()).abs().max().item() for k, v in saved.items())
+    dtypes = {str(v.dtype) for v in loaded.values()}
+    return first, step(fresh, fresh_opt, 2), diff, dtypes
+
+
+def test_checkpoints_hold_the_high_precision_weights(tmp_path):
+    for first, again, diff, dtypes in run_world(2, _save_load, str(tmp_path)):
+        assert dtypes == {"torch.float32"} and diff == 0.0
+        assert again == first  # the optimizer state came back too
