@@ -8,7 +8,7 @@ PLACEMENTS = ("shard", "ragged", "owned", "mixed")
 PARAM_DTYPES = ("fp32", "bf16")
 MODELS = ("odd", "even", "llama")
 OPTIMIZERS = ("adamw", "muon")
-GLOO = ("rooted", "plain")  # fs.Comm(rooted_on_gloo=True / False): see runtime/comm.py
+GLOO = ("rooted", "plain")  # flexshard on gloo: fs.GlooComm() (the default) / fs.Comm(): runtime/gloo.py
 GATHERS = ("param", "int8", "fp8")  # flexshard's all-gather: param_dtype, or fs.QuantizedGather
 
 

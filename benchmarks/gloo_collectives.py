@@ -37,7 +37,7 @@ def _timed(fn, calls: int = 30) -> tuple:
 
 def _row(kib: int, rank: int, world: int) -> dict:
     numel = kib * 256  # fp32
-    plain, rooted = fs.Comm(rooted_on_gloo=False), fs.Comm(rooted_min_bytes=0)
+    plain, rooted = fs.Comm(), fs.GlooComm(rooted_min_bytes=0)
     mine, gathered = torch.randn(numel), torch.empty(world * numel)
     whole, reduced = torch.randn(world * numel), torch.empty(numel)
     return {

@@ -36,7 +36,7 @@ class _Delayed:
         return True
 
 
-class SlowComm(fs.Comm):
+class SlowComm(fs.GlooComm):
     """Collectives that take at least `delay` seconds each."""
 
     def __init__(self, delay: float):

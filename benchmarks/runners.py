@@ -124,7 +124,7 @@ class Runner:
                           mp_policy=fs.MixedPrecisionPolicy(param_dtype=dtype,
                                                             gather_format=gather_format(cfg)),
                           reshard_after_forward=cfg.reshard,
-                          comm=fs.Comm(rooted_on_gloo=cfg.gloo == "rooted"))
+                          comm=fs.GlooComm() if cfg.gloo == "rooted" else fs.Comm())
         elif kind != "plain" or dtype is not None:
             raise ValueError(f"no runner {kind!r} for param_dtype {cfg.param_dtype}")
         self.optim = self._optimizers(matrices)

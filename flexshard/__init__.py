@@ -14,6 +14,7 @@ from .planning.budget import plan_buckets
 from .planning.describe import describe
 from .planning.report import BucketPlan, ShardingPlan
 from .runtime.comm import Comm
+from .runtime.gloo import GlooComm
 
 __all__ = [
     "BlockQuantized",
@@ -22,6 +23,7 @@ __all__ = [
     "Cast",
     "Comm",
     "FlexShardModule",
+    "GlooComm",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "Owned",

@@ -25,6 +25,7 @@ from .planning.tensor_parallel import (check_dtensor_params, restore_params, slo
                                        to_local_params)
 from .runtime.bucket import Bucket, BucketState
 from .runtime.comm import Comm
+from .runtime.gloo import comm_for
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.device import DeviceContexts
 from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
@@ -195,8 +196,8 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
                      offload_policy=offload_policy)
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
-    state = _new_state(mesh_groups(mesh) if mesh is not None else single_process(),
-                       comm or Comm())
+    groups = mesh_groups(mesh) if mesh is not None else single_process()
+    state = _new_state(groups, comm or comm_for(groups.shard_group))
     check_ranks_agree(state, plan)  # over flex_shard's mesh: TP ranks may hold other shapes
     if local.specs:  # checkpoints are written by every rank of the (dp, tp) mesh
         state.files_group, state.files_rank, _ = root_group(mesh)

@@ -159,18 +159,11 @@ def check_parity(world: int, config: dict, steps: int = 4, make_opt: Callable = 
 
 def assert_one_collective_per_bucket(results) -> None:
     """Every step: one reduce-scatter per bucket and one all-gather per bucket
-    (two for a bucket that reshards after forward: backward gathers again). A
-    compact gather (whole tensors on gloo, design.md "Compact gathers") is one
-    broadcast per non-empty segment instead of the all-gather."""
+    (two for a bucket that reshards after forward: backward gathers again)."""
     for _, _, stats in results:
         buckets = stats["buckets"]
         want = {"_reduce_scatter_base_": len(buckets)}
-        for _, reshard, _, layout, _ in buckets:
-            gathers = 2 if reshard else 1
-            if layout.segments is None:
-                want["_allgather_base_"] = want.get("_allgather_base_", 0) + gathers
-            else:
-                per_gather = sum(1 for _, n in layout.segments if n)
-                want["broadcast_"] = want.get("broadcast_", 0) + gathers * per_gather
+        for _, reshard, _, _, _ in buckets:
+            want["_allgather_base_"] = want.get("_allgather_base_", 0) + (2 if reshard else 1)
         for step, got in enumerate(stats["comms"]):
             assert got == want, f"step {step}: collectives {got}, expected {want}"

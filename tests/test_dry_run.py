@@ -96,9 +96,7 @@ def predicted_and_measured(case: Case) -> tuple:
     """Rank body: the dry run of the unwrapped model, then the real wrap's
     plan, storage, local bytes and two training steps' counts."""
     model = case.model()
-    # gloo with the default Comm gathers uneven segments: Owned buckets gather compact
-    dry = fs.describe(model, mesh_shape=(1, dist.get_world_size()), uneven_gathers=True,
-                      **case.options())
+    dry = fs.describe(model, mesh_shape=(1, dist.get_world_size()), **case.options())
     fs.flex_shard(model, **case.options())
     buckets = get_state(model).buckets
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -309,31 +307,3 @@ def test_a_wrapped_module_is_not_dry_run():
     outer = nn.Sequential(model)
     with pytest.raises(ValueError, match="'0' is already wrapped by flex_shard"):
         fs.describe(outer, mesh_shape=(1, 2))
-
-
-def test_uneven_gathers_plan_owned_buckets_without_padding():
-    """describe(..., uneven_gathers=True) plans gloo's compact gathers: Owned buckets
-    lose their padding (alignment stays); Shard(0) buckets and 9+ ranks keep theirs."""
-    model = make_model()
-    for shards in (3, 4):
-        equal = fs.describe(model, mesh_shape=(1, shards), placement=fs.Owned())
-        compact = fs.describe(model, mesh_shape=(1, shards), placement=fs.Owned(),
-                              uneven_gathers=True)
-        assert sum(b.padding_bytes for b in compact.buckets) < sum(
-            b.padding_bytes for b in equal.buckets)
-        for b in compact.buckets:
-            assert b.padding_bytes < ALIGN * len(b.params)  # alignment only
-            assert b.gather_wire_bytes == b.gathers_per_step * (b.unsharded_bytes + b.padding_bytes)
-    shard = dict(mesh_shape=(1, 4), placement=fs.Shard(0))
-    assert fs.describe(model, uneven_gathers=True, **shard) == fs.describe(model, **shard)
-    wide = dict(mesh_shape=(1, 9), placement=fs.Owned())  # above ROOTED_MAX_RANKS
-    assert fs.describe(model, uneven_gathers=True, **wide) == fs.describe(model, **wide)
-
-
-def test_uneven_gathers_bad_input():
-    model = make_model()
-    with pytest.raises(TypeError, match="uneven_gathers must be a bool, got 'yes'"):
-        fs.describe(model, mesh_shape=(1, 2), uneven_gathers="yes")
-    wrapped = fs.flex_shard(make_model())
-    with pytest.raises(ValueError, match="uneven_gathers=True without mesh_shape"):
-        fs.describe(wrapped, uneven_gathers=True)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.world
 MISMATCH_TIMEOUT_S = 30.0  # far below the harness's process-group timeout: no hang
 
 
-class CountingComm(fs.Comm):
+class CountingComm(fs.GlooComm):
     """A Comm that counts the collectives it issues."""
 
     def __init__(self):

@@ -12,7 +12,7 @@ from models import batch, loss_fn
 from reference import make_model
 
 
-class EventComm(fs.Comm):
+class EventComm(fs.GlooComm):
     """Logs each reduce-scatter launch."""
 
     def __init__(self, events):

@@ -86,7 +86,7 @@ def _train_case(shape, placement: str, reshard: bool, bf16: bool) -> tuple:
         losses.append(mean.item() / WORLD)
     from flexshard.runtime.state import get_state
 
-    buckets = [(b.reshard_after_forward, b.gather_layout.segments) for b in get_state(model).buckets]
+    buckets = [b.reshard_after_forward for b in get_state(model).buckets]
     return losses, fs.full_state_dict(model), comms, buckets
 
 
@@ -97,16 +97,13 @@ def parity_cases(cases) -> list:
 
 def expected_counts(shape, buckets) -> dict:
     """Per step: one gather per bucket within its shard group (two when it
-    reshards: backward gathers again; a compact gather, whole tensors on gloo,
-    is one broadcast per non-empty segment), one reduce-scatter there, one
+    reshards: backward gathers again), one reduce-scatter there, one
     all-reduce across the replicas; a group of one issues nothing."""
     replicas, shards = shape
     want = {}
     if shards > 1:
-        for reshard, segments in buckets:
-            key, per_gather = (GATHER, 1) if segments is None else (
-                "broadcast_", sum(1 for _, n in segments if n))
-            want[key] = want.get(key, 0) + (2 if reshard else 1) * per_gather
+        for reshard in buckets:
+            want[GATHER] = want.get(GATHER, 0) + (2 if reshard else 1)
         want[REDUCE] = len(buckets)
     if replicas > 1:
         want[ALL_REDUCE] = len(buckets)
@@ -126,7 +123,7 @@ def test_parity_and_collectives_per_step():
         for k, ref in ref_params.items():
             assert_rel_close(full[k], ref, 1e-5, f"{label}: {k}")
         want = expected_counts(shape, buckets)
-        assert any(r for r, _ in buckets) == reshard, label
+        assert any(buckets) == reshard, label
         for rank, per_case in enumerate(results):
             r_losses, r_full, comms, _ = per_case[i]
             assert r_losses == losses, f"{label}: rank {rank} disagrees on the loss"
@@ -279,7 +276,7 @@ def _rank3_differs():
     fs.flex_shard(model, hsdp_mesh((2, 2)), comm=NoBucketCollectives())
 
 
-class NoBucketCollectives(fs.Comm):
+class NoBucketCollectives(fs.GlooComm):
     """Lets the plan check run; fails on a bucket's collective."""
 
     def reduce_scatter(self, *args, **kwargs):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -204,64 +203,3 @@ def test_adjacent_pieces_of_a_non_rank_major_param_are_not_a_view():
         segment_views(segment, layout, [slot], r)[0].copy_(placement.shard(full, r, 2))
     out, copied = _decoded(gathered, layout, [slot], 0)
     assert torch.equal(out, full) and copied == full.numel() * full.element_size()
-
-
-@st.composite
-def owned_buckets(draw):
-    """(world, slots, full tensors): whole tensors of mixed dtypes, owners bound."""
-    world = draw(st.integers(2, 5))
-    n = draw(st.integers(1, 6))
-    shapes_ = [torch.Size(draw(shapes)) for _ in range(n)]
-    dtypes = [draw(st.sampled_from(DTYPES)) for _ in range(n)]
-    entries = [(s, d.itemsize, fs.Owned()) for s, d in zip(shapes_, dtypes)]
-    bound = bind_placements(entries, world)
-    slots = [SlotPlan(f"p{i}", s, d, b, tuple(b.local_shape(s, r, world) for r in range(world)))
-             for i, (s, d, b) in enumerate(zip(shapes_, dtypes, bound))]
-    fulls = [(torch.arange(math.prod(s)) % 97 + i).to(d).view(s)
-             for i, (s, d) in enumerate(zip(shapes_, dtypes))]
-    return world, slots, fulls
-
-
-@FAST
-@given(owned_buckets())
-def test_compacted_layout_holds_every_param_without_padding(bucket):
-    """A compact gather layout: segments back to back, each as long as its rank's
-    pieces (aligned), every whole param a view of the gathered buffer, and the
-    gaps with the pieces tiling it exactly once."""
-    world, slots, fulls = bucket
-    padded = plan_layout(slots, [s.dtype for s in slots], world)
-    layout = padded.compacted()
-    assert layout.whole_pieces
-    assert [layout.segment_len(r) for r in range(world)] == [padded.used_bytes(r)
-                                                          for r in range(world)]
-    starts = [layout.segment_start(r) for r in range(world)]
-    assert starts == [sum(padded.used_bytes(q) for q in range(r)) for r in range(world)]
-    assert all(start % ALIGN == 0 for start in starts)
-    assert layout.ideal_bytes <= layout.wire_bytes <= padded.wire_bytes
-    segments = []
-    for r in range(world):  # each rank's pieces at their offsets, its segment's length
-        buffer = torch.zeros(padded.segment_bytes, dtype=torch.uint8)
-        for slot, full, view in zip(slots, fulls, segment_views(buffer, padded, slots, r)):
-            view.copy_(slot.placement.shard(full, r, world))
-        segments.append(buffer[:layout.segment_len(r)])
-    gathered = torch.cat(segments)
-    assert gathered.numel() == layout.wire_bytes
-    covered = torch.zeros(layout.wire_bytes, dtype=torch.int32)
-    for i, (slot, full) in enumerate(zip(slots, fulls)):
-        out, copied = _decoded(gathered, layout, slots, i)
-        assert torch.equal(out, full) and copied == 0
-        for r in range(world):
-            start = layout.piece_start(i, r)
-            covered[start:start + layout.regions[i].nbytes[r]] += 1
-    for start, stop in layout.gaps():
-        covered[start:stop] += 1
-    assert bool((covered == 1).all())
-
-
-def test_compacting_a_split_param_is_refused():
-    slots = [SlotPlan("w", torch.Size((4, 2)), torch.float32, fs.Shard(0),
-                      (torch.Size((2, 2)), torch.Size((2, 2))))]
-    layout = plan_layout(slots, [torch.float32], 2)
-    assert not layout.whole_pieces
-    with pytest.raises(ValueError, match="split over ranks needs equal segments"):
-        layout.compacted()

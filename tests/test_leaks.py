@@ -24,7 +24,7 @@ RSS_FROM = 50  # RSS growth is measured from this step to the last
 FAIL_EVERY = 25  # a forward that raises, now and then
 
 
-class TrackingComm(fs.Comm):
+class TrackingComm(fs.GlooComm):
     """Keeps a weak reference to every buffer a collective writes."""
 
     def __init__(self):

@@ -103,8 +103,7 @@ def test_parity(world, reshard):
             # every unsharded param is a view of the gathered bytes, unless the bucket keeps
             # them through backward and over 1/16 of its gather output is padding (the
             # root at 2 and 3 ranks, the blocks at 3): then all are copied out, each gather
-            # (a compact gather has no padding, but copies out where equal segments would)
-            pins = layout._replace(segments=None).pins_padding
+            pins = layout.pins_padding
             copied = world > 1 and not bucket_reshard and pins
             want = counters["gathers"] * layout.ideal_bytes if copied else 0
             assert counters["copy_out_bytes"] == want, name

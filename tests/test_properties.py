@@ -74,7 +74,7 @@ policies = st.sampled_from([
 ])
 
 
-class PlayedComm(fs.Comm):
+class PlayedComm(fs.GlooComm):
     """One rank's Comm in a world played in one process. Each collective runs
     twice: while `world.recording`, it stores what this rank sends; then it
     returns what the real collective would, from every rank's recording."""

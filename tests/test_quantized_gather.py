@@ -6,7 +6,6 @@ the policy leaves out what it should and says so in fs.describe."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from torch.func import functional_call
 import flexshard as fs
 from flexshard.planning.layout import SlotPlan, bind_placements, plan_layout
 from flexshard.planning.wire_plan import ParamWire, plan_wire
-from flexshard.runtime.storage import typed_view
 from harness import run_world
 from models import batch, loss_fn
 from reference import make_model, reference_run

@@ -1,5 +1,5 @@
-"""Comm's rooted collectives on gloo (one broadcast / one reduce per rank, see
-runtime/comm.py): the same bytes as all_gather_into_tensor and
+"""GlooComm's rooted collectives on gloo (one broadcast / one reduce per rank, see
+runtime/gloo.py): the same bytes as all_gather_into_tensor and
 reduce_scatter_tensor, sync and async, on the world and on a subgroup; and
 training through them matches the single-process reference bitwise at 2 ranks."""
 
@@ -14,7 +14,7 @@ from placement_ref import check_parity
 
 pytestmark = pytest.mark.world
 
-ROOTED = fs.Comm(rooted_min_bytes=0)  # every size goes rooted
+ROOTED = fs.GlooComm(rooted_min_bytes=0)  # every size goes rooted
 
 
 def _inputs(rank: int, numel: int, dtype) -> torch.Tensor:
@@ -26,7 +26,7 @@ def _inputs(rank: int, numel: int, dtype) -> torch.Tensor:
 
 def _both_ways(group, size: int, rank: int, numel: int, dtype) -> list:
     """[(rooted, plain) result pairs] of a gather and a reduce, sync and async."""
-    plain, rooted = fs.Comm(rooted_on_gloo=False), fs.Comm(rooted_min_bytes=0)
+    plain, rooted = fs.GlooComm(rooted_min_bytes=1 << 40), fs.GlooComm(rooted_min_bytes=0)
     pairs = []
     for async_op in (False, True):
         outs = []
@@ -87,50 +87,17 @@ def test_rooted_bf16_at_three_ranks_matches_the_reference():
                  param_dtype=torch.bfloat16)
 
 
-class CountingGathers(fs.Comm):
-    """Overrides all_gather (counts it): such a Comm keeps equal segments."""
-
-    def __init__(self) -> None:
-        super().__init__(rooted_min_bytes=0)
-        self.gathers = 0
-
-    def all_gather(self, output, input, group, async_op=False):
-        self.gathers += 1
-        return super().all_gather(output, input, group, async_op=async_op)
-
-
-def owned_gather_layouts(comm) -> list:
-    """Per bucket of an Owned TinyGPT after one training step: (compact?, wire
-    bytes of one gather, as padded, ideal, gathered bytes counted)."""
+def default_comm_kind() -> str:
+    """The Comm flex_shard picks when given none."""
     from flexshard.runtime.state import get_state
-    from placement_ref import adamw, make_model
-    from models import batch, loss_fn
+    from placement_ref import make_model
 
-    model = fs.flex_shard(make_model(), placement=fs.Owned(), comm=comm)
-    opt = adamw(model)
-    x, y = batch(0, torch.distributed.get_rank())
-    loss_fn(model(x), y).backward()
-    opt.step()
-    out = []
-    for b in get_state(model).buckets:
-        lay = b.gather_layout
-        out.append((lay.segments is not None, lay.wire_bytes,
-                    lay._replace(segments=None).wire_bytes, lay.ideal_bytes,
-                    b.counters.gather_wire_bytes // max(b.counters.gathers, 1)))
-    return out
+    return type(get_state(fs.flex_shard(make_model())).comm).__name__
 
 
-def test_owned_buckets_gather_without_padding_on_the_rooted_path():
-    rooted = run_world(3, owned_gather_layouts, ROOTED)
-    assert all(r == rooted[0] for r in rooted)
-    compact = [b for b in rooted[0] if b[0]]
-    assert compact, rooted[0]  # the TinyGPT's Owned blocks do not split evenly over 3 ranks
-    for _, wire, padded, ideal, counted in compact:
-        assert ideal <= wire < padded and counted == wire
-        assert wire - ideal < 16 * 3 * 8  # alignment only: under 16 bytes per piece
-    counting = run_world(3, owned_gather_layouts, CountingGathers())
-    assert not any(b[0] for b in counting[0])  # an overridden all_gather: equal segments
-    assert [b[2] for b in counting[0]] == [b[2] for b in rooted[0]]
+def test_flex_shard_picks_the_gloo_comm_on_gloo_and_comm_on_one_process():
+    assert run_world(2, default_comm_kind) == ["GlooComm"] * 2
+    assert default_comm_kind() == "Comm"  # no process group
 
 
 def rooted_where(max_ranks: int) -> tuple:
@@ -141,7 +108,7 @@ def rooted_where(max_ranks: int) -> tuple:
     saved, comm_module.ROOTED_MAX_RANKS = comm_module.ROOTED_MAX_RANKS, max_ranks
     try:
         mib = torch.empty(comm_module.ROOTED_MIN_BYTES, dtype=torch.uint8)
-        comm = fs.Comm()
+        comm = fs.GlooComm()
         return comm._rooted(mib, None), comm._rooted(mib[:-1], None)
     finally:
         comm_module.ROOTED_MAX_RANKS = saved
@@ -154,4 +121,4 @@ def test_rooted_only_for_large_segments_in_small_worlds():
 
 def test_bad_rooted_min_bytes_is_named():
     with pytest.raises(ValueError, match=r"rooted_min_bytes must be an int >= 0.*-1"):
-        fs.Comm(rooted_min_bytes=-1)
+        fs.GlooComm(rooted_min_bytes=-1)

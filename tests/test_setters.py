@@ -3,9 +3,10 @@ or refuses with a clear error before anything changes.
 
 The case that trained silently wrong: a Hugging Face Llama, one Owned bucket per
 layer plus a root bucket, 4 gloo ranks, wrapped with reshard_after_forward=True
-(so its Owned buckets gather compact on gloo), then set_reshard_after_forward(2):
-the int reshard kept equal-segment slices of a compact gather output. The tests
-here run the default Comm, the path users get on gloo.
+(its Owned buckets then gathered compact on gloo), then set_reshard_after_forward(2):
+the int reshard kept equal-segment slices of a compact gather output. Compact
+gathers are gone (they saved at most 1.7% of peak memory, design.md); the case
+stays, run with the Comm flex_shard picks on gloo, the path users get.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ def owned_with_setter() -> tuple:
     rank = dist.get_rank()
     model = fs.flex_shard(llama(), buckets=buckets(), reshard_after_forward=True)
     layers = get_state(model).buckets[:2]
-    compact_at_wrap = all(b.gather_layout.segments is not None for b in layers)
     model.set_reshard_after_forward(2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, first = [], None
@@ -77,15 +77,14 @@ def owned_with_setter() -> tuple:
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
     kept = sum(b.counters.post_forward_gathers for b in layers)
-    model.set_reshard_after_forward(True)  # back: compact again
-    recompacted = all(b.gather_layout.segments is not None for b in layers)
-    return losses, first, fs.full_state_dict(model), compact_at_wrap, kept, recompacted
+    comm = type(get_state(model).comm).__name__
+    return losses, first, fs.full_state_dict(model), comm, kept
 
 
 def test_owned_buckets_given_an_int_reshard_by_the_setter_train_as_one_process():
     ref_losses, ref_first, ref_params = reference()
-    for losses, first, params, compact, kept, recompacted in run_world(WORLD, owned_with_setter):
-        assert compact and recompacted, "the case needs the compact gathers gloo users get"
+    for losses, first, params, comm, kept in run_world(WORLD, owned_with_setter):
+        assert comm == "GlooComm", "the case runs the Comm gloo users get"
         assert kept > 0, "backward regathered from the post-forward groups"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=0)

@@ -21,20 +21,19 @@ LR = 1e-2
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
-class NoCollectives(fs.Comm):
+class NoCollectives(fs.GlooComm):
     """Fails the test if flexshard issues any collective (bad input must be
     refused before one)."""
 
     def all_gather(self, *args, **kwargs):
         raise AssertionError("a collective was issued before the error")
 
-    all_gather_segments = reduce_scatter = all_reduce = all_to_all = all_gather
+    reduce_scatter = all_reduce = all_to_all = all_gather
 
 
-class CountingComm(fs.Comm):
-    """Counts collectives; wraps the real ones, compact gathers included (a
-    compact gather counts as one all_gather), so the path users run is the one
-    counted."""
+class CountingComm(fs.GlooComm):
+    """Counts collectives; wraps the real ones (GlooComm's: what flex_shard runs
+    on gloo, rooted above its threshold), so the path users run is the one counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -43,10 +42,6 @@ class CountingComm(fs.Comm):
     def all_gather(self, output, input, group, async_op=False):
         self.calls["all_gather"] += 1
         return super().all_gather(output, input, group, async_op)
-
-    def all_gather_segments(self, output, input, segments, group, async_op=False):
-        self.calls["all_gather"] += 1
-        return super().all_gather_segments(output, input, segments, group, async_op)
 
     def reduce_scatter(self, output, input, group, async_op=False):
         self.calls["reduce_scatter"] += 1
@@ -60,9 +55,9 @@ class CountingComm(fs.Comm):
         self.calls = dict.fromkeys(self.calls, 0)
 
 
-class GroupComm(fs.Comm):
+class GroupComm(fs.GlooComm):
     """Counts each bucket collective by (kind, the global ranks of its group),
-    compact gathers as all_gathers (see CountingComm)."""
+    wrapping the real ones (see CountingComm)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,10 +69,6 @@ class GroupComm(fs.Comm):
     def all_gather(self, output, input, group, async_op=False):
         self._count("all_gather", group)
         return super().all_gather(output, input, group, async_op)
-
-    def all_gather_segments(self, output, input, segments, group, async_op=False):
-        self._count("all_gather", group)
-        return super().all_gather_segments(output, input, segments, group, async_op)
 
     def reduce_scatter(self, output, input, group, async_op=False, **kwargs):
         self._count("reduce_scatter", group)
@@ -164,11 +155,6 @@ class DelayComm(CountingComm):
     def all_gather(self, output, input, group, async_op=False):
         work = DelayedWork(super().all_gather(output, input, group, True), self.delay,
                            self, "all_gather")
-        return work if async_op else work.wait() and None
-
-    def all_gather_segments(self, output, input, segments, group, async_op=False):
-        work = DelayedWork(super().all_gather_segments(output, input, segments, group, True),
-                           self.delay, self, "all_gather")
         return work if async_op else work.wait() and None
 
     def reduce_scatter(self, output, input, group, async_op=False):

@@ -88,17 +88,3 @@ def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
     return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size),
                          plan_layout(wire.slots, [s.dtype for s in wire.slots], world_size),
                          plan_layout(grads, [reduce_dtype] * len(grads), world_size), wire)
-
-
-def compact_gather(layouts: BucketLayouts, reshard_after_forward, offloaded: bool,
-                   uneven: bool) -> BucketLayouts:
-    """`layouts` with the gather layout compacted (BucketLayout.compacted: no
-    padding in the gathered buffer) where that applies: whole tensors (Owned)
-    that leave padding, gathered by a Comm that takes uneven segments
-    (`uneven`: Comm.gathers_uneven), not offloaded, not kept 1/N after forward
-    (an int reshard slices equal segments). See design.md, "Compact gathers"."""
-    gather = layouts.gather
-    if (uneven and gather.world_size > 1 and gather.whole_pieces and not gather.dense
-            and not offloaded and isinstance(reshard_after_forward, bool)):
-        return layouts._replace(gather=gather.compacted())
-    return layouts

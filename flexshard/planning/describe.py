@@ -11,8 +11,8 @@ from .dryrun import check_dry_run_options, check_mesh_shape, dry_run
 from .report import ShardingPlan, wrapped_plan
 
 
-def describe(module: nn.Module, mesh_shape: Optional[tuple] = None, *,
-             uneven_gathers: bool = False, **flex_shard_kwargs) -> ShardingPlan:
+def describe(module: nn.Module, mesh_shape: Optional[tuple] = None,
+             **flex_shard_kwargs) -> ShardingPlan:
     """The sharding plan of `module`; `print` it for a table.
 
     `describe(model)` on a wrapped model: the plan flex_shard made. With
@@ -27,22 +27,12 @@ def describe(module: nn.Module, mesh_shape: Optional[tuple] = None, *,
     one backward; a bucket regathers in backward when its module or an
     enclosing one reshards after forward). For the model: per-rank bytes of
     params, grads and AdamW state (`param_bytes`, `grad_bytes`, `adamw_bytes`).
-
-    `uneven_gathers` (dry run only): plan for a Comm that gathers uneven
-    segments, as the default one does on gloo at up to 8 ranks per shard group:
-    whole-tensor (Owned) buckets then gather compact, without padding (design.md,
-    "Compact gathers"). False plans the equal segments of NCCL's all-gather.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"describe expects an nn.Module, got {type(module).__name__}")
     _check_no_mesh(mesh_shape, flex_shard_kwargs)
     state = find_state(module)
-    if not isinstance(uneven_gathers, bool):
-        raise TypeError(f"describe: uneven_gathers must be a bool, got {uneven_gathers!r}")
     if mesh_shape is None:
-        if uneven_gathers:
-            raise ValueError("describe got uneven_gathers=True without mesh_shape; a wrapped "
-                             "model's plan is what its Comm built: drop uneven_gathers")
         if flex_shard_kwargs:
             raise ValueError(
                 f"describe got flex_shard options {sorted(flex_shard_kwargs)} without mesh_shape; "
@@ -60,7 +50,7 @@ def describe(module: nn.Module, mesh_shape: Optional[tuple] = None, *,
             f"describe(mesh_shape=...) plans an unwrapped module, but {wrapped[0]!r} is already "
             "wrapped by flex_shard (its parameters are shards); call describe(module) for the "
             "plan it made, or dry-run a fresh copy (the meta device costs no memory)")
-    return dry_run(module, mesh_shape, uneven_gathers=uneven_gathers, **options)
+    return dry_run(module, mesh_shape, **options)
 
 
 def _check_no_mesh(mesh_shape, options: dict) -> None:

@@ -15,8 +15,7 @@ import torch.nn as nn
 
 from ..config import MixedPrecisionPolicy
 from ..placements.shard import Shard
-from .bucket_plan import compact_gather, plan_bucket_layouts
-from ..runtime.gloo import ROOTED_MAX_RANKS
+from .bucket_plan import plan_bucket_layouts
 from .assign import default_buckets
 from .options import check_options, check_params, check_specs
 from .plan import plan_wrap
@@ -57,8 +56,7 @@ def check_dry_run_options(options: dict) -> dict:
 
 def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Shard(0),
             mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-            reshard_after_forward=True, offload_policy=None,
-            uneven_gathers: bool = False) -> ShardingPlan:
+            reshard_after_forward=True, offload_policy=None) -> ShardingPlan:
     """The ShardingPlan flex_shard(module, **options) would make on a (R, S)
     mesh: flex_shard's own WrapPlan, and the layouts its buckets would have
     (mesh_shape and options already checked: see describe)."""
@@ -69,19 +67,16 @@ def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Sha
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
                      shards, replicas=replicas, offload_policy=offload_policy)
     names = {id(m): n for n, m in module.named_modules()}
-    rows = tuple(_row(b, names, mesh_shape, uneven_gathers) for b in plan.buckets)
+    rows = tuple(_row(b, names) for b in plan.buckets)
     return ShardingPlan(replicas * shards, rows, mesh_shape)
 
 
-def _row(planned, names: dict, mesh_shape: tuple, uneven_gathers: bool):
+def _row(planned, names: dict):
     """A bucket's record; backward regathers a resharding bucket (assuming
     autograd saves one of its params, as every matmul does)."""
     mesh_shape = planned.mesh_shape  # a bucket's own mesh, else the dry run's
     layouts = plan_bucket_layouts(planned.slots, planned.trainable, planned.mp_policy,
                                   mesh_shape[1])
-    layouts = compact_gather(layouts, planned.reshard_after_forward,
-                             planned.offload_policy is not None,
-                             uneven_gathers and mesh_shape[1] <= ROOTED_MAX_RANKS)
     hooked = planned.needs_hooks
     return bucket_plan(planned.spec.label, planned.slots, layouts, planned.trainable,
                        planned.reshard_after_forward,

@@ -46,41 +46,14 @@ class BucketLayout(NamedTuple):
     regions: tuple
     segment_bytes: int
     world_size: int
-    # None: rank-major, rank r's segment at r * segment_bytes (equal segments, for
-    # all_gather_into_tensor). Compact (see `compacted`): (start, length) of each
-    # rank's segment in the gathered buffer, each only as long as its pieces.
-    segments: Optional[tuple] = None
 
     def segment_start(self, rank: int) -> int:
         """Byte offset of `rank`'s segment in the gathered buffer."""
-        return rank * self.segment_bytes if self.segments is None else self.segments[rank][0]
-
-    def segment_len(self, rank: int) -> int:
-        """Bytes of `rank`'s segment in the gathered buffer."""
-        return self.segment_bytes if self.segments is None else self.segments[rank][1]
+        return rank * self.segment_bytes
 
     def piece_start(self, slot: int, rank: int) -> int:
         """Byte offset of `rank`'s piece of `slot` in the gathered buffer."""
         return self.segment_start(rank) + self.regions[slot].offsets[rank]
-
-    @property
-    def whole_pieces(self) -> bool:
-        """Whether every slot has its bytes on one rank at most (Owned): its
-        pieces then never cross a segment, whatever the segments' starts."""
-        return all(sum(1 for n in reg.nbytes if n) <= 1 for reg in self.regions)
-
-    def compacted(self) -> "BucketLayout":
-        """This layout with each rank's segment cut to `used_bytes(rank)` and the
-        segments back to back: no padding in the gathered buffer, for a gather
-        that takes uneven segments (Comm.all_gather_segments). Only for
-        `whole_pieces` layouts: a split param's pieces need equal strides."""
-        if not self.whole_pieces:
-            raise ValueError("compacted(): a param split over ranks needs equal segments")
-        out, start = [], 0
-        for rank in range(self.world_size):
-            out.append((start, self.used_bytes(rank)))
-            start += out[-1][1]
-        return self._replace(segments=tuple(out))
 
     def gathered_range(self, slot: int) -> Optional[tuple]:
         """(start, end) when the slot's pieces are back to back in the gathered
@@ -114,7 +87,7 @@ class BucketLayout(NamedTuple):
             base, at = self.segment_start(rank), 0
             pieces = sorted((reg.offsets[rank], reg.nbytes[rank]) for reg in self.regions
                             if reg.nbytes[rank])
-            for start, nbytes in pieces + [(self.segment_len(rank), 0)]:
+            for start, nbytes in pieces + [(self.segment_bytes, 0)]:
                 if start > at:
                     if out and out[-1][1] == base + at:
                         out[-1] = (out[-1][0], base + start)
@@ -167,10 +140,7 @@ class BucketLayout(NamedTuple):
     def wire_bytes(self) -> int:
         """Bytes a collective over this layout moves (padding included): the
         gathered buffer's size."""
-        if self.segments is None:
-            return self.segment_bytes * self.world_size
-        start, length = self.segments[-1]
-        return start + length
+        return self.segment_bytes * self.world_size
 
 
 def bind_placements(entries: Sequence[tuple], world_size: int,

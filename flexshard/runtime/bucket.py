@@ -60,8 +60,7 @@ class Bucket:
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.subgroups = subgroups  # mesh.Subgroups of the shard group (int reshard)
         self.mesh = None  # its DeviceMesh (its own or the model's; None without a process group)
-        # Planned once; the gather re-derives its layout when a setter changes what it
-        # depends on (set_reshard_after_forward: a compact gather only without an int).
+        # Planned once: no setter changes what the layouts depend on.
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
         # CPU offload: the storage lives in host memory, `device` is the compute device.
         self.offload = None if offload_policy is None else Offload(offload_policy, device)
@@ -84,8 +83,7 @@ class Bucket:
         self.gather = BucketGather(
             layouts, self.storage, slots, rank, world_size, group, comm, self.counters,
             reshard_after_forward=reshard_after_forward, offload=self.offload,
-            subgroups=subgroups,
-            uneven=world_size > 1 and comm.gathers_uneven(group, torch.device(device)))
+            subgroups=subgroups)
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
         self.aliases: tuple = ()  # per slot: every (module, attr) registering it (see attach)
         self.tp_specs: Optional[tuple] = None  # per slot: a DTensor param's TPSpec, or None

@@ -20,8 +20,6 @@ class BucketCounters:
     reduce_ideal_bytes: int = 0
     all_reduces: int = 0  # HSDP: all-reduces of reduced shards across the replicate group
     all_reduce_bytes: int = 0
-    compact_gathers: int = 0  # gathers of a compact layout: one broadcast per non-empty segment
-    compact_broadcasts: int = 0  # those broadcasts (in gathers as one each gather)
     post_forward_gathers: int = 0  # int reshard: gathers within a post-forward group (in gathers)
     copy_in_bytes: int = 0
     copy_out_bytes: int = 0
@@ -33,15 +31,11 @@ class BucketCounters:
         for f in fields(self):
             setattr(self, f.name, f.default)
 
-    def count_gather(self, layout, collective: bool, post_forward: bool, copy_in: int,
-                     broadcasts: int) -> None:
-        """One gather over `layout` (a BucketLayout): `collective` unless at world
-        size 1, `broadcasts` those of a compact gather (0 otherwise)."""
+    def count_gather(self, layout, collective: bool, post_forward: bool, copy_in: int) -> None:
+        """One gather over `layout` (a BucketLayout): `collective` unless at world size 1."""
         self.gathers += 1
         self.post_forward_gathers += post_forward
         self.copy_in_bytes += copy_in
         if collective:
-            self.compact_gathers += broadcasts > 0
-            self.compact_broadcasts += broadcasts
             self.gather_wire_bytes += layout.wire_bytes
             self.gather_ideal_bytes += layout.ideal_bytes

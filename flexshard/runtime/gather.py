@@ -15,7 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from ..compat import tensor_version
-from ..planning.bucket_plan import BucketLayouts, LayoutPlans, compact_gather
+from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
 from ..planning.wire_plan import cast_wire, plan_param_wires
 from .comm import Comm
@@ -33,11 +33,11 @@ class BucketGather:
 
     def __init__(self, layouts: BucketLayouts, storage: BucketStorage, slots, rank: int,
                  world_size: int, group, comm: Comm, counters: BucketCounters, *,
-                 reshard_after_forward, uneven: bool, offload=None, subgroups=None) -> None:
+                 reshard_after_forward, offload=None, subgroups=None) -> None:
         self.storage, self.slots, self.rank, self.world_size = storage, tuple(slots), rank, world_size
         self.group, self.comm, self.counters = group, comm, counters
         self.offload, self.subgroups = offload, subgroups
-        self._layouts, self._uneven = layouts, uneven  # the plan before compaction
+        self._layouts = layouts
         # a gather over the storage layout (fs.full_state_dict) sends each piece as it is
         self._storage_wire = cast_wire(self.slots, [s.dtype for s in self.slots], world_size)
         self.reshard_after_forward = reshard_after_forward
@@ -47,26 +47,15 @@ class BucketGather:
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep()
         # Looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(storage.layout): self._layout_plans(storage.layout)}
-        self._use(compact_gather(layouts, reshard_after_forward, offload is not None,
-                                 uneven).gather)
-
-    def _use(self, layout: BucketLayout) -> None:
-        """Gather over `layout` from now on, with its plans made here."""
-        self.layout = layout
-        # a compact gather's broadcasts (one per non-empty segment), counted once here
-        self._broadcasts = sum(1 for _, n in layout.segments or () if n)
-        self._plans[id(layout)] = self._layout_plans(layout)
+        self.layout = layouts.gather
+        self._plans[id(self.layout)] = self._layout_plans(self.layout)
 
     def follow_reshard(self, value, ctx: HostContext) -> None:
-        """set_reshard_after_forward's part: the layout is compact only where the
-        value allows (an int slices equal segments after forward: compact_gather)."""
-        self.discard(ctx)  # launched over the old layout
+        """set_reshard_after_forward's part: what was launched or kept under the
+        old value goes (the layout and its plans do not depend on it)."""
+        self.discard(ctx)
         self.reshard_after_forward = value
         self.post_forward = self._forward_gathered = None
-        layout = compact_gather(self._layouts, value, self.offload is not None,
-                                self._uneven).gather
-        if layout != self.layout:
-            self._use(layout)
 
     @property
     def wire(self):
@@ -76,18 +65,12 @@ class BucketGather:
     def _layout_plans(self, layout: BucketLayout) -> LayoutPlans:
         wire = self._storage_wire if layout is self.storage.layout else self._layouts.wire
         wires = plan_param_wires(layout, wire, self.rank)
-        # a compact gather layout has the storage's bytes in a segment of another length;
-        # the same bytes only when every piece is sent as it is (a cast to its own dtype)
-        same = (layout._replace(segments=None) == self.storage.layout
-                and all(w.cast for w in wires))
-        is_storage = same and not self.storage.short and layout.segments is None
-        copy_in = (0 if is_storage else
-                   min(self.storage.buffer.numel(), layout.segment_len(self.rank)) if same
+        # the storage's bytes only when every piece is sent as it is (a cast to its own dtype)
+        same = layout == self.storage.layout and all(w.cast for w in wires)
+        is_storage = same and not self.storage.short
+        copy_in = (0 if is_storage else self.storage.buffer.numel() if same
                    else sum(reg.nbytes[self.rank] for reg in layout.regions))
-        # kept params copy out where equal segments would pin padding, compact or not
-        # (copies die one by one, views pin the whole output: design.md, "Compact gathers")
-        pins = layout._replace(segments=None).pins_padding
-        return LayoutPlans(layout.keeps_views, pins, wires,
+        return LayoutPlans(layout.keeps_views, layout.pins_padding, wires,
                            any(w.format.needs_mesh for w in wires), is_storage, copy_in, same)
 
     def shard_mesh(self, device: torch.device):
@@ -217,20 +200,16 @@ class BucketGather:
                 work = self._all_gather(gathered, send, layout, source, async_op)
                 done = ctx.record(ctx.gather)
         self.counters.count_gather(layout, self.world_size > 1, source is not None,
-                                   0 if source is not None else plans.copy_in_bytes,
-                                   self._broadcasts if layout.segments is not None else 0)
+                                   0 if source is not None else plans.copy_in_bytes)
         return PendingGather(work if async_op else None, gathered, layout, version, send, done,
                              ctx.current())
 
     def _all_gather(self, gathered, send, layout: BucketLayout,
                     source: Optional[PostForwardShard], async_op: bool):
-        """The collective (None at world size 1): compact segments, or equal ones
-        over the shard group (or the post-forward group, from the kept slice)."""
+        """The collective (None at world size 1) over the shard group (or the
+        post-forward group, from the kept slice)."""
         if self.world_size == 1:
             return None
-        if layout.segments is not None:
-            return self.comm.all_gather_segments(gathered, send, layout.segments, self.group,
-                                                 async_op=async_op)
         group = self.group if source is None else source.group
         return self.comm.all_gather(gathered, send, group, async_op=async_op)
 
@@ -250,7 +229,7 @@ class BucketGather:
         gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
         if copy_in:
             start = layout.segment_start(self.rank)
-            send = gathered[start:start + layout.segment_len(self.rank)]
+            send = gathered[start:start + layout.segment_bytes]
         return send, gathered
 
     def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
@@ -267,7 +246,6 @@ class BucketGather:
                 return
             views = segment_views(staged, self.storage.layout, self.slots, self.rank)
         if plans.same_bytes:  # a storage shorter than the segment: one copy, padded
-            used = min(used, send.numel())  # a compact segment ends with this rank's pieces
             send[:used].copy_(self.storage.buffer[:used])
             return
         mesh = self.shard_mesh(send.device) if plans.needs_mesh else None
