@@ -31,8 +31,14 @@ _CLONE = {"aten::clone", "aten::_to_copy"}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor holding a DTensor's local bytes (or `t` itself)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """The plain tensor holding a DTensor's local bytes (or `t` itself); through
+    a wrapper subclass holding one inner tensor (torchao's float8 weight) too."""
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        if len(names) == 1:
+            return local(getattr(t, names[0]))
+    return t
 
 
 def nbytes(t: torch.Tensor) -> int:

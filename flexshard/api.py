@@ -30,7 +30,7 @@ from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_e
 from .runtime.device import DeviceContexts
 from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.prefetch import Prefetcher
-from .runtime.reduction import ReduceQueue
+from .runtime.grad_reduce import ReduceQueue
 from .runtime.reshard import SavedParams
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
 

@@ -86,12 +86,17 @@ get_dispatch_stack_at = resolve("torch._C:_get_dispatch_stack_at",
 push_mode = resolve("torch.utils._python_dispatch:_push_mode", "to rebuild the dispatch-mode stack")
 pop_mode = resolve("torch.utils._python_dispatch:_pop_mode", "to rebuild the dispatch-mode stack")
 
-# Autograd's engine (runtime/reduction.py): -1 outside backward, else the running
+# Autograd's engine (runtime/grad_reduce.py): -1 outside backward, else the running
 # graph task; callbacks queued on the engine run when that backward pass ends.
 current_graph_task_id = resolve("torch._C:_current_graph_task_id",
                                 "to tell forward from a recompute inside backward")
 queue_callback = resolve("torch.autograd:Variable._execution_engine.queue_callback",
                          "to finish gradient reductions when a backward pass ends")
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread."""
+    return current_graph_task_id() != -1
 
 # Tensors.
 tree_map = resolve("torch.utils._pytree:tree_map", "to cast forward inputs and outputs")

@@ -321,7 +321,7 @@ def test_grads_come_back_on_the_reduce_stream_and_the_host_waits_only_when_asked
 
 
 def test_delivery_runs_host_waits_before_the_host_reads_grads():
-    from flexshard.runtime.delivery import Delivery
+    from flexshard.runtime.grad_reduce import Delivery
 
     seen = []
     delivery = Delivery()

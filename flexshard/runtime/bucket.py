@@ -7,7 +7,7 @@ its gather (gather.py, `BucketGather`) and its gradient path (grad_reduce.py,
 `GradReduce`) own their own fields. Unsharded parameters are made by `_Unshard`
 (unshard_node.py), an autograd Function whose backward launches the bucket's
 gradient reduction; the model's ReduceQueue finishes it and the bucket's GradRoute
-(delivery.py) hands the sharded gradients to `.grad`. A gather may be launched
+(grad_reduce.py) hands the sharded gradients to `.grad`. A gather may be launched
 early (`start_gather`, prefetch) and consumed by the next unshard.
 """
 
@@ -25,14 +25,14 @@ from ..planning.bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layout
 from ..planning.layout import BucketLayout, SlotPlan
 from .comm import Comm
 from .counters import BucketCounters
-from .delivery import GradRoute
+from .grad_reduce import GradRoute
 from .device import DeviceContexts, HostContext
 from .dtensor_param import wrap_unsharded
 from .gather import BucketGather
 from .grad_reduce import GradReduce
 from .inflight import PendingGather, PendingReduce
 from .offload import Offload
-from .reduction import ReduceQueue
+from .grad_reduce import ReduceQueue
 from .storage import BucketStorage, moved_param
 from .unshard_node import _Unshard
 
@@ -219,7 +219,7 @@ class Bucket:
 
     def new_anchor(self) -> None:
         """Start a new route for this bucket's grads into autograd (at the
-        start of each forward; see delivery.py)."""
+        start of each forward; see grad_reduce.py)."""
         self.grad_route.renew(self.reduce_queue, self.params, bool(self.grad_slots),
                               self.compute_device)
 

@@ -24,7 +24,7 @@ from .device import HostContext, on_stream
 from .dispatch import hidden_from_checkpoint
 from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
-from .reduction import in_backward
+from ..compat import in_backward
 from .storage import BucketStorage, segment_views
 
 

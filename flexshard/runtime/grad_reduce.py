@@ -1,8 +1,32 @@
-"""A bucket's gradient path, in named steps: pack the unsharded grads into the
-reduce input (or add them to the no-sync sum), launch the reduce-scatter, finish
-it (wait, the replicas' all-reduce or its deferral, the post-divide, the copy-out
-into sharded grads). `GradReduce` owns every field of that path; the bucket calls
-it with the device context and devices of the moment (they change with to()).
+"""A bucket's gradient path, in named steps, and the model's queue of reductions
+in flight and their delivery into `.grad`.
+
+1. pack (`GradReduce.pack`): the unsharded grads into the reduce input on the
+   reduce stream (or added to the no-sync sum); `_Unshard.backward` then defers
+   the launch on the model's `ReduceQueue` until the node has returned (autograd
+   holds a node's grad inputs until then).
+2. launch (`GradReduce.launch`): the reduce-scatter, from the next node's
+   pre-hook, `make_room` or `finish_all`. The queue keeps at most
+   `max_in_flight` reductions launched (one on CUDA, where the collective
+   overlaps the backward of the buckets before it; none on a host, where the
+   launch finishes it); the oldest is finished to make room.
+3. finish (`GradReduce.finish`): wait, the replicas' all-reduce (or its
+   deferral), the post-divide, the copy-out into sharded grads, added to the
+   forward's `Delivery`.
+4. deliver: at the start of each forward under grad every bucket renews its
+   `GradRoute`: one `_Deliver` node taking the sharded params as inputs and giving
+   an empty *anchor*, which each `_Unshard` of the bucket in that forward takes
+   as an input. The anchor's grad (an empty tensor) reaches `_Deliver` last in
+   backward (made first in forward, it has the lowest sequence number, and
+   autograd runs ready nodes in decreasing sequence number), whose backward
+   finishes the queue and returns the summed sharded grads: AccumulateGrad puts
+   them into `.grad` and fires post-accumulate-grad hooks.
+
+A step that raised is cleaned up in one place: `ReduceQueue.abandon_backward`
+(the next forward starts outside backward): its launches are waited for and
+dropped and the listeners (end-of-backward work of the rest of the runtime)
+run. The queue knows launched collectives and the bucket-side steps through
+callables only, never buckets.
 
 Streams (design.md, "Streams and buffers"): packing and the collective run on the
 device context's reduce stream, ordered by events; the compute stream waits for
@@ -12,12 +36,14 @@ the pack (not for the collective) and, in `finish`, for the copy-out.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections import deque
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from ..compat import current_graph_task_id, in_backward, queue_callback
 from .comm import Comm
 from ..planning.copyplan import plan_copies
 from .counters import BucketCounters
@@ -246,3 +272,222 @@ class GradReduce:
     def typed(self, buf: torch.Tensor) -> torch.Tensor:
         """A reduce buffer's bytes in the reduce dtype."""
         return buf.view(self.layout.regions[0].dtype)
+
+
+class ReduceTarget(Protocol):
+    """What a Reduction needs of its bucket (runtime/bucket.py's Bucket)."""
+
+    offload: Any
+    device_ctx: Any
+
+    def launch_reduce(self, packed: tuple) -> PendingReduce: ...
+    def finish_reduce(self, pending: PendingReduce) -> list: ...
+    def host_wait(self) -> None: ...
+
+
+class Reduction:
+    """One bucket's reduction through the model's queue, a named step at a time:
+    packed in the bucket's backward, `launch`ed once that node has returned,
+    `finish`ed into the forward's Delivery (None: a graph no Delivery waits for)."""
+
+    def __init__(self, target: ReduceTarget, packed: tuple, delivery) -> None:
+        self.target, self.packed, self.delivery = target, packed, delivery
+        self.pending: Optional[PendingReduce] = None
+
+    @property
+    def work(self):
+        """The launched collective (None before launch, or at world size 1)."""
+        return None if self.pending is None else self.pending.work
+
+    def launch(self) -> None:
+        self.pending, self.packed = self.target.launch_reduce(self.packed), None
+
+    def finish(self) -> None:
+        grads, self.pending = self.target.finish_reduce(self.pending), None
+        host_wait = self.target.host_wait if self.target.offload is not None else None
+        self.delivery.add(grads, host_wait)
+
+
+class ReduceQueue:
+    """Launched reduce-scatters of one model, finished in launch order."""
+
+    def __init__(self, max_in_flight: int = 1) -> None:
+        self.max_in_flight = max_in_flight
+        self.listeners: list = []  # called when a backward pass ends, after the reductions
+        # Reductions launched, not yet finished (each holds its reduce output alive
+        # until it has been read).
+        self._pending: deque = deque()
+        self._watched: list = []  # graph tasks with our end-of-backward callback, outermost first
+        # Launches packed inside a backward node and run after it returned (when autograd
+        # has let go of its grad inputs): at the next launch_deferred(), make_room() or
+        # finish_all(), in the order they were deferred.
+        self._deferred: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def watch_backward(self) -> None:
+        """Inside backward: make sure this pass ends by finishing the queue."""
+        task = current_graph_task_id()
+        if task != -1 and task not in self._watched:
+            self._watched.append(task)
+            # Runs when this graph task's engine has run every node, _Deliver included.
+            queue_callback(
+                lambda: self._backward_ended(task))
+
+    def abandon_backward(self) -> None:
+        """Forward starts outside backward, so no backward pass is running: one
+        that raised never ran its callback. Its launched reductions are waited
+        for and dropped (the user zeroes the grads of a failed step) and the
+        listeners clean up after it."""
+        if not (self._watched or self._pending or self._deferred):
+            return
+        self._deferred.clear()  # packed for a failed step: never launched
+        while self._pending:
+            work = self._pending.popleft().work
+            if work is not None:
+                work.wait()
+        self._watched.clear()
+        for listener in self.listeners:
+            listener()
+
+    def defer(self, reduction: Reduction) -> None:
+        """Launch `reduction` once the current backward node has returned: see
+        launch_deferred."""
+        self._deferred.append(reduction)
+        self.watch_backward()
+
+    def launch_deferred(self) -> None:
+        """Launch the deferred reductions, oldest first (a hook on the next node to
+        run calls this; so do make_room and finish_all), and track each."""
+        while self._deferred:
+            reduction = self._deferred.popleft()
+            # how many may stay in flight is the device's call; a model's buckets
+            # share one compute device, so they agree
+            self.max_in_flight = reduction.target.device_ctx.reduces_in_flight
+            reduction.launch()
+            if reduction.delivery is not None:
+                self.push(reduction)
+
+    def make_room(self) -> None:
+        """Finish the oldest reductions until another one may be launched."""
+        self.launch_deferred()
+        while len(self._pending) >= max(self.max_in_flight, 1):
+            self._finish_oldest()
+
+    def push(self, reduction: Reduction) -> None:
+        """Track a launched reduction; it is finished by backward's end at the latest."""
+        self._pending.append(reduction)
+        if self.max_in_flight == 0 or not in_backward():
+            self.finish_all()
+        else:
+            self.watch_backward()
+
+    def finish_all(self) -> None:
+        """Launch what is deferred, then finish every reduction, in launch order."""
+        self.launch_deferred()
+        while self._pending:
+            self._finish_oldest()
+
+    def _backward_ended(self, task) -> None:
+        if task in self._watched:
+            self._watched.remove(task)
+        self.finish_all()
+        if not self._watched:
+            for listener in self.listeners:
+                listener()
+
+    def _finish_oldest(self) -> None:
+        self._pending.popleft().finish()
+
+
+class Delivery:
+    """The sharded grads one forward's reductions of one bucket produced, until
+    its _Deliver node hands them to autograd."""
+
+    def __init__(self) -> None:
+        self.grads: Optional[list] = None
+        # CPU offload: host waits to run before the host reads the grads (a
+        # device may still be copying them into host memory).
+        self._host_waits: list = []
+
+    def add(self, grads: list, host_wait: Optional[Callable[[], None]] = None) -> None:
+        if host_wait is not None:
+            self._host_waits.append(host_wait)
+        if self.grads is None:
+            self.grads = list(grads)
+            return
+        self._wait_host()  # the sum reads both forwards' grads on the host
+        self.grads = [a if b is None else b if a is None else a + b
+                      for a, b in zip(self.grads, grads)]
+
+    def take(self) -> list:
+        self._wait_host()
+        grads, self.grads = self.grads, None
+        return grads
+
+    def _wait_host(self) -> None:
+        waits, self._host_waits = self._host_waits, []
+        for wait in waits:
+            wait()
+
+
+class _Deliver(torch.autograd.Function):
+    """Forward: sharded params -> an empty anchor. Backward: the reduced sharded grads."""
+
+    @staticmethod
+    def forward(ctx, queue: ReduceQueue, delivery: Delivery, device, *params: torch.Tensor):
+        # ctx keeps the Delivery alive for as long as the graph of this forward lives.
+        ctx.queue, ctx.delivery, ctx.count = queue, delivery, len(params)
+        # The anchor lives on the compute device (not the params', which are in
+        # host memory under CPU offload), so autograd runs this node's backward
+        # on the same device thread as the _Unshard nodes and the ReduceQueue.
+        return torch.empty(0, device=device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Runs last in backward (lowest sequence number, see the module docstring),
+        # so finishing the queue here waits only for reductions already overlapped.
+        ctx.queue.finish_all()
+        grads = ctx.delivery.take() or [None] * ctx.count
+        return (None, None, None, *grads)
+
+
+class GradRoute:
+    """One bucket's route from its reductions into its sharded params' .grad:
+    the Delivery and the anchor of the current forward (None outside one)."""
+
+    def __init__(self) -> None:
+        self.delivery: Optional[Delivery] = None
+        self.anchor: Optional[torch.Tensor] = None
+
+    def renew(self, queue: ReduceQueue, params: Sequence[torch.Tensor], trainable: bool,
+              device: torch.device) -> None:
+        """Start a new route (at the start of each forward; none under no_grad
+        or for a bucket without trainable params); the anchor is on `device`,
+        the compute device."""
+        self.delivery = self.anchor = None
+        if trainable and torch.is_grad_enabled():
+            self.delivery = Delivery()
+            self.anchor = _Deliver.apply(queue, self.delivery, device, *params)
+
+    def clear(self) -> None:
+        """Forget the route (the params it takes were replaced, e.g. a device move)."""
+        self.delivery = self.anchor = None
+
+    def anchor_for_unshard(self, queue: ReduceQueue, params: Sequence[torch.Tensor],
+                           trainable: bool, device: torch.device) -> torch.Tensor:
+        """The input tying an unshard's outputs to the route (renewed when there
+        is none, e.g. a module run on its own, or it lives on another device);
+        an empty stand-in when no grads will flow. `self.delivery` is its Delivery."""
+        if self.anchor is None or self.anchor.device != device:
+            self.renew(queue, params, trainable, device)
+        if self.anchor is None:
+            return torch.empty(0, device=device)
+        return self.anchor
+
+
+def anchor_grad(device: torch.device) -> torch.Tensor:
+    """The anchor's grad from _Unshard.backward: a defined (empty) grad, so the
+    anchor's _Deliver node runs."""
+    return torch.empty(0, device=device)

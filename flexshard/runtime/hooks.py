@@ -11,7 +11,7 @@ from ..compat import tree_map
 from .bucket import Bucket, BucketState
 from .compiled import run_eagerly
 from .prefetch import Prefetcher
-from .reduction import in_backward
+from ..compat import in_backward
 from .reshard import SavedParams
 
 
@@ -77,7 +77,7 @@ class ModuleHooks:
     def _launch_after_backward(self, args, kwargs) -> None:
         """The block's backward is over when the grad_fn of one of its inputs is
         about to run: a pre-hook there launches the reductions its _Unshard nodes
-        packed and deferred (reduction.py), after autograd let go of their grads."""
+        packed and deferred (grad_reduce.py), after autograd let go of their grads."""
         nodes: dict = {}
 
         def collect(t):
@@ -156,7 +156,7 @@ class RootHooks:
         if not in_backward():
             self.queue.abandon_backward()
             # Made before anything else of this forward, the routes' _Deliver nodes
-            # run last in backward (delivery.py).
+            # run last in backward (grad_reduce.py, step 4).
             for bucket in self.buckets:
                 bucket.new_anchor()
         self.prefetcher.begin_forward()

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .order import ExecutionOrder
-from .reduction import in_backward
+from ..compat import in_backward
 
 
 class Prefetcher:

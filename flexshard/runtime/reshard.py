@@ -33,7 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..compat import tensor_version, top_saved_tensors_default_hooks
 from .dtensor_param import TPSpec
-from .reduction import ReduceQueue
+from .grad_reduce import ReduceQueue
 
 
 def top_saved_tensors_hooks() -> Optional[tuple]:

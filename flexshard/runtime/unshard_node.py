@@ -1,6 +1,6 @@
 """The autograd node of a bucket's unshard: its forward is the bucket's gather,
 its backward packs the bucket's unsharded grads and defers the launch of their
-reduce-scatter until the node has returned (see reduction.py).
+reduce-scatter until the node has returned (see grad_reduce.py).
 
 The node receives the bucket as an argument and reaches it through
 `UnshardTarget`, the typed interface Bucket implements (bucket.py imports this
@@ -9,32 +9,25 @@ file, so the node names what it needs instead of importing Bucket).
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .delivery import GradRoute, anchor_grad
-from .inflight import PendingReduce
-from .reduction import ReduceQueue
+from .grad_reduce import GradRoute, ReduceQueue, ReduceTarget, Reduction, anchor_grad
 
 
-class UnshardTarget(Protocol):
-    """What _Unshard needs of a bucket (runtime/bucket.py's Bucket)."""
+class UnshardTarget(ReduceTarget, Protocol):
+    """What _Unshard needs of a bucket (runtime/bucket.py's Bucket), beyond
+    what its Reduction needs (ReduceTarget: launch, finish, host wait)."""
 
     grad_slots: list
     grad_route: GradRoute
     reduce_queue: ReduceQueue
-    offload: Any
     compute_device: torch.device
-    device_ctx: Any
 
     def gather_params(self) -> list: ...
     def backward_done(self) -> None: ...
     def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]: ...
-    def launch_reduce(self, packed: tuple) -> PendingReduce: ...
-    def finish_reduce(self, pending: PendingReduce) -> list: ...
-    def host_wait(self) -> None: ...
 
 
 class _Unshard(torch.autograd.Function):
@@ -67,17 +60,5 @@ class _Unshard(torch.autograd.Function):
         if packed is not None:
             # Launched once this backward has returned and autograd has let go of the
             # unsharded grads, so they never sit beside the collective's buffers.
-            bucket.reduce_queue.defer(partial(_launch_reduce, bucket, packed, ctx.delivery))
+            bucket.reduce_queue.defer(Reduction(bucket, packed, ctx.delivery))
         return None, anchor_grad(bucket.compute_device)
-
-
-def _launch_reduce(bucket: UnshardTarget, packed: tuple, delivery) -> None:
-    """Launch a bucket's packed reduction; its Delivery (None: a forward under
-    no_grad made this graph) receives the sharded grads when it finishes."""
-    # How many may stay in flight is the device's call (HostContext.reduces_in_flight);
-    # a model's buckets share one compute device, so they agree.
-    bucket.reduce_queue.max_in_flight = bucket.device_ctx.reduces_in_flight
-    pending = bucket.launch_reduce(packed)
-    if delivery is not None:
-        delivery.expect(bucket.reduce_queue, pending.work, partial(bucket.finish_reduce, pending),
-                        bucket.host_wait if bucket.offload is not None else None)
