@@ -8,8 +8,7 @@ import torch
 import flexshard as fs
 from harness import run_world
 from models import batch, loss_fn
-from reference import make_model, reference_run
-from test_parity import assert_rel_close
+from reference import assert_rel_close, make_model, reference_run
 
 
 def wrap_facts() -> dict:
@@ -62,7 +61,7 @@ def accumulate(microbatches: int) -> dict:
     """Rank body: one optimizer-free step of `microbatches` accumulated micro-batches,
     only the last one synced; returns full grads assembled on rank 0."""
     import torch.distributed as dist
-    from test_parity import sharded_grads
+    from reference import sharded_grads
 
     model = fs.flex_shard(make_model())
     for micro in range(microbatches):
@@ -73,7 +72,7 @@ def accumulate(microbatches: int) -> dict:
 
 
 def test_no_sync_accumulates_the_sum():
-    from test_parity import assemble_grads
+    from reference import assemble_grads
 
     results = run_world(2, accumulate, 2)
     grads = assemble_grads([(None, None, r) for r in results])

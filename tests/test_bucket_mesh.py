@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import batch
-from test_parity import assert_rel_close
+from reference import assert_rel_close
 from training_helpers import GroupComm, NoCollectives
 
 pytestmark = pytest.mark.world

@@ -19,8 +19,7 @@ import flexshard as fs
 from flexshard.runtime.state import get_state
 from harness import run_world
 from models import batch, loss_fn
-from reference import make_model
-from test_parity import assemble_grads, assert_rel_close, sharded_grads
+from reference import assemble_grads, assert_rel_close, make_model, sharded_grads
 
 STEPS = 5
 LR = 1e-2

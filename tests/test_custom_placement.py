@@ -11,7 +11,7 @@ import torch
 
 import flexshard as fs
 from harness import run_world
-from placement_ref import assert_one_collective_per_bucket, check_parity
+from reference import assert_one_collective_per_bucket, check_parity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import custom_placement  # noqa: E402

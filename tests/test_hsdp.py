@@ -13,9 +13,8 @@ import torch.distributed as dist
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn
-from placement_ref import adamw, comm_counter, make_model, reference_run
+from reference import adamw, assert_rel_close, comm_counter, make_model, reference_run
 from test_clip_grad import MAX_NORM, clip_step
-from test_parity import assert_rel_close
 from training_helpers import (CountingComm, NoCollectives, accumulate_two_halves,
                               check_against_reference, train)
 
@@ -115,8 +114,8 @@ def test_parity_and_collectives_per_step():
     for i, (shape, placement, reshard, bf16) in enumerate(CASES):
         label = f"{shape} {placement} reshard={reshard} bf16={bf16}"
         model_kw = MIXED_MODEL if placement == "mixed" and not bf16 else {}
-        ref_losses, ref_params = reference_run(WORLD, STEPS, param_dtype=torch.bfloat16
-                                               if bf16 else None, model_kw=model_kw)
+        ref_losses, ref_params, _ = reference_run(WORLD, STEPS, param_dtype=torch.bfloat16
+                                                  if bf16 else None, model_kw=model_kw)
         losses, full, _, buckets = results[0][i]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"{label}: {m}")
@@ -214,7 +213,7 @@ def test_describe_one_dimensional_counts_no_all_reduce():
 
 def summed_grads() -> dict:
     """Rank body at (2, 2) with set_gradient_divide_factor(1.0): one backward."""
-    from test_parity import sharded_grads
+    from reference import sharded_grads
 
     model = fs.flex_shard(make_model(), hsdp_mesh((2, 2)), placement=mixed)
     model.set_gradient_divide_factor(1.0)
@@ -225,7 +224,7 @@ def summed_grads() -> dict:
 
 def test_divide_factor_one_sums_over_every_rank():
     import reference
-    from test_parity import assemble_grads
+    from reference import assemble_grads
 
     results = run_world(WORLD, summed_grads)
     _, _, mean_grads = reference.reference_run(WORLD, 1)
@@ -261,7 +260,7 @@ def test_mesh_slice_of_a_larger_world():
     results = run_world(WORLD, sub_mesh_training)
     # The plan check and checkpoint barriers run within the slice: a group of its ranks.
     assert [r[1:] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
-    _, ref_params = reference_run(2, STEPS)  # stage 0 trains on the batches of ranks 0 and 1
+    _, ref_params, _ = reference_run(2, STEPS)  # stage 0 trains on the batches of ranks 0 and 1
     for k, ref in ref_params.items():
         assert_rel_close(results[0][0][k], ref, 1e-5, k)
         assert torch.equal(results[2][0][k], results[3][0][k]), k

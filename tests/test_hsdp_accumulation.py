@@ -12,7 +12,7 @@ import torch.distributed as dist
 import flexshard as fs
 from harness import run_world
 from models import batch, loss_fn
-from placement_ref import make_model
+from reference import make_model
 from test_hsdp import PLACEMENTS, hsdp_mesh
 from training_helpers import full_grads
 

@@ -11,7 +11,7 @@ import flexshard as fs
 from flexshard.planning.assign import default_buckets
 from flexshard.planning.plan import plan_wrap
 from flexshard.planning.layout import ALIGN, plan_layout
-from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
+from reference import assert_one_collective_per_bucket, check_parity, make_model
 
 pytestmark = pytest.mark.world
 
@@ -42,7 +42,7 @@ def test_parity_and_one_collective_per_bucket(world, reshard):
     results = check_parity(world, {"placement": mixed, "reshard_after_forward": reshard},
                            steps=STEPS, model_kw=MIXED, count_comms=True)
     assert_one_collective_per_bucket(results)
-    for _, _, stats in results:
+    for *_, stats in results:
         for name, bucket_reshard, counters, layout, placements in stats["buckets"]:
             assert {type(p) for p in placements} >= {fs.Owned, fs.RaggedShard}, name
             gathers = STEPS * (2 if bucket_reshard else 1)

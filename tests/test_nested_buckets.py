@@ -9,7 +9,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import flexshard as fs
 from harness import run_world
 from test_comm_counts import _counts
-from test_parity import check_parity
+from reference import check_parity
 
 NESTED = ["layers.0.up.*", "layers.0.down.*", "layers.0.[nqp]*", "layers.1.*",
           "tok.*", "pos", "norm.*", "head.*"]

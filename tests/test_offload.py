@@ -15,8 +15,7 @@ import torch
 import flexshard as fs
 from harness import run_world
 from models import batch, loss_fn
-from reference import make_model
-from test_parity import check_parity
+from reference import check_parity, make_model
 from training_helpers import accumulate_two_halves, check_against_reference, train
 
 OFF = fs.OffloadPolicy(pin_memory=True)

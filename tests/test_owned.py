@@ -9,7 +9,7 @@ import torch
 import flexshard as fs
 from flexshard.planning.layout import bind_placements
 from harness import expect_all_ranks_raise, run_world
-from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
+from reference import assert_one_collective_per_bucket, check_parity, make_model
 
 pytestmark = pytest.mark.world
 
@@ -98,7 +98,7 @@ def test_parity(world, reshard):
                            count_comms=True)
     if world > 1:
         assert_one_collective_per_bucket(results)
-    for _, _, stats in results:
+    for *_, stats in results:
         for name, bucket_reshard, counters, layout, _ in stats["buckets"]:
             # every unsharded param is a view of the gathered bytes, unless the bucket keeps
             # them through backward and over 1/16 of its gather output is padding (the

@@ -16,8 +16,7 @@ from flexshard.planning.layout import SlotPlan, bind_placements, plan_layout
 from flexshard.planning.wire_plan import ParamWire, plan_wire
 from harness import run_world
 from models import batch, loss_fn
-from reference import make_model, reference_run
-from test_parity import assemble_grads, train_sharded
+from reference import assemble_grads, make_model, reference_run, train_sharded
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

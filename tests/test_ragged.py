@@ -9,7 +9,7 @@ import torch
 import flexshard as fs
 from flexshard.planning.layout import bind_placements
 from harness import expect_all_ranks_raise, run_world
-from placement_ref import assert_one_collective_per_bucket, check_parity, make_model
+from reference import assert_one_collective_per_bucket, check_parity, make_model
 
 pytestmark = pytest.mark.world
 

@@ -15,8 +15,7 @@ import torch.distributed as dist
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn
-from placement_ref import adamw, make_model, reference_run
-from test_parity import assert_rel_close
+from reference import adamw, assert_rel_close, make_model, reference_run
 from training_helpers import GroupComm, NoCollectives
 
 pytestmark = pytest.mark.world
@@ -98,8 +97,8 @@ def test_parity_and_collectives_per_group():
     everyone = (0, 1, 2, 3)
     for i, (shape, placement, bf16, how) in enumerate(CASES):
         label = f"{shape} {placement} bf16={bf16} N set by {how}"
-        ref_losses, ref_params = reference_run(WORLD, STEPS,
-                                               param_dtype=torch.bfloat16 if bf16 else None)
+        ref_losses, ref_params, _ = reference_run(WORLD, STEPS,
+                                                  param_dtype=torch.bfloat16 if bf16 else None)
         losses, full, _, counters, plan = results[0][i]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"{label}: {m}")

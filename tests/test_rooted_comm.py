@@ -10,7 +10,7 @@ import torch
 
 import flexshard as fs
 from harness import run_world
-from placement_ref import check_parity
+from reference import check_parity
 
 pytestmark = pytest.mark.world
 
@@ -90,7 +90,7 @@ def test_rooted_bf16_at_three_ranks_matches_the_reference():
 def default_comm_kind() -> str:
     """The Comm flex_shard picks when given none."""
     from flexshard.runtime.state import get_state
-    from placement_ref import make_model
+    from reference import make_model
 
     return type(get_state(fs.flex_shard(make_model())).comm).__name__
 

@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
-from reference import low_precision_grads
-from test_parity import assert_rel_close
+from reference import assert_rel_close, average_grads
 from tp_model import batch, dp_tp_mesh, loss_fn, make_llama, tensor_parallel
 
 pytestmark = pytest.mark.world
@@ -136,7 +135,7 @@ def _reference_grads(model, step, param_dtype) -> float:
         loss.backward()
         return loss.item()
     # Mixed precision: each dp rank's batch on a low-precision copy, fp32 grads averaged.
-    return low_precision_grads(model, step, DP, param_dtype, batch, loss_fn)
+    return average_grads(model, step, DP, param_dtype, batch, loss_fn)
 
 
 def tp_reference_bf16() -> tuple:

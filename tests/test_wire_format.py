@@ -14,7 +14,7 @@ import torch
 
 import flexshard as fs
 from harness import run_world
-from test_parity import check_parity, train_sharded
+from reference import check_parity, train_sharded
 
 OFF = fs.OffloadPolicy(pin_memory=False)
 

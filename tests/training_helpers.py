@@ -14,8 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from models import batch, loss_fn
-from reference import make_model, reference_run
-from test_parity import assert_rel_close
+from reference import assert_rel_close, make_model, reference_run
 
 LR = 1e-2
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
