@@ -142,16 +142,25 @@ def _state_dicts(model, optimizer) -> tuple:
 
 def _check_bucket_meshes(state, what: str) -> None:
     """A bucket whose own mesh spans part of the model's ranks (expert
-    parallelism) holds other params, under the same names, on the other ranks:
-    one file would keep one copy of each name."""
+    parallelism) holds other params, under the same names, on the other ranks.
+    Each must be a DTensor sharded over the other ranks (experts as
+    DTensor(Shard(0)) over the expert-parallel mesh, as torchtitan makes them):
+    then every group's piece has its place in the global tensor. A plain
+    tensor would put every group's values at the same place."""
     for bucket in state.buckets:
-        if bucket.mesh is not None and bucket.mesh.size() < state.mesh_size:
-            raise NotImplementedError(
+        if bucket.mesh is None or bucket.mesh.size() >= state.mesh_size:
+            continue
+        specs = bucket.tp_specs or (None,) * len(bucket.slots)
+        plain = [s.fqn for s, spec in zip(bucket.slots, specs)
+                 if spec is None or not spec.sharded_over_tp]
+        if plain:
+            raise ValueError(
                 f"{what}: bucket {bucket.name!r} runs on its own mesh of {bucket.mesh.size()} of "
-                f"the model's {state.mesh_size} ranks, whose other ranks hold other values under "
-                "the same parameter names (other experts); a checkpoint would keep one of them. "
-                "Save each bucket-mesh group's fs.full_state_dict(model), or give those "
-                "parameters names that differ across the groups")
+                f"the model's {state.mesh_size} ranks, and its parameter {plain[0]!r} is a plain "
+                "tensor: the other ranks hold other values under that name (other experts), and "
+                "a checkpoint cannot tell where each group's values belong. Make the expert "
+                "params DTensors sharded over the expert-parallel mesh before flex_shard, e.g. "
+                "nn.Parameter(DTensor.from_local(local_experts, mesh['ep'], [Shard(0)]))")
 
 
 def _check_save_args(directory, optimizer, step, keep) -> None:

@@ -33,23 +33,27 @@ def dtensor_fqns(named: dict) -> list:
     return [fqn for fqn, p in named.items() if isinstance(p, DTensor)]
 
 
-def check_dtensor_params(named: dict, mesh) -> None:
+def check_dtensor_params(named: dict, mesh, bucket_meshes: Optional[dict] = None) -> None:
     """ValueError / NotImplementedError for DTensor params flex_shard cannot
-    shard over `mesh` (its data-parallel mesh)."""
+    shard over their bucket's mesh: `bucket_meshes[fqn]` when the param's
+    BucketSpec has a mesh of its own (experts over an expert-parallel group),
+    else `mesh` (flex_shard's data-parallel mesh)."""
     fqns = dtensor_fqns(named)
     if not fqns:
         return
-    if mesh is None:
-        raise ValueError(f"parameter {fqns[0]!r} is a DTensor (tensor parallel); pass flex_shard "
-                         "the data-parallel slice of its mesh, e.g. mesh['dp'] of "
-                         "init_device_mesh(..., ('dp', 'tp'))")
+    bucket_meshes = bucket_meshes or {}
     for fqn in fqns:
-        _check_one(fqn, named[fqn], mesh)
-    if mesh.size(mesh.ndim - 1) == 1:
-        raise NotImplementedError(
-            f"parameter {fqns[0]!r} is a DTensor and flex_shard's mesh shards over 1 rank; "
-            "flex_shard composes with tensor parallelism when the dp dim has 2 or more ranks: "
-            "run the TP model without flex_shard")
+        own = bucket_meshes.get(fqn, mesh)
+        if own is None:
+            raise ValueError(f"parameter {fqns[0]!r} is a DTensor (tensor parallel); pass "
+                             "flex_shard the data-parallel slice of its mesh, e.g. mesh['dp'] of "
+                             "init_device_mesh(..., ('dp', 'tp'))")
+        _check_one(fqn, named[fqn], own)
+        if own.size(own.ndim - 1) == 1:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a DTensor and its bucket's mesh shards over 1 rank; "
+                "flex_shard composes with tensor (or expert) parallelism when the dp dim has 2 "
+                "or more ranks: run the parallel model without flex_shard")
 
 
 def _check_one(fqn: str, param, mesh) -> None:
