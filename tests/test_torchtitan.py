@@ -247,7 +247,7 @@ def test_other_parallelisms_are_refused(field, value, flag):
     degrees = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
     degrees[field] = value
     dims = ParallelDims(**degrees, world_size=2, spmd_backend="partial_dtensor")
-    pattern = rf"data parallelism .* and tensor parallelism only; drop {flag.replace('>', '.')}"
+    pattern = rf"data parallelism .*, tensor and expert parallelism only; drop {flag.replace('>', '.')}"
     with pytest.raises(NotImplementedError, match=pattern):
         parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
                           parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),

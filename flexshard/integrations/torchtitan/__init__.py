@@ -1,4 +1,4 @@
-"""flexshard for torchtitan 0.3.0: `flex_shard` in place of `fully_shard` for Llama 3.
+"""flexshard for torchtitan 0.3.0: `flex_shard` in place of `fully_shard` for its decoders.
 
 Select it the way torchtitan selects its own experiments::
 
@@ -11,6 +11,6 @@ Select it the way torchtitan selects its own experiments::
 """
 
 from .config import FlexShardConfig
-from .parallelize import llama_buckets, parallelize_llama
+from .parallelize import llama_buckets, parallelize_decoder, parallelize_llama
 
-__all__ = ["FlexShardConfig", "llama_buckets", "parallelize_llama"]
+__all__ = ["FlexShardConfig", "llama_buckets", "parallelize_decoder", "parallelize_llama"]

@@ -1,9 +1,15 @@
-"""A torchtitan parallelize function for Llama 3 that applies flex_shard instead of fully_shard.
+"""A torchtitan parallelize function for its decoders (Llama 3, Qwen3 dense and MoE,
+DeepSeek-V3) that applies flex_shard instead of fully_shard.
 
-Same signature as `torchtitan.models.llama3.parallelize_llama`, so it drops into a
-`ModelSpec`. One bucket per TransformerBlock plus a root bucket (embeddings, final
-norm, LM head); mixed precision and reshard-after-forward come from torchtitan's
-own `training` and `parallelism` sections; the placement from `FlexShardConfig`.
+Same signature as torchtitan's `parallelize_llama` / `parallelize_qwen3`, so it drops
+into a `ModelSpec`. One bucket per TransformerBlock plus a root bucket (embeddings,
+final norm, LM head), as torchtitan's `apply_fsdp_to_decoder` groups them; with expert
+parallelism (`--parallelism.expert_parallel_degree` > 1) torchtitan's own EP plan makes
+each MoE block's routed experts DTensors over `ep`, and they go in a bucket of their
+own over the `efsdp` mesh (its `edp` mesh: `dp_replicate` x `efsdp` under HSDP), the
+rest of the block over `fsdp`. Mixed precision and reshard-after-forward come from
+torchtitan's own `training` and `parallelism` sections; the placement from
+`FlexShardConfig`.
 `--compile.enable` (with "model" in `--compile.components`) compiles each
 TransformerBlock as torchtitan does, after activation checkpointing and before
 sharding; flex_shard's hooks then run eagerly around each compiled block. With
@@ -30,15 +36,29 @@ from ...runtime.compiled import check_cpp_compiler
 from .config import FlexShardConfig
 
 
-def llama_buckets(model: nn.Module, reshard_after_forward: bool) -> list:
+def llama_buckets(model: nn.Module, reshard_after_forward: bool, expert_mesh=None) -> list:
     """One BucketSpec per block of `model.layers`, then a root bucket for the rest.
 
     The root bucket (embeddings, final norm, LM head) stays unsharded from forward
     to backward, as torchtitan keeps its last FSDP group: backward needs it at once.
+    With `expert_mesh` (expert parallelism) each MoE block's routed experts get a
+    bucket of their own on it, named `layers.<i>.experts`.
     """
-    specs = [fs.BucketSpec(f"layers.{name}.*", name=f"layers.{name}",
-                           reshard_after_forward=reshard_after_forward)
-             for name, _ in model.layers.named_children()]
+    specs = []
+    for name, block in model.layers.named_children():
+        experts = _routed_experts(block) if expert_mesh is not None else None
+        if experts is None:
+            specs.append(fs.BucketSpec(f"layers.{name}.*", name=f"layers.{name}",
+                                       reshard_after_forward=reshard_after_forward))
+            continue
+        inner = {f"layers.{name}.{fqn}" for fqn, p in block.named_parameters()
+                 if any(p is q for q in experts.parameters())}
+        dense = [f"layers.{name}.{fqn}" for fqn, _ in block.named_parameters()
+                 if f"layers.{name}.{fqn}" not in inner]
+        specs += [fs.BucketSpec(dense, name=f"layers.{name}",
+                                reshard_after_forward=reshard_after_forward),
+                  fs.BucketSpec(sorted(inner), name=f"layers.{name}.experts",
+                                mesh=expert_mesh, reshard_after_forward=reshard_after_forward)]
     rest = [fqn for fqn, _ in model.named_parameters() if not fqn.startswith("layers.")]
     if rest:
         specs.append(fs.BucketSpec(rest, name="root", reshard_after_forward=False))
@@ -51,7 +71,6 @@ def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
     checks = [
         (parallel_dims.cp_enabled, "--parallelism.context_parallel_degree > 1"),
         (parallel_dims.pp_enabled, "--parallelism.pipeline_parallel_degree > 1"),
-        (parallel_dims.ep_enabled, "--parallelism.expert_parallel_degree > 1"),
         (parallelism.spmd_backend != "partial_dtensor",
          f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)"),
         (training.enable_cpu_offload, "--training.enable_cpu_offload"),
@@ -60,12 +79,13 @@ def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
     return [flag for bad, flag in checks if bad]
 
 
-def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
-                      training: TrainingConfig, parallelism: ParallelismConfig,
-                      compile_config: CompileConfig, ac_config, dump_folder: str,
-                      flex_shard: Optional[FlexShardConfig] = None) -> nn.Module:
-    """Apply tensor parallelism and activation checkpointing (if configured), then
-    flex_shard over the fsdp mesh, to a Llama 3 model.
+def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
+                        training: TrainingConfig, parallelism: ParallelismConfig,
+                        compile_config: CompileConfig, ac_config, dump_folder: str,
+                        flex_shard: Optional[FlexShardConfig] = None) -> nn.Module:
+    """Apply tensor and expert parallelism and activation checkpointing (if
+    configured), then flex_shard over the fsdp mesh (routed experts over efsdp),
+    to a torchtitan decoder.
 
     Gradients are summed over ranks, not averaged: torchtitan's loss is already
     divided by the global token count (FSDP2 there runs with divide factor 1 too).
@@ -74,13 +94,14 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     if unsupported:
         raise NotImplementedError(
             "flexshard's torchtitan parallelize supports data parallelism (fsdp, and "
-            f"dp_replicate as HSDP) and tensor parallelism only; drop {', '.join(unsupported)}")
+            f"dp_replicate as HSDP), tensor and expert parallelism only; drop "
+            f"{', '.join(unsupported)}")
     placement = (flex_shard or FlexShardConfig()).build_placement()
     compiled = compile_config.enable and "model" in compile_config.components
     if compiled:  # before touching the model; the device is the one torchtitan trains on
         check_cpp_compiler(titan_parallel_dims.device_type, compile_config.backend)
-    if parallel_dims.tp_enabled:  # torchtitan's TP plan first: DTensor params on mesh "tp"
-        model.parallelize(parallel_dims)
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
+        model.parallelize(parallel_dims)  # torchtitan's plans: DTensor params on "tp" / "ep"
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compiled:
@@ -95,7 +116,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                                  cast_forward_inputs=False)
     mesh = _dp_mesh(parallel_dims)
     on_meta = any(p.is_meta for p in model.parameters())
-    model = fs.flex_shard(model, mesh, buckets=llama_buckets(model, reshard),
+    buckets = llama_buckets(model, reshard, _edp_mesh(parallel_dims))
+    model = fs.flex_shard(model, mesh, buckets=buckets,
                           placement=placement, mp_policy=mp, reshard_after_forward=reshard)
     model.set_gradient_divide_factor(1.0)
     if on_meta:
@@ -126,6 +148,26 @@ def _inner_block(module: nn.Module) -> nn.Module:
     while len(list(module.children())) == 1 and not list(module.parameters(recurse=False)):
         module = next(module.children())
     return module
+
+
+parallelize_llama = parallelize_decoder  # the name torchtitan's Llama 3 spec uses
+
+
+def _routed_experts(block: nn.Module):
+    """A MoE block's grouped experts (torchtitan's `moe.routed_experts.inner_experts`)."""
+    if not getattr(block, "moe_enabled", False):
+        return None
+    return block.moe.routed_experts.inner_experts
+
+
+def _edp_mesh(parallel_dims: ParallelDims):
+    """The routed experts' data-parallel mesh under expert parallelism (None without):
+    efsdp, or (dp_replicate, efsdp) under HSDP, as torchtitan's apply_fsdp_to_decoder."""
+    if not parallel_dims.ep_enabled:
+        return None
+    if parallel_dims.dp_replicate_enabled:
+        return parallel_dims.get_mesh(["dp_replicate", "efsdp"])
+    return parallel_dims.get_mesh("efsdp")
 
 
 def _dp_mesh(parallel_dims: ParallelDims):
