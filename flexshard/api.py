@@ -193,7 +193,7 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
     _, world_size = _rank_and_world(mesh)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
                      world_size, replicas=_replicas(mesh), note=_shard_dim_note(mesh),
-                     offload_policy=offload_policy)
+                     offload_policy=offload_policy, dtensors=frozenset(local.specs))
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     groups = mesh_groups(mesh) if mesh is not None else single_process()

@@ -324,7 +324,7 @@ def test_bad_input():
                            r"parameter 'head\.weight' has DTensor placement Partial\(sum\); "
                            r"flex_shard shards DTensor params placed with Shard\(d\) or Replicate")
     expect_all_ranks_raise(WORLD, _one_dp_rank, NotImplementedError,
-                           r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor and its bucket's "
+                           r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor and flex_shard's "
                            r"mesh shards over 1 rank")
     expect_all_ranks_raise(WORLD, _no_mesh, ValueError,
                            r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor \(tensor "

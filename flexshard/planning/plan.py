@@ -58,7 +58,8 @@ class WrapPlan(NamedTuple):
 def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], placement,
               mp_policy: MixedPrecisionPolicy, reshard_after_forward,
               world_size: int, *, replicas: int = 1, note: str = "",
-              offload_policy: Optional[OffloadPolicy] = None) -> WrapPlan:
+              offload_policy: Optional[OffloadPolicy] = None,
+              dtensors: frozenset = frozenset()) -> WrapPlan:
     """Assign `named` (module.named_parameters()) to `specs`, bind placements
     (`placement` unless a spec names its own) and find each bucket's modules.
     Raises on parameters that match no or several specs and on placements
@@ -66,7 +67,9 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     `replicas`: HSDP's replicate size (grads are all-reduced over it); `note`
     ends placement errors (which group the placements split over). A spec
     with its own mesh is planned on that mesh's (replicas, shard size).
-    `offload_policy`: flex_shard's, which a BucketSpec's overrides (False: none)."""
+    `offload_policy`: flex_shard's, which a BucketSpec's overrides (False: none).
+    `dtensors`: FQNs of params that were DTensors (their buckets always hook: forward
+    installs them as DTensors again)."""
     members = assign_params(list(named), specs)
     shapes = [(replicas, world_size) if spec.mesh is None else mesh_shape(spec.mesh)
               for spec in specs]
@@ -91,6 +94,7 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     mps = [spec.mp_policy or mp_policy for spec in specs]
     offloads = [_offload(spec, offload_policy) for spec in specs]
     hooked = [hooks_needed(bucket, mp, shape[1], shape[0], off is not None)
+              or any(s.fqn in dtensors for s in bucket)
               for bucket, mp, shape, off in zip(slots, mps, shapes, offloads)]
     nested = _nested_use(module, runners, owners, hooked)
     return WrapPlan(tuple(

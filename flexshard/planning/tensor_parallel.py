@@ -49,11 +49,11 @@ def check_dtensor_params(named: dict, mesh, bucket_meshes: Optional[dict] = None
                              "flex_shard the data-parallel slice of its mesh, e.g. mesh['dp'] of "
                              "init_device_mesh(..., ('dp', 'tp'))")
         _check_one(fqn, named[fqn], own)
-        if own.size(own.ndim - 1) == 1:
+        if own is mesh and own.size(own.ndim - 1) == 1:  # a bucket mesh of 1 rank is fine
             raise NotImplementedError(
-                f"parameter {fqn!r} is a DTensor and its bucket's mesh shards over 1 rank; "
-                "flex_shard composes with tensor (or expert) parallelism when the dp dim has 2 "
-                "or more ranks: run the parallel model without flex_shard")
+                f"parameter {fqn!r} is a DTensor and flex_shard's mesh shards over 1 rank; "
+                "flex_shard composes with tensor parallelism when the dp dim has 2 or more "
+                "ranks: run the TP model without flex_shard")
 
 
 def _check_one(fqn: str, param, mesh) -> None:

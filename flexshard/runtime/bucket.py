@@ -108,9 +108,10 @@ class Bucket:
     @property
     def needs_hooks(self) -> bool:
         """False at world size 1 without a cast or offload when every piece has
-        the full shape: the sharded params are the full ones."""
-        return hooks_needed(self.slots, self.mp, self.world_size, self.replicate_size,
-                            self.offload is not None)
+        the full shape (the sharded params are the full ones) and no slot was a
+        DTensor (which forward must see as a DTensor again)."""
+        return self.tp_specs is not None or hooks_needed(
+            self.slots, self.mp, self.world_size, self.replicate_size, self.offload is not None)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:
