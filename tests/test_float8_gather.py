@@ -233,3 +233,34 @@ def test_checkpoints_hold_the_high_precision_weights(tmp_path):
     for first, again, diff, dtypes in run_world(2, _save_load, str(tmp_path)):
         assert dtypes == {"torch.float32"} and diff == 0.0
         assert again == first  # the optimizer state came back too
+
+
+def _compiled_vs_eager() -> tuple:
+    """Rank body: the same SGD steps with each block compiled (block.compile(), the
+    gather staying in flexshard's hooks) and eager: (losses, params) of each."""
+    out = []
+    for compiled in (False, True):
+        model = _wrap("flexshard", float8_model(), None)
+        if compiled:
+            for layer in model.layers:
+                layer.compile()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        losses = []
+        for step in range(2):
+            x, y = data(step, torch.distributed.get_rank())
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append((losses, fs.full_state_dict(model)))
+    return out
+
+
+def test_compiled_blocks_with_fp8_gathers_match_eager():
+    for (eager_losses, eager), (comp_losses, comp) in run_world(2, _compiled_vs_eager,
+                                                                timeout=300):
+        torch.testing.assert_close(torch.tensor(comp_losses), torch.tensor(eager_losses),
+                                   rtol=1e-5, atol=1e-6)
+        for k, v in eager.items():
+            torch.testing.assert_close(comp[k], v, rtol=1e-5, atol=1e-6, msg=k)
