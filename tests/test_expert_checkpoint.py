@@ -12,7 +12,9 @@ all 4 ranks. Checked against one process holding every expert, within 1e-6:
   AdamW's exp_avg / exp_avg_sq as one process has them);
 - the checkpoint loads at (ep 2, efsdp 2), at ep 1 on 2 ranks (every expert on
   every rank, sharded over 2) and on 1 process, and back; each load gives the
-  saved values bit for bit, and the next AdamW step matches one process.
+  saved values bit for bit, and the next AdamW step matches one process;
+- at (ep 4, efsdp 1), one expert per rank, training matches one process too
+  (the experts' grads averaged over the world) and its checkpoint loads at ep 2.
 """
 
 from __future__ import annotations
@@ -156,10 +158,14 @@ def _ep_mesh(ep: int, efsdp: int):
     return init_device_mesh("cpu", (ep, efsdp), mesh_dim_names=("ep", "efsdp"))
 
 
+EP_LAYOUTS = {"ep2": (2, 2), "ep4": (4, 1)}  # (ep, efsdp) on 4 ranks
+
+
 def wrapped(layout: str, **moe_kw):
-    """flex_shard'ed MoE and its AdamW: 'ep2' on 4 ranks, 'ep1' on 2, 'one' on 1."""
-    if layout == "ep2":
-        mesh = _ep_mesh(2, 2)
+    """flex_shard'ed MoE and its AdamW: 'ep2' (2 experts per group, sharded over
+    its 2 ranks) or 'ep4' (one expert per rank) on 4 ranks, 'ep1' on 2, 'one' on 1."""
+    if layout in EP_LAYOUTS:
+        mesh = _ep_mesh(*EP_LAYOUTS[layout])
         buckets = [fs.BucketSpec(["experts.*"], name="experts", mesh=mesh["efsdp"]),
                    fs.BucketSpec(DENSE, name="dense")]
         model = fs.flex_shard(MoE(mesh["ep"], **moe_kw), buckets=buckets,
@@ -271,7 +277,10 @@ def ep2(tmp_path_factory) -> tuple:
 
 
 def test_training_at_ep2_matches_one_process(ref, ep2):
-    _, runs = ep2
+    _check_trained(ep2[1], ref)
+
+
+def _check_trained(runs, ref: Reference) -> None:
     unsharded = {k: tuple(v.shape) for k, v in MoE().state_dict().items()}
     for rank, run in enumerate(runs):
         assert run.first_grads.keys() == ref.first_grads.keys()
@@ -302,6 +311,16 @@ def test_expert_checkpoints_move_between_layouts(ref, ep2):
     _check(back, ref, saved)
 
 
+def test_one_expert_per_rank(ref, ep2):
+    """(ep 4, efsdp 1): each group is one rank holding one expert, which flexshard
+    does not shard but still divides its grads by the world size."""
+    root, _ = ep2
+    ep4 = run_world(4, save_then_resume, "ep4", str(root / "ep4"))
+    _check_trained(ep4, ref)
+    back = run_world(4, save_then_resume, "ep2", str(root / "ep4_to_ep2"), str(root / "ep4"))
+    _check(back, ref, ep4[0].before)
+
+
 # Bad input: every rank raises, naming the bucket or key and the fix.
 
 
@@ -313,13 +332,6 @@ def _load_plain_experts(directory: str) -> None:
 def _load_other_expert_count(directory: str) -> None:
     model, opt = wrapped("ep2", experts=2 * EXPERTS)
     fs.load_checkpoint(directory, model, opt)
-
-
-def _experts_on_one_rank_groups() -> None:
-    mesh = _ep_mesh(4, 1)
-    fs.flex_shard(MoE(mesh["ep"]), buckets=[
-        fs.BucketSpec(["experts.*"], name="experts", mesh=mesh["efsdp"]),
-        fs.BucketSpec(DENSE, name="dense")])
 
 
 def test_bad_input(ep2):
@@ -334,6 +346,3 @@ def test_bad_input(ep2):
                            r"checkpoint '.*step_00000002': 'model\.router\.weight' has shape "
                            r"\(4, 16\) but the model's is \(8, 16\); load it into the same model",
                            ckpt)
-    expect_all_ranks_raise(4, _experts_on_one_rank_groups, NotImplementedError,
-                           r"parameter 'experts\.w_in' is a DTensor and its bucket's mesh shards "
-                           r"over 1 rank")

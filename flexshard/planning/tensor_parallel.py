@@ -36,8 +36,9 @@ def dtensor_fqns(named: dict) -> list:
 def check_dtensor_params(named: dict, mesh, bucket_meshes: Optional[dict] = None) -> None:
     """ValueError / NotImplementedError for DTensor params flex_shard cannot
     shard over their bucket's mesh: `bucket_meshes[fqn]` when the param's
-    BucketSpec has a mesh of its own (experts over an expert-parallel group),
-    else `mesh` (flex_shard's data-parallel mesh)."""
+    BucketSpec has a mesh of its own (experts over an expert-parallel group,
+    one rank each included), else `mesh` (flex_shard's data-parallel mesh,
+    which must shard over 2 ranks or more)."""
     fqns = dtensor_fqns(named)
     if not fqns:
         return
@@ -49,11 +50,18 @@ def check_dtensor_params(named: dict, mesh, bucket_meshes: Optional[dict] = None
                              "flex_shard the data-parallel slice of its mesh, e.g. mesh['dp'] of "
                              "init_device_mesh(..., ('dp', 'tp'))")
         _check_one(fqn, named[fqn], own)
-        if own.size(own.ndim - 1) == 1:
+        # One shard rank: never rebuilt as a DTensor (no hooks), unless the bucket's own mesh
+        # is smaller than the model's (experts, one rank per group): hooked at any size.
+        if own.size(own.ndim - 1) == 1 and own.size() >= _model_size(mesh):
             raise NotImplementedError(
                 f"parameter {fqn!r} is a DTensor and its bucket's mesh shards over 1 rank; "
                 "flex_shard composes with tensor (or expert) parallelism when the dp dim has 2 "
                 "or more ranks: run the parallel model without flex_shard")
+
+
+def _model_size(mesh) -> int:
+    """The ranks of flex_shard's mesh (the whole world when it is None)."""
+    return mesh.size() if mesh is not None else dist.get_world_size()
 
 
 def _check_one(fqn: str, param, mesh) -> None:
