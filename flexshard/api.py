@@ -334,6 +334,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict) -
                         divide_factor=state.mesh_size,
                         offload_policy=planned.offload_policy)
         bucket.mesh = groups.mesh
+        bucket.on_sub_mesh = groups.shard_size * groups.replicate_size < state.mesh_size
         if bucket.post_forward_size is not None:
             bucket.subgroups.of(bucket.rank, bucket.post_forward_size)  # made now, by every member
         bucket.load_full(lambda fqn: named[fqn].detach())

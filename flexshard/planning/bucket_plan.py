@@ -36,10 +36,13 @@ def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
 
 
 def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int,
-                 replicas: int = 1, offload: bool = False) -> bool:
+                 replicas: int = 1, offload: bool = False, sub_mesh: bool = False) -> bool:
     """False at world size 1 without replicas, offload or a cast when every piece
-    has the full shape: the sharded params are the full ones (see Bucket.needs_hooks)."""
-    return (world_size > 1 or replicas > 1 or offload
+    has the full shape: the sharded params are the full ones (see Bucket.needs_hooks).
+    A bucket on a mesh of its own smaller than the model's (`sub_mesh`: experts of
+    one rank per expert-parallel group) is hooked even then: its grads are divided
+    by the model's world size, and DTensor experts are rebuilt in forward."""
+    return (world_size > 1 or replicas > 1 or offload or sub_mesh
             or any(f != Cast(s.dtype) for s, f in zip(slots, wire_formats(slots, mp, world_size)))
             or any(s.local_shapes[0] != s.shape for s in slots))
 

@@ -93,7 +93,8 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
         _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
     mps = [spec.mp_policy or mp_policy for spec in specs]
     offloads = [_offload(spec, offload_policy) for spec in specs]
-    hooked = [hooks_needed(bucket, mp, shape[1], shape[0], off is not None)
+    hooked = [hooks_needed(bucket, mp, shape[1], shape[0], off is not None,
+                           sub_mesh=shape[0] * shape[1] < replicas * world_size)
               or any(s.fqn in dtensors for s in bucket)
               for bucket, mp, shape, off in zip(slots, mps, shapes, offloads)]
     nested = _nested_use(module, runners, owners, hooked)

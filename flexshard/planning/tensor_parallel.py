@@ -36,8 +36,9 @@ def dtensor_fqns(named: dict) -> list:
 def check_dtensor_params(named: dict, mesh, bucket_meshes: Optional[dict] = None) -> None:
     """ValueError / NotImplementedError for DTensor params flex_shard cannot
     shard over their bucket's mesh: `bucket_meshes[fqn]` when the param's
-    BucketSpec has a mesh of its own (experts over an expert-parallel group),
-    else `mesh` (flex_shard's data-parallel mesh)."""
+    BucketSpec has a mesh of its own (experts over an expert-parallel group,
+    one rank each included), else `mesh` (flex_shard's data-parallel mesh,
+    which must shard over 2 ranks or more)."""
     fqns = dtensor_fqns(named)
     if not fqns:
         return

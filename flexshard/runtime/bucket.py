@@ -60,6 +60,7 @@ class Bucket:
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.subgroups = subgroups  # mesh.Subgroups of the shard group (int reshard)
         self.mesh = None  # its DeviceMesh (its own or the model's; None without a process group)
+        self.on_sub_mesh = False  # its own mesh has fewer ranks than the model's (experts)
         # Planned once: no setter changes what the layouts depend on.
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
         # CPU offload: the storage lives in host memory, `device` is the compute device.
@@ -108,10 +109,12 @@ class Bucket:
     @property
     def needs_hooks(self) -> bool:
         """False at world size 1 without a cast or offload when every piece has
-        the full shape (the sharded params are the full ones) and no slot was a
-        DTensor (which forward must see as a DTensor again)."""
+        the full shape (the sharded params are the full ones), unless a slot was
+        a DTensor (which forward must see as a DTensor again) or the bucket's own
+        mesh is smaller than the model's (see hooks_needed)."""
         return self.tp_specs is not None or hooks_needed(
-            self.slots, self.mp, self.world_size, self.replicate_size, self.offload is not None)
+            self.slots, self.mp, self.world_size, self.replicate_size,
+            self.offload is not None, self.on_sub_mesh)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:

@@ -149,8 +149,8 @@ class GradReduce:
         sum-then-divide wherever that does not overflow (or go subnormal).
         A factor of 1 (torchtitan's) sums."""
         factor = self.gradient_divide_factor
-        if self.world_size * self.replicate_size == 1 or factor == 1.0:
-            return ReduceOp(None, None, dist.ReduceOp.SUM)
+        if factor == 1.0:  # a world of one, or torchtitan's sum (a one-rank bucket mesh in
+            return ReduceOp(None, None, dist.ReduceOp.SUM)  # a larger model still divides)
         # Under HSDP the replicas' all-reduce sums: the whole factor is applied around it.
         if (factor == self.world_size and self.replicate_group is None
                 and self.comm.averages(self.group)):
