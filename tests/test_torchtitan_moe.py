@@ -28,12 +28,12 @@ from torchtitan.models.qwen3 import model_registry
 from flexshard.integrations.torchtitan import FlexShardConfig, parallelize_decoder
 from flexshard.runtime.state import get_state
 from harness import run_world
+from test_torchtitan import titan_loss, tokens  # one fixed batch per rank, the same loss
 
 pytestmark = pytest.mark.world
 
 WORLD, STEPS, LR = 4, 3, 0.05
 EXPERTS, TOP_K, HIDDEN, LAYERS = 8, 2, 64, 2
-BATCH, SEQ, VOCAB = 2, 16, 2048
 
 
 def _fp32_experts(self, x_RD, num_tokens_per_expert_E):
@@ -101,18 +101,6 @@ def _pristine(ep: int, family: str = "qwen3") -> torch.nn.Module:
     return model
 
 
-def tokens(rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7919 + rank)
-    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-
-
-def titan_loss(model, rows: torch.Tensor, global_tokens: int) -> torch.Tensor:
-    """torchtitan's loss: summed cross-entropy over the global token count."""
-    logits = model(rows[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(),
-                           reduction="sum") / global_tokens
-
-
 def reference(family: str = "qwen3") -> tuple:
     """One process, every expert, every rank's tokens: (losses, step-0 grads, params)."""
     threads = torch.get_num_threads()
@@ -121,7 +109,7 @@ def reference(family: str = "qwen3") -> tuple:
         with mock.patch.object(GroupedExperts, "forward", _fp32_experts):
             model = copy.deepcopy(_pristine(1, family))
             opt = torch.optim.SGD(model.parameters(), lr=LR)
-            rows = torch.cat([tokens(r) for r in range(WORLD)])
+            rows = torch.cat([tokens(0, r) for r in range(WORLD)])
             losses, first = [], None
             for step in range(STEPS):
                 loss = titan_loss(model, rows, rows[:, 1:].numel())
@@ -157,7 +145,7 @@ def train_sharded(ep: int, placement: str, family: str = "qwen3") -> tuple:
             compile_config=CompileConfig(), ac_config=None, dump_folder="",
             flex_shard=FlexShardConfig(placement=placement))
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        rows = tokens(rank)
+        rows = tokens(0, rank)
         losses, first = [], None
         for step in range(STEPS):
             loss = titan_loss(model, rows, rows[:, 1:].numel() * WORLD)
