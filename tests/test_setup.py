@@ -1,4 +1,5 @@
-"""The set-up cannot drift: what is installed is what constraints.txt (the lock) pins."""
+"""The set-up cannot drift: what is installed is what constraints.txt (the lock) and
+requirements-physicsnemo.txt (installed with --no-deps) pin."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 PIN = re.compile(r"([A-Za-z0-9_.\-]+)==([^\s;#]+)")
 
 
-def pins() -> dict:
+def pins(lock: str = "constraints.txt") -> dict:
     out = {}
-    for line in (REPO / "constraints.txt").read_text().splitlines():
+    for line in (REPO / lock).read_text().splitlines():
         match = PIN.fullmatch(line.split("#")[0].strip())
         if match:
             out[match.group(1)] = match.group(2)
@@ -28,7 +29,8 @@ def test_the_lock_pins_torch_and_the_test_tools():
 
 def test_every_locked_package_is_installed_at_its_pin():
     wrong = []
-    for name, version in sorted(pins().items()):
+    locked = {**pins(), **pins("requirements-physicsnemo.txt")}  # the second: --no-deps
+    for name, version in sorted(locked.items()):
         try:
             installed = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -36,5 +38,5 @@ def test_every_locked_package_is_installed_at_its_pin():
             continue
         if installed.split("+")[0] != version:
             wrong.append(f"{name}: pinned {version}, installed {installed}")
-    assert not wrong, ("the environment drifted from constraints.txt (run the README's set-up "
+    assert not wrong, ("the environment drifted from the locks (run the README's set-up "
                        "command in a fresh virtual environment):\n" + "\n".join(wrong))
