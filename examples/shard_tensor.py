@@ -96,6 +96,7 @@ class Mesh(NamedTuple):
     data_rank: int
     domain: object  # the DeviceMesh over which ShardTensor splits image rows
     world: object  # the 1-D DeviceMesh of every rank, for flex_shard
+    data_mesh: object  # the DeviceMesh over replicas (FSDP2's, in PhysicsNeMo's recipe)
 
 
 def make_mesh(domain_size: int = 2) -> Mesh:
@@ -107,7 +108,7 @@ def make_mesh(domain_size: int = 2) -> Mesh:
     mesh = init_device_mesh("cpu", (world // domain_size, domain_size),
                             mesh_dim_names=("data", "domain"))
     return Mesh(world // domain_size, mesh.get_local_rank("data"), mesh["domain"],
-                init_device_mesh("cpu", (world,)))
+                init_device_mesh("cpu", (world,)), mesh["data"])
 
 
 def scatter_rows(images: torch.Tensor, mesh: Mesh):

@@ -10,7 +10,9 @@ checked without running them: shell syntax, the files they name, and every
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -105,13 +107,67 @@ def _commands(block: Block) -> list:
     return out
 
 
-def _check_benchmark(module: str, argv: list) -> None:
-    """`python -m benchmarks.NAME ARGS`: its own parser takes ARGS (then --help exits)."""
-    assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{module} does not exist"
-    done = subprocess.run([sys.executable, "-m", module, *argv, "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120,
+# Parses every benchmark command of the pages in one process (importing torch once, not
+# once per command): each module runs as __main__ until its argparse parser has parsed
+# the command's args, then stops. argv[1] is a JSON list of [module, args]; prints a JSON
+# object of the commands that failed, with why.
+_PARSE_ALL = """
+import argparse, contextlib, io, json, runpy, sys
+
+class Parsed(Exception):
+    pass
+
+def parse_then_stop(self, args=None, namespace=None, _parse=argparse.ArgumentParser.parse_args):
+    _parse(self, args, namespace)  # exits 2 on args it refuses
+    raise Parsed
+
+argparse.ArgumentParser.parse_args = parse_then_stop
+failed = {}
+for module, args in json.loads(sys.argv[1]):
+    sys.argv, err = [module, *args], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        why = "it ran to the end without parsing its args"
+    except Parsed:
+        continue
+    except SystemExit as e:
+        why = f"exit {e.code}"
+    except Exception as e:
+        why = repr(e)
+    failed[" ".join([module, *args])] = f"{why}: {err.getvalue()[-500:]}"
+print(json.dumps(failed))
+"""
+
+
+def _benchmark_call(argv: list):
+    """(module, args) when `argv` runs a benchmark module, directly or by torchrun."""
+    if argv[:2] == ["python", "-m"] and argv[2].startswith("benchmarks."):
+        return argv[2], tuple(argv[3:])
+    if argv[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        args = get_args_parser().parse_args(argv[1:])
+        if args.module and args.training_script.startswith("benchmarks."):
+            return args.training_script, tuple(args.training_script_args)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _benchmark_parse_failures() -> dict:
+    calls = sorted({c for b in BASH for argv in _commands(b) if (c := _benchmark_call(argv))})
+    done = subprocess.run([sys.executable, "-c", _PARSE_ALL, json.dumps(calls)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, f"{module} {argv}: {done.stderr[-500:]}"
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check_benchmark(module: str, argv: list) -> None:
+    """`python -m benchmarks.NAME ARGS`: its own parser takes ARGS."""
+    assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{module} does not exist"
+    failure = _benchmark_parse_failures().get(" ".join([module, *argv]))
+    assert failure is None, f"{module} {argv}: {failure}"
 
 
 def _load_train_module():
