@@ -188,8 +188,7 @@ def run_configs(configs, steps: int, warmup: int, device: str = "auto",
 
 def _quiet() -> None:
     """Silence the warnings every configuration repeats (they say nothing about the numbers)."""
-    for message in ("FSDP2-wrapped module", "Full backward hook is firing",
-                    r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"):
+    for message in ("FSDP2-wrapped module", "Full backward hook is firing"):
         warnings.filterwarnings("ignore", message=message)
 
 

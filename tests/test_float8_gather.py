@@ -115,7 +115,7 @@ def _grads(model) -> dict:
             flat = [t.reshape(-1) for t in pieces]
             sizes = [t.numel() for t in flat]
             buf = torch.zeros(max(sizes) * len(sizes), dtype=p.grad.dtype)
-            dist.all_gather_into_tensor(buf, torch.nn.functional.pad(
+            dist.all_gather_single(buf, torch.nn.functional.pad(
                 p.grad.reshape(-1), (0, max(sizes) - p.grad.numel())))
             pieces = [buf[r * max(sizes):r * max(sizes) + n].view(s)
                       for r, (n, s) in enumerate(zip(sizes, slot.local_shapes))]

@@ -2,7 +2,7 @@
 
 Audience: training and tests on CPUs with gloo. `comm_for` gives a model on a gloo
 process group a `GlooComm`; NCCL (and any other backend) gets the plain `Comm`, whose
-all_gather_into_tensor / reduce_scatter_tensor GlooComm keeps below its threshold.
+all_gather_single / reduce_scatter_single GlooComm keeps below its threshold.
 Switch: pass `comm=fs.Comm()` to flex_shard for gloo's own collectives, with the same
 results.
 
