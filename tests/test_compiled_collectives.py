@@ -1,6 +1,7 @@
 """Every activation collective runs inside a torch.compile'd region with no graph
 break and no recompile, and gives eager's values and gradients (gloo, aot_eager:
-the graph, not inductor's kernels, is what is tested here)."""
+the graph, not inductor's kernels, is what the first test checks); a block of them
+compiles with inductor too."""
 
 from __future__ import annotations
 
@@ -64,3 +65,37 @@ def test_every_collective_compiles_without_a_graph_break_and_matches_eager():
             assert values and grads, f"{name}: compiled differs from eager"
             assert breaks == 0, f"{name}: {breaks} graph break(s)"
             assert graphs == 1, f"{name}: {graphs} graphs compiled over two calls"
+
+
+def block_under_inductor() -> tuple:
+    """Rank body: a domain-parallel block (halo exchange, gather, all-to-all) compiled
+    with inductor, the default backend users get: (values equal eager's, grads equal
+    eager's, graph breaks, graphs)."""
+    from torch._dynamo.utils import counters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = [2, 0, 3]
+    plan = HaloPlan.from_edges(torch.tensor([[0, 4, 1, 3], [4, 0, 2, 1]]), sizes)
+
+    def block(x):
+        rows = torch.cat([x, halo_exchange(x, plan)]).sin()[:sizes[rank]]
+        whole = C.gather_tensor(rows * x, sizes, 0)
+        return C.all_to_all(whole[:, 2 * rank:2 * rank + 2], sizes, 0, [2] * world, 1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(sizes[rank], 2 * world, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    got = torch.compile(block, fullgraph=True)(x)
+    got.sum().backward()
+    got_grad, x.grad = x.grad, None
+    want = block(x)
+    want.sum().backward()
+    return (torch.allclose(got, want, rtol=1e-6, atol=1e-6),
+            torch.allclose(got_grad, x.grad, rtol=1e-6, atol=1e-6),
+            sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+
+
+def test_a_block_of_collectives_compiles_with_inductor_and_matches_eager():
+    for values, grads, breaks, graphs in run_world(3, block_under_inductor, timeout=300):
+        assert values and grads and breaks == 0 and graphs == 1
