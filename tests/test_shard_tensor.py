@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import flexshard as fs
 from harness import run_world
 
 pytestmark = pytest.mark.world
@@ -84,3 +85,53 @@ def test_shard_tensor_sums_weight_gradients_over_the_domain_mesh():
         _single_thread(lambda: (model(x[mine]) - y[mine]).square().mean().backward())
         for name, p in model.named_parameters():
             _close(grads[name], p.grad, f"rank {rank} {name}")
+
+
+def _bf16_against_fsdp2():
+    """flexshard over data x domain and FSDP2 over data (PhysicsNeMo's recipe), both with
+    bf16 params and fp32 reduction, on the same ShardTensor batches: (losses, full params
+    after the first and last SGD step) of each."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ex = _example()
+    out = {}
+    with ex.physicsnemo_on_cpu():
+        mesh = ex.make_mesh()
+        for library in ("flexshard", "fsdp2"):
+            model = ex.make_model()
+            if library == "flexshard":
+                policy = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                model = fs.flex_shard(model, mesh.world, mp_policy=policy)
+                full = lambda: fs.full_state_dict(model)  # noqa: E731
+            else:
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                fully_shard(model, mesh=mesh.data_mesh, mp_policy=policy)
+                full = lambda: {k: v.full_tensor() for k, v in model.state_dict().items()}  # noqa: E731
+            opt = torch.optim.SGD(model.parameters(), lr=ex.LR)
+            losses, snapshots = [], []
+            for step in range(STEPS):
+                x, y = ex.batch(step)
+                pred = model(ex.scatter_rows(x, mesh))
+                assert pred.dtype == torch.bfloat16, pred.dtype  # the input was cast
+                loss = (pred.float() - ex.scatter_rows(y, mesh)).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.full_tensor().item())
+                if step in (0, STEPS - 1):
+                    snapshots.append(full())
+            out[library] = (losses, snapshots)
+    return out
+
+
+def test_bf16_params_with_shard_tensor_inputs_match_fsdp2_over_data():
+    """flex_shard's pre-forward hook casts a ShardTensor input to the param dtype as
+    FSDP2's does; training then matches FSDP2 with the same policy step for step."""
+    for rank, out in enumerate(run_world(4, _bf16_against_fsdp2)):
+        (losses, snaps), (ref_losses, ref_snaps) = out["flexshard"], out["fsdp2"]
+        assert ref_losses[-1] < ref_losses[0]
+        _close(torch.tensor(losses), torch.tensor(ref_losses), f"rank {rank} losses")
+        for got, want in zip(snaps, ref_snaps):
+            assert got.keys() == want.keys()
+            for name in want:
+                _close(got[name], want[name], f"rank {rank} {name}")
