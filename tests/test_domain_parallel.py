@@ -4,26 +4,21 @@ flex-sharded over the whole world. Matches one process trained on the same data.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 import flexshard as fs
+from example_loader import load_example, single_thread
 from harness import run_world
 
 pytestmark = pytest.mark.world
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "domain_parallel.py"
 STEPS = 4
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("domain_parallel_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("domain_parallel")
 
 
 def _train(reshard_after_forward, optimizer):
@@ -32,12 +27,7 @@ def _train(reshard_after_forward, optimizer):
 
 
 def _reference(optimizer):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
-    try:
-        return _example().reference(STEPS, optimizer)
-    finally:
-        torch.set_num_threads(threads)
+    return single_thread(_example().reference, STEPS, optimizer)
 
 
 # SGD's steps scale with the gradient (AdamW's do not): it pins the divide factor.

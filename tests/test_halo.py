@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import flexshard as fs
 from flexshard.collectives import HaloPlan, halo_exchange
+from example_loader import load_example
 from harness import expect_all_ranks_raise, run_world
 
 WORLD = 3
@@ -116,14 +117,7 @@ def test_gradcheck_of_message_passing_through_the_halo():
 
 
 def _example():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "examples" / "halo_graph.py"
-    spec = importlib.util.spec_from_file_location("halo_graph_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("halo_graph")
 
 
 def example_body() -> tuple:

@@ -5,36 +5,21 @@ the whole images with SGD, whose step pins the gradient's scale."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import flexshard as fs
+from example_loader import load_example, single_thread
 from harness import run_world
 
 pytestmark = pytest.mark.world
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "shard_tensor.py"
 STEPS = 3
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("shard_tensor_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _single_thread(fn, *args):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(threads)
+    return load_example("shard_tensor")
 
 
 def _close(actual, expected, what):
@@ -47,7 +32,7 @@ def _train(reshard_after_forward):
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_matches_one_process(reshard_after_forward):
-    ref_losses, ref_first, ref_final = _single_thread(_example().reference, STEPS)
+    ref_losses, ref_first, ref_final = single_thread(_example().reference, STEPS)
     results = run_world(4, _train, reshard_after_forward)
     holds = [line for *_, line in results]
     assert holds[0].startswith("rank 0: data 0, domain 0: image rows 0..15 (16 of 32), 837 of 3058")
@@ -82,7 +67,7 @@ def test_shard_tensor_sums_weight_gradients_over_the_domain_mesh():
     for grads, mine, rank in run_world(4, _domain_grads):
         model = ex.make_model()
         x, y = ex.batch(0)
-        _single_thread(lambda: (model(x[mine]) - y[mine]).square().mean().backward())
+        single_thread(lambda: (model(x[mine]) - y[mine]).square().mean().backward())
         for name, p in model.named_parameters():
             _close(grads[name], p.grad, f"rank {rank} {name}")
 
