@@ -53,7 +53,7 @@ class MessagePassing(nn.Module):
         src = plan.local_index(edges[0][mine])  # rows of cat([h, halo])
         dst = edges[1][mine] - start
         for self_w, msg_w in zip(self.self_w, self.msg_w):
-            rows = torch.cat([h, halo_exchange(h, plan)])
+            rows = halo_exchange(h, plan, include_local=True)  # torch.cat([h, halo]), in place
             messages = torch.zeros_like(h).index_add(0, dst, msg_w(rows)[src])
             h = torch.relu(self_w(h) + messages)
         return h

@@ -30,6 +30,8 @@ def collectives(world: int, rank: int) -> dict:
         "all_reduce_grad": (lambda x: C.all_reduce_grad(x), (n, 2)),
         "all_to_all": (lambda x: C.all_to_all(x, sizes, 0, [2] * world, 1), (n, 2)),
         "halo_exchange": (lambda x: halo_exchange(x, plan), (sizes[rank], 2)),
+        "halo_exchange_with_local": (lambda x: halo_exchange(x, plan, include_local=True),
+                                     (sizes[rank], 2)),
     }
 
 
@@ -60,7 +62,7 @@ def compiled_against_eager() -> dict:
 def test_every_collective_compiles_without_a_graph_break_and_matches_eager():
     # 3 ranks: uneven sizes with an empty rank (2 ranks compile the same graphs)
     for results in run_world(3, compiled_against_eager, timeout=300):
-        assert len(results) == 8
+        assert len(results) == 9
         for name, (values, grads, breaks, graphs) in results.items():
             assert values and grads, f"{name}: compiled differs from eager"
             assert breaks == 0, f"{name}: {breaks} graph break(s)"
@@ -78,7 +80,7 @@ def block_under_inductor() -> tuple:
     plan = HaloPlan.from_edges(torch.tensor([[0, 4, 1, 3], [4, 0, 2, 1]]), sizes)
 
     def block(x):
-        rows = torch.cat([x, halo_exchange(x, plan)]).sin()[:sizes[rank]]
+        rows = halo_exchange(x, plan, include_local=True).sin()[:sizes[rank]]
         whole = C.gather_tensor(rows * x, sizes, 0)
         return C.all_to_all(whole[:, 2 * rank:2 * rank + 2], sizes, 0, [2] * world, 1)
 

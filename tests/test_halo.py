@@ -18,10 +18,11 @@ from harness import expect_all_ranks_raise, run_world
 WORLD = 3
 
 
-def exchange_case(sizes: tuple, edges: list, explicit: bool) -> tuple:
+def exchange_case(sizes: tuple, edges: list, explicit: bool, include_local: bool) -> tuple:
     """Rank body: the halo of the global features' own rows, from a plan made from
     the edges (or from the send lists that plan derived); and x's gradient for a
-    fixed weight on the halo."""
+    fixed weight on the halo. With `include_local` the exchange returns x's rows
+    then the halo, and the gradient through x's own rows is taken off."""
     rank = dist.get_rank()
     edge_index = torch.tensor(edges, dtype=torch.long).reshape(2, -1)
     plan = HaloPlan.from_edges(edge_index, sizes)
@@ -30,10 +31,13 @@ def exchange_case(sizes: tuple, edges: list, explicit: bool) -> tuple:
     full = torch.arange(sum(sizes) * 2, dtype=torch.float64).reshape(-1, 2)
     start = sum(sizes[:rank])
     x = full[start:start + sizes[rank]].clone().requires_grad_(True)
-    halo = halo_exchange(x, plan)
-    weight = torch.arange(halo.numel(), dtype=torch.float64).reshape(halo.shape) + rank
-    (halo * weight).sum().backward()
-    return halo.detach(), torch.cat(plan.recv_ids), x.grad, weight
+    out = halo_exchange(x, plan, include_local=include_local)
+    weight = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape) + rank
+    (out * weight).sum().backward()
+    local = sizes[rank] if include_local else 0
+    assert torch.equal(out[:local], x[:local])
+    grad = x.grad - weight[:local] if include_local else x.grad  # the halo's part of it
+    return out[local:].detach(), torch.cat(plan.recv_ids), grad, weight[local:]
 
 
 def _edges(draw_sizes, data):
@@ -45,11 +49,11 @@ def _edges(draw_sizes, data):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(sizes=st.tuples(*[st.integers(0, 5)] * WORLD).filter(lambda s: sum(s) > 0),
-       explicit=st.booleans(), data=st.data())
-def test_the_halo_is_the_rows_one_process_would_pick_and_its_grads_add_back(sizes, explicit,
-                                                                             data):
+       explicit=st.booleans(), include_local=st.booleans(), data=st.data())
+def test_the_halo_is_the_rows_one_process_would_pick_and_its_grads_add_back(
+        sizes, explicit, include_local, data):
     edges = _edges(sizes, data)
-    results = run_world(WORLD, exchange_case, sizes, edges, explicit)
+    results = run_world(WORLD, exchange_case, sizes, edges, explicit, include_local)
     full = torch.arange(sum(sizes) * 2, dtype=torch.float64).reshape(-1, 2)
     grad_full = torch.zeros_like(full)
     e = torch.tensor(edges, dtype=torch.long).reshape(2, -1)
@@ -86,7 +90,7 @@ def test_the_backward_is_the_exact_adjoint():
     assert sum(a for a, _ in pairs) == pytest.approx(sum(b for _, b in pairs), rel=1e-12)
 
 
-def gradcheck_case() -> bool:
+def gradcheck_case(include_local: bool) -> bool:
     """Rank body: torch.autograd.gradcheck (float64) of one message-passing round
     as a function of the whole graph's features, the same function on every rank:
     the features enter through `shard_tensor` (each rank takes its rows), the halo
@@ -103,7 +107,10 @@ def gradcheck_case() -> bool:
 
     def fn(features):
         x = C.shard_tensor(features, list(sizes), 0, check_sizes=False)
-        rows = torch.cat([x, halo_exchange(x, plan)])
+        if include_local:
+            rows = halo_exchange(x, plan, include_local=True)
+        else:
+            rows = torch.cat([x, halo_exchange(x, plan)])
         out = torch.zeros_like(x).index_add(0, dst, torch.sin(rows)[src])
         return C.gather_tensor(out * x, list(sizes), 0, check_sizes=False)
 
@@ -112,8 +119,9 @@ def gradcheck_case() -> bool:
     return torch.autograd.gradcheck(fn, (features,))
 
 
-def test_gradcheck_of_message_passing_through_the_halo():
-    assert run_world(WORLD, gradcheck_case) == [True] * WORLD
+@pytest.mark.parametrize("include_local", [False, True])
+def test_gradcheck_of_message_passing_through_the_halo(include_local):
+    assert run_world(WORLD, gradcheck_case, include_local) == [True] * WORLD
 
 
 def _example():

@@ -97,10 +97,15 @@ class HaloPlan(NamedTuple):
 
 
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *,
-                  comm: Optional[Comm] = None) -> torch.Tensor:
+                  comm: Optional[Comm] = None, include_local: bool = False) -> torch.Tensor:
     """The halo rows `plan` says this rank receives (rank by rank), from each
     sender's `x` (its own rows along dim 0); differentiable: the backward adds
-    each halo row's gradient at the row it was sent from. One all-to-all."""
+    each halo row's gradient at the row it was sent from. One all-to-all.
+
+    `include_local=True` returns `torch.cat([x, halo])` (the rows `plan.local_index`
+    numbers) built in one buffer: the halo is received in place, and the backward
+    adds the halo's gradients into x's slice of the output's gradient instead of
+    returning a second, mostly zero, gradient for x."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"halo_exchange: expected a tensor, got {type(x).__name__}")
     if not isinstance(plan, HaloPlan):
@@ -110,34 +115,41 @@ def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *,
         raise ValueError(f"halo_exchange: x has {x.shape[0] if x.dim() else 0} rows on rank "
                          f"{g.rank} but the plan gives it {plan.sizes[g.rank]} nodes; pass "
                          "this rank's own rows (dim 0) of the partition the plan was built on")
-    return _Halo.apply(x, plan, g)
+    return _Halo.apply(x, plan, g, bool(include_local))
 
 
 class _Halo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: HaloPlan, g: _Group):
-        ctx.plan, ctx.g, ctx.rows = plan, g, x.shape[0]
+    def forward(ctx, x: torch.Tensor, plan: HaloPlan, g: _Group, include_local: bool):
+        ctx.plan, ctx.g, ctx.rows, ctx.include_local = plan, g, x.shape[0], include_local
+        local = x.shape[0] if include_local else 0
+        out = x.new_empty((local + sum(plan.recv_counts), *x.shape[1:]))
+        if local:
+            out[:local].copy_(x)
         index = plan.send_rows.to(x.device)  # a no-op where x lives on the host
-        return _move(x.index_select(0, index), plan.send_counts, plan.recv_counts, g)
+        _move(x.index_select(0, index), out[local:], plan.send_counts, plan.recv_counts, g)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        plan, g = ctx.plan, ctx.g
-        back = _move(grad.contiguous(), plan.recv_counts, plan.send_counts, g)
+        plan, g, rows = ctx.plan, ctx.g, ctx.rows
+        local = rows if ctx.include_local else 0
+        back = grad.new_empty((sum(plan.send_counts), *grad.shape[1:]))
+        _move(grad[local:].contiguous(), back, plan.recv_counts, plan.send_counts, g)
         index = plan.send_rows.to(grad.device)
-        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
-        return out.index_add_(0, index, back), None, None
+        out = grad[:rows].clone() if ctx.include_local else grad.new_zeros((rows, *grad.shape[1:]))
+        return out.index_add_(0, index, back), None, None, None
 
 
-def _move(rows: torch.Tensor, send: list, recv: list, g: _Group) -> torch.Tensor:
-    """Rows in destination order -> received rows in source order: one all-to-all."""
-    width = math.prod(rows.shape[1:])
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+def _move(rows: torch.Tensor, out: torch.Tensor, send: list, recv: list, g: _Group) -> None:
+    """Rows in destination order -> `out` (contiguous), the received rows in source
+    order: one all-to-all."""
     if g.size == 1:
-        return out.copy_(rows)
+        out.copy_(rows)
+        return
+    width = math.prod(rows.shape[1:])
     g.comm.all_to_all(out.view(-1), rows.reshape(-1), [n * width for n in recv],
                       [n * width for n in send], g.group)
-    return out
 
 
 def _needed(edges: torch.Tensor, owner: torch.Tensor, src: int, dst: int) -> torch.Tensor:
