@@ -40,3 +40,29 @@ def test_every_collective_and_copy_of_a_step_is_labelled():
 def test_the_replicas_all_reduce_is_labelled():
     for labels in run_world(4, labels_of_a_step, True):
         assert "FlexShard::all_reduce" in labels
+
+
+ACTIVATION_LABELS = {"FlexShard::activation_size_check", "FlexShard::activation_all_gather",
+                     "FlexShard::activation_reduce_scatter", "FlexShard::activation_all_reduce",
+                     "FlexShard::activation_all_to_all", "FlexShard::halo_plan",
+                     "FlexShard::halo_exchange"}
+
+
+def labels_of_activation_collectives() -> set:
+    """Rank body: the FlexShard:: labels of each activation collective, forward and backward."""
+    C = fs.collectives
+    world = dist.get_world_size()
+    sizes = [2] * world
+    x = torch.randn(2, 3, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        plan = C.HaloPlan.from_send_index([[0]] * world, sizes)
+        whole = C.gather_tensor(x, sizes, 0, full_grad=C.FullGrad.PARTIAL)  # reduce-scatters back
+        y = C.all_to_all(whole[:, :1], sizes, 0, [1] * world, 1)
+        z = C.halo_exchange(x, plan, include_local=True)
+        (C.reduce_scatter_tensor(whole, None).sum() + y.sum() + z.sum()).backward()
+    return {e.name for e in prof.events() if e.name.startswith("FlexShard::")}
+
+
+def test_every_activation_collective_is_labelled():
+    for labels in run_world(2, labels_of_activation_collectives):
+        assert ACTIVATION_LABELS <= labels, ACTIVATION_LABELS - labels

@@ -19,6 +19,7 @@ import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from ..runtime.comm import Comm
 from .uneven import _agree, _group, _Group, _offsets
@@ -148,8 +149,9 @@ def _move(rows: torch.Tensor, out: torch.Tensor, send: list, recv: list, g: _Gro
         out.copy_(rows)
         return
     width = math.prod(rows.shape[1:])
-    g.comm.all_to_all(out.view(-1), rows.reshape(-1), [n * width for n in recv],
-                      [n * width for n in send], g.group)
+    with record_function("FlexShard::halo_exchange"):
+        g.comm.all_to_all(out.view(-1), rows.reshape(-1), [n * width for n in recv],
+                          [n * width for n in send], g.group)
 
 
 def _needed(edges: torch.Tensor, owner: torch.Tensor, src: int, dst: int) -> torch.Tensor:
@@ -166,9 +168,11 @@ def _exchange_ids(sent_ids: list, g: _Group) -> list:
         return [torch.empty(0, dtype=torch.long)]
     counts = torch.tensor([t.numel() for t in sent_ids], dtype=torch.long)
     recv_counts = torch.empty_like(counts)
-    g.comm.all_to_all(recv_counts, counts, [1] * g.size, [1] * g.size, g.group)
-    ids = torch.empty(int(recv_counts.sum()), dtype=torch.long)
-    g.comm.all_to_all(ids, torch.cat(sent_ids), recv_counts.tolist(), counts.tolist(), g.group)
+    with record_function("FlexShard::halo_plan"):
+        g.comm.all_to_all(recv_counts, counts, [1] * g.size, [1] * g.size, g.group)
+        ids = torch.empty(int(recv_counts.sum()), dtype=torch.long)
+        g.comm.all_to_all(ids, torch.cat(sent_ids), recv_counts.tolist(), counts.tolist(),
+                          g.group)
     return list(ids.split(recv_counts.tolist()))
 
 

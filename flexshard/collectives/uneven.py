@@ -46,6 +46,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..runtime.comm import Comm
 
@@ -139,7 +140,8 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, fields: dict, pieces=()) 
     mine += [tensor.dim(), hash(shape)] + [tensor.shape[p.dim] for p in pieces]
     vec = torch.tensor(mine, dtype=torch.int64, device=tensor.device)
     out = vec.new_empty(g.size * len(mine))
-    g.comm.all_gather(out, vec, g.group)
+    with record_function("FlexShard::activation_size_check"):
+        g.comm.all_gather(out, vec, g.group)
     rows = out.view(g.size, len(mine)).tolist()
     start = 0
     for label, value in fields.items():
@@ -179,7 +181,8 @@ def _all_gather(piece: torch.Tensor, sizes, dim: int, g: _Group) -> torch.Tensor
     send = rows.new_zeros((width, *rows.shape[1:]))
     send[: rows.shape[0]] = rows
     out = rows.new_empty((g.size * width, *rows.shape[1:]))
-    g.comm.all_gather(out, send, g.group)
+    with record_function("FlexShard::activation_all_gather"):
+        g.comm.all_gather(out, send, g.group)
     parts = [out[r * width: r * width + s] for r, s in enumerate(sizes)]
     return torch.cat(parts).movedim(0, dim)
 
@@ -194,14 +197,16 @@ def _reduce_scatter(whole: torch.Tensor, sizes, dim: int, g: _Group) -> torch.Te
     for r, (start, s) in enumerate(zip(_offsets(sizes), sizes)):
         send[r * width: r * width + s] = rows[start: start + s]
     out = rows.new_empty((width, *rows.shape[1:]))
-    g.comm.reduce_scatter(out, send, g.group)
+    with record_function("FlexShard::activation_reduce_scatter"):
+        g.comm.reduce_scatter(out, send, g.group)
     return out[: sizes[g.rank]].movedim(0, dim).contiguous()
 
 
 def _all_reduce(t: torch.Tensor, g: _Group) -> torch.Tensor:
     out = t.clone()
     if g.size > 1:
-        g.comm.all_reduce(out, g.group)
+        with record_function("FlexShard::activation_all_reduce"):
+            g.comm.all_reduce(out, g.group)
     return out
 
 
@@ -223,7 +228,9 @@ def _all_to_all(piece: torch.Tensor, split_sizes, split_dim: int, concat_sizes,
         shapes.append(shape)
     recv = [math.prod(shape) for shape in shapes]
     out = rows.new_empty(sum(recv))
-    g.comm.all_to_all(out, rows.view(-1), recv, [s * row_numel for s in split_sizes], g.group)
+    with record_function("FlexShard::activation_all_to_all"):
+        g.comm.all_to_all(out, rows.view(-1), recv, [s * row_numel for s in split_sizes],
+                          g.group)
     blocks = [block.view(shape) for block, shape in zip(out.split(recv), shapes)]
     return torch.cat(blocks, cat_dim).movedim(0, split_dim).contiguous()
 
