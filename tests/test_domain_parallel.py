@@ -4,7 +4,6 @@ flex-sharded over the whole world. Matches one process trained on the same data.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
