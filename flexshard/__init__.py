@@ -10,8 +10,8 @@ from .clip import clip_grad_norm_
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from .placements import (BlockQuantized, Cast, Owned, Placement, QuantizedGather, RaggedShard,
                          Shard, WireFormat, WirePart, WirePolicy, shard_sizes)
-from .planning.budget import plan_buckets
-from .planning.describe import describe
+from .inspect.budget import plan_buckets
+from .inspect.describe import describe
 from .planning.report import BucketPlan, ShardingPlan
 from .runtime.comm import Comm
 from .runtime.gloo import GlooComm

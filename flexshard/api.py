@@ -198,7 +198,7 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
     groups = mesh_groups(mesh) if mesh is not None else single_process()
     state = _new_state(groups, comm or comm_for(groups.shard_group))
-    check_ranks_agree(state, plan)  # over flex_shard's mesh: TP ranks may hold other shapes
+    check_ranks_agree(plan, state.comm, groups)  # over flex_shard's mesh: TP ranks may hold other shapes
     if local.specs:  # checkpoints are written by every rank of the (dp, tp) mesh
         state.files_group, state.files_rank, _ = root_group(mesh)
     _build(module, state, plan, named, device, local.specs)

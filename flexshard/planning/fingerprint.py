@@ -23,8 +23,6 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.comm import Comm
-
 _WORDS = 2  # 62-bit words per digest
 _ABSENT = -1  # digest of a bucket a rank does not have
 _TEXT_BYTES = 4096  # bytes of a field's text sent to explain a mismatch
@@ -76,15 +74,17 @@ def bucket_fingerprint(name: str, slots: Sequence, trainable: Sequence[bool],
     )
 
 
-def check_ranks_agree(state, plan) -> None:
+def check_ranks_agree(plan, comm, mesh_groups) -> None:
     """flex_shard's check, after planning and before building any bucket: raise
-    on every rank if the ranks planned different buckets (`plan`: plan.WrapPlan)."""
+    on every rank if the ranks planned different buckets (`plan`: plan.WrapPlan).
+    `comm` (a runtime Comm, passed in) runs the collectives over `mesh_groups`'
+    mesh_group (every rank of the mesh)."""
     prints = [bucket_fingerprint(b.spec.label, b.slots, b.trainable, b.reshard_after_forward,
                                  b.mp_policy, b.mesh_shape)
               for b in plan.buckets]
     # Over the whole mesh: under HSDP the replicas of a shard rank must agree too.
-    check_plans_agree(prints, state.comm, state.mesh_group, state.mesh_rank, state.mesh_size,
-                      _mesh_device(state.mesh))
+    g = mesh_groups
+    check_plans_agree(prints, comm, g.mesh_group, g.mesh_rank, g.mesh_size, _mesh_device(g.mesh))
 
 
 def _mesh_device(mesh) -> torch.device:
@@ -105,7 +105,7 @@ def _plan_digest(plan: Sequence[BucketFingerprint]) -> list:
     return _digest([repr(tuple(b)) for b in plan]) + [len(plan)]
 
 
-def check_plans_agree(plan: Sequence[BucketFingerprint], comm: Comm, group, rank: int,
+def check_plans_agree(plan: Sequence[BucketFingerprint], comm, group, rank: int,
                       world_size: int, device: torch.device) -> None:
     """Raise ValueError on every rank if the ranks' plans differ; a no-op at world size 1."""
     if world_size == 1:
@@ -134,7 +134,7 @@ def _field_digests(plan: Sequence[BucketFingerprint], rows: int) -> torch.Tensor
     return table
 
 
-def _gather_field_digests(plan, rows: int, comm: Comm, group, world_size: int,
+def _gather_field_digests(plan, rows: int, comm, group, world_size: int,
                           device) -> torch.Tensor:
     """Every rank's field digests: [world_size, rows, fields, words] (on the CPU)."""
     mine = _field_digests(plan, rows).to(device)
@@ -158,7 +158,7 @@ def _lines(plan: Sequence[BucketFingerprint], bucket: int, field: int) -> tuple:
     return plan[bucket][field]
 
 
-def _share_texts(lines, rank: int, refs: tuple, comm: Comm, group, device) -> list:
+def _share_texts(lines, rank: int, refs: tuple, comm, group, device) -> list:
     """The texts of ranks refs[0] and refs[1] (each cut at _TEXT_BYTES), on every rank."""
     buf = torch.zeros((len(refs), _TEXT_BYTES), dtype=torch.int32)
     raw = "\n".join(lines).encode()[:_TEXT_BYTES]

@@ -163,6 +163,14 @@ def bind_placements(entries: Sequence[tuple], world_size: int,
     return bound
 
 
+def typed_view(buffer: torch.Tensor, start: int, dtype: torch.dtype,
+               shape: torch.Size) -> torch.Tensor:
+    """A `dtype` tensor of `shape` over `buffer`'s bytes from `start`: how a
+    planned region is read (storage, gather and reduce buffers, wire parts)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[start:start + nbytes].view(dtype).view(shape)
+
+
 def piece_bytes(slot: SlotPlan, rank: int) -> int:
     """Bytes rank `rank`'s piece of `slot` takes in a segment of its own
     dtype, alignment included (what the piece adds to the rank's storage)."""

@@ -20,7 +20,6 @@ from ..placements.owned import Owned
 from ..placements.subclass import check_pieces, subclass_gather
 from .bucket_plan import hooks_needed
 from .layout import SlotPlan, bind_placements
-from ..runtime.mesh import mesh_shape
 from .assign import (
     assign_params,
     claimed_elsewhere,
@@ -47,6 +46,11 @@ class PlannedBucket(NamedTuple):
     used_in_nested_runner: bool  # a param is used inside another hooked bucket's runner
     mesh_shape: tuple  # (replicas, shard size) of the bucket's mesh (its own or flex_shard's)
     offload_policy: Optional[OffloadPolicy] = None  # the spec's, else flex_shard's; None: no offload
+
+
+def mesh_shape(mesh) -> tuple:
+    """(replicas, shard size) of a 1-D or 2-D DeviceMesh."""
+    return (1, mesh.size()) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
 
 
 class WrapPlan(NamedTuple):

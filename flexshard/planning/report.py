@@ -1,6 +1,6 @@
 """The plan of a sharded model: a ShardingPlan of one BucketPlan per bucket,
-printable as a table. Built from a wrapped model (`wrapped_plan`) or, for a
-mesh one does not have, by the dry run (planning/dryrun.py); both go through
+printable as a table. Built from a wrapped model (inspect/describe.py) or, for
+a mesh one does not have, by the dry run (planning/dryrun.py); both go through
 `bucket_plan`, from the layouts a Bucket uses."""
 
 from __future__ import annotations
@@ -9,11 +9,9 @@ import math
 from typing import NamedTuple, Sequence
 
 import torch
-import torch.nn as nn
 
 from ..placements.wire import Cast
 from .bucket_plan import BucketLayouts
-from ..runtime.state import FlexShardState
 
 
 class BucketPlan(NamedTuple):
@@ -151,28 +149,6 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
 def _unsharded_dtype(fmt, first_part: torch.dtype) -> torch.dtype:
     """What a format decodes to: its `out_dtype` (a quantized format), else its first part's."""
     return getattr(fmt, "out_dtype", first_part)
-
-
-def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
-    """What flex_shard made of `module` (wrapped, with `state`). A bucket that
-    reshards after forward regathers in backward, unless autograd saved none of
-    its params in the last forward (an embedding's weight)."""
-    names = {id(m): n for n, m in module.named_modules()}
-    runners = {id(b): h.module for h in state.hooks for b in h.buckets}
-    mesh_shape = (state.replicate_size, state.world_size)
-    rows = []
-    for bucket in state.buckets:
-        shape = (bucket.replicate_size, bucket.world_size)  # its own mesh's, or the model's
-        runner = runners.get(id(bucket))
-        layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout,
-                                bucket.gather.wire)
-        trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
-        regather = bucket.reshard_after_forward and bucket.saved_in_forward is not False
-        rows.append(bucket_plan(
-            bucket.name, bucket.slots, layouts, trainable, bucket.reshard_after_forward,
-            None if runner is None else names.get(id(runner), ""),
-            runner is not None and regather, shape))
-    return ShardingPlan(state.replicate_size * state.world_size, tuple(rows), mesh_shape)
 
 
 def _min_max(per_bucket: Sequence[tuple]) -> tuple:

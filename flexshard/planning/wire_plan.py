@@ -14,9 +14,8 @@ import torch
 
 from ..placements.contract import WireFormat
 from ..placements.wire import Cast
-from ..runtime.storage import typed_view
 from .copyplan import CopyPlan
-from .layout import SlotPlan
+from .layout import SlotPlan, typed_view
 
 
 class WirePlan(NamedTuple):

@@ -35,11 +35,6 @@ class MeshGroups(NamedTuple):
         return (self.replicate_size, self.shard_size)
 
 
-def mesh_shape(mesh) -> tuple:
-    """(replicas, shard size) of a 1-D or 2-D DeviceMesh."""
-    return (1, mesh.size()) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
-
-
 def single_process() -> MeshGroups:
     """World size 1 without a process group."""
     return MeshGroups(None, None, 0, 1, None, 1, None, 0, 1)

@@ -8,14 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..compat import POST_ACCUMULATE_GRAD_HOOKS
-from ..planning.layout import BucketLayout
-
-
-def typed_view(buffer: torch.Tensor, start: int, dtype: torch.dtype,
-               shape: torch.Size) -> torch.Tensor:
-    """A `dtype` tensor of `shape` over `buffer`'s bytes from `start`."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    return buffer[start:start + nbytes].view(dtype).view(shape)
+from ..planning.layout import BucketLayout, typed_view
 
 
 def segment_views(buffer: torch.Tensor, layout: BucketLayout, slots, rank: int) -> list:

@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch.nn as nn
 
-from ..runtime.state import find_state
-from .dryrun import check_dry_run_options, check_mesh_shape, dry_run
-from .report import ShardingPlan, wrapped_plan
+from ..planning.bucket_plan import BucketLayouts
+from ..planning.dryrun import check_dry_run_options, check_mesh_shape, dry_run
+from ..planning.report import ShardingPlan, bucket_plan
+from ..runtime.state import FlexShardState, find_state
 
 
 def describe(module: nn.Module, mesh_shape: Optional[tuple] = None,
@@ -62,3 +63,25 @@ def _check_no_mesh(mesh_shape, options: dict) -> None:
                          "shape: drop mesh=")
     raise ValueError("describe takes mesh_shape=(R, S), not mesh=: a dry run needs no process "
                      "group; pass mesh_shape=(1, n) for a 1-D mesh of n ranks")
+
+
+def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
+    """What flex_shard made of `module` (wrapped, with `state`). A bucket that
+    reshards after forward regathers in backward, unless autograd saved none of
+    its params in the last forward (an embedding's weight)."""
+    names = {id(m): n for n, m in module.named_modules()}
+    runners = {id(b): h.module for h in state.hooks for b in h.buckets}
+    mesh_shape = (state.replicate_size, state.world_size)
+    rows = []
+    for bucket in state.buckets:
+        shape = (bucket.replicate_size, bucket.world_size)  # its own mesh's, or the model's
+        runner = runners.get(id(bucket))
+        layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout,
+                                bucket.gather.wire)
+        trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
+        regather = bucket.reshard_after_forward and bucket.saved_in_forward is not False
+        rows.append(bucket_plan(
+            bucket.name, bucket.slots, layouts, trainable, bucket.reshard_after_forward,
+            None if runner is None else names.get(id(runner), ""),
+            runner is not None and regather, shape))
+    return ShardingPlan(state.replicate_size * state.world_size, tuple(rows), mesh_shape)
