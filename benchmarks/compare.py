@@ -267,7 +267,9 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="timed (paired) steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)))
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "runs", "compare"),
+                   help="where results.json, .md and .png go (default runs/compare, ignored by git)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG (needs matplotlib)")
     p.add_argument("--from-json", help="re-render the report of an earlier results.json; run nothing")
     return p.parse_args(argv)

@@ -374,32 +374,15 @@ def markdown(results, meta: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-START, END = "<!-- results:start -->", "<!-- results:end -->"
-
-
-def _refresh_doc(path: str, text: str) -> None:
-    """Replace the generated part of RESULTS.md (between the markers), if it has one."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        doc = f.read()
-    if START not in doc or END not in doc:
-        return
-    head, rest = doc.split(START, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{START}\n{text}{END}{rest.split(END, 1)[1]}")
-
-
 def write_outputs(results, meta: dict, out_dir: str, chart_png: bool = True) -> None:
-    """results.json, results.md and (with matplotlib) results.png in `out_dir`,
-    and the generated part of `out_dir`/RESULTS.md."""
+    """results.json, results.md and (with matplotlib) results.png in `out_dir`
+    (a run's outputs: RESULTS.md quotes what it keeps, by hand, with the command)."""
     os.makedirs(out_dir, exist_ok=True)
     text = markdown(results, meta)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(text)
-    _refresh_doc(os.path.join(out_dir, "RESULTS.md"), text)
     if chart_png and _ok(results):
         chart(results, os.path.join(out_dir, "results.png"))
     print(text)
