@@ -4,6 +4,12 @@
     python -m benchmarks.gpu --ac full --offload --profile runs/gpu-profile
     torchrun --nproc-per-node 8 -m benchmarks.gpu               # one process per GPU
     python -m benchmarks.gpu --device cpu --preset tiny --steps 2   # the CPU dry run
+    python -m benchmarks.gpu --fake-world 8                     # one rank of 8, one GPU
+    python -m benchmarks.gpu --fake-world 8 --device cpu --counts   # ops and copied bytes
+
+`--fake-world N` measures one rank of an N-rank job in one process (torch's
+"fake" backend, flexshard against FSDP2 on an HF Llama; Llama-3-8B layers on
+a GPU): see fake_world.py; `count_step` counts one side's ops and copied bytes.
 
 The model is benchmarks/model.py's Llama (RMSNorm, SwiGLU, rotary positions,
 untied head) at the "1b" preset: hidden 2048, 16 layers of 16 heads, SwiGLU
@@ -50,6 +56,8 @@ from torch.utils.checkpoint import checkpoint
 import flexshard as fs
 
 from .compare import _spread, time_steps
+from .fake_world import PRESETS as FAKE_PRESETS
+from .fake_world import MODES, count_step  # noqa: F401  (count_step: for engine tests)
 from .gpu_profile import profile_step
 from .model import BenchLlama, ModelShape, loss_fn
 from .runners import StepTime, flexshard_placement
@@ -302,7 +310,9 @@ def text(result: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    p.add_argument("--preset", default=None,
+                   help=f"model size: {sorted(PRESETS)} (default 1b); with --fake-world "
+                        f"{sorted(FAKE_PRESETS)} (default cpu on a CPU, 8b on a GPU)")
     p.add_argument("--batch", type=int, default=None, help="sequences per rank (preset's)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (preset's)")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (preset's)")
@@ -321,7 +331,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the GPU's dense bf16 peak, for MFU (default: H100 SXM, 989)")
     p.add_argument("--profile", default=None, help="directory for one profiled step per runner")
     p.add_argument("--json", default=None, help="write the report here as JSON")
+    fake = p.add_argument_group("fake world (one rank of an N-rank job in one process)")
+    fake.add_argument("--fake-world", type=int, default=None, metavar="N",
+                      help="measure rank --rank of N ranks: flexshard against FSDP2")
+    fake.add_argument("--rank", type=int, default=0)
+    fake.add_argument("--counts", action="store_true",
+                      help="count aten ops and bytes copied per forward+backward (eager modes)")
+    fake.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                      help="default: eager on a CPU; eager compile module-compile float8-compile "
+                           "on a GPU")
+    fake.add_argument("--out", default="runs/fake-world",
+                      help="where the JSON report and GPU traces go (default runs/fake-world)")
     args = p.parse_args(argv)
+    _check_fake_world(p, args)
     for name in ("steps", "warmup", "batch", "seq", "layers"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
@@ -329,6 +351,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here; use --device cpu")
     return args
+
+
+def _check_fake_world(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Defaults and refusals that depend on --fake-world; the preset's default."""
+    if args.fake_world is None:
+        args.preset = args.preset or "1b"
+        if args.preset not in PRESETS:
+            p.error(f"--preset {args.preset!r}: choose from {sorted(PRESETS)} "
+                    f"({sorted(FAKE_PRESETS)} are --fake-world presets)")
+        return
+    if args.fake_world < 1 or not 0 <= args.rank < args.fake_world:
+        p.error(f"--fake-world {args.fake_world} --rank {args.rank}: need N >= 1 and 0 <= rank < N")
+    for flag, given in (("--runners", args.runners), ("--offload", args.offload),
+                        ("--ac full", args.ac != "none"), ("--profile", args.profile),
+                        ("--timing sequential", args.timing != "alternate"),
+                        ("--no-reshard", args.no_reshard),
+                        ("--placement", args.placement != "shard")):
+        if given:
+            p.error(f"{flag} is for the real-world mode; --fake-world compares flexshard's "
+                    "default buckets with FSDP2, reshard after forward (drop the flag)")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    args.preset = args.preset or ("8b" if cuda else "cpu")
+    if args.preset not in FAKE_PRESETS:
+        p.error(f"--preset {args.preset!r} with --fake-world: choose from {sorted(FAKE_PRESETS)}")
+    args.modes = args.modes or (["eager", "compile", "module-compile", "float8-compile"]
+                                if cuda else ["eager"])
 
 
 def _init(device_arg: str) -> tuple:
@@ -350,9 +398,25 @@ def _init(device_arg: str) -> tuple:
     return device, True
 
 
+def fake_world_main(args) -> int:
+    """--fake-world N: both sides in each mode; markdown to stdout, JSON under --out."""
+    from . import fake_world_bench
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    result = fake_world_bench.run(args, device)
+    print(fake_world_bench.text(result), flush=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path(args.json) if args.json else Path(args.out) / f"{device.type}-{stamp}.json"
+    print(f"wrote {fake_world_bench.write(result, path)}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into|reduce_scatter)_tensor`")
+    if args.fake_world is not None:
+        return fake_world_main(args)
     device, owns = _init(args.device)
     try:
         result = run(args, device)

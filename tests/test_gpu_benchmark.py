@@ -126,3 +126,164 @@ def test_presets_are_what_the_issue_asks():
 
     model = build_model(PRESETS["1b"], "none", torch.device("meta"), 0)
     assert sum(p.numel() for p in model.parameters()) >= 1e9 and PRESETS["1b"].seq >= 2048
+
+
+# --- the fake world (--fake-world N): one rank of an N-rank job in one process ---
+
+FAKE_WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+    """The CLI's CPU count mode on the tiny Llama, then count_step on the same
+    configuration, in one fresh process (a fake world is its default group)."""
+    out = tmp_path_factory.mktemp("fake-world")
+    script = (
+        "import json, sys\n"
+        "from benchmarks import gpu\n"
+        "from benchmarks.fake_world import PRESETS\n"
+        f"gpu.main(['--fake-world', '{FAKE_WORLD}', '--device', 'cpu', '--counts', '--preset',"
+        f" 'tiny', '--steps', '2', '--warmup', '1', '--json', sys.argv[1]])\n"
+        f"c = gpu.count_step('flexshard', world={FAKE_WORLD}, shape=PRESETS['tiny'])\n"
+        "print('COUNT_STEP', json.dumps(c._asdict()))\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script, str(out / "fake.json")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    helper = json.loads(proc.stdout.split("COUNT_STEP ", 1)[1])
+    return json.loads((out / "fake.json").read_text()), proc.stdout, helper
+
+
+def _gathers(by_op: dict) -> int:
+    from benchmarks.meters import is_collective
+
+    return sum(c for n, (c, _) in by_op.items() if is_collective(n) and "gather" in n)
+
+
+def _shard_bytes_bf16(shape, world: int) -> tuple:
+    """bf16 bytes of one rank's shard of one decoder layer and of the root params
+    (a Llama's matrices and norms, from its dims; the tiny preset divides by the world)."""
+    kv = shape.dim // shape.heads * shape.kv_heads
+    layer = 2 * shape.dim * shape.dim + 2 * kv * shape.dim + 3 * shape.dim * shape.ffn \
+        + 2 * shape.dim
+    root = 2 * shape.vocab * shape.dim + shape.dim
+    return 2 * layer // world, 2 * root // world
+
+
+def test_fake_world_counts_both_sides(fake_run):
+    from benchmarks.fake_world import PRESETS
+
+    result, stdout, _ = fake_run
+    assert result["config"]["world"] == FAKE_WORLD and result["config"]["device"] == "cpu"
+    (mode,) = result["modes"]
+    assert mode["mode"] == "eager"
+    sides = mode["sides"]
+    for side in ("flexshard", "fsdp2"):
+        c = sides[side]["counts"]
+        assert 0 < c["non_view_ops"] < c["ops"] and 0 < c["copy_ops"] < c["ops"]
+        assert c["copy_bytes"] > 0 and sides[side]["peak_bytes"] > 0 and sides[side]["step_s"] > 0
+        assert sum(n for n, _ in c["by_op"].values()) == c["ops"]
+        assert sum(b for _, b in c["by_op"].values()) == c["copy_bytes"]
+    fs_ops, fsdp_ops = sides["flexshard"]["counts"]["by_op"], sides["fsdp2"]["counts"]["by_op"]
+    # reshard after forward: each layer gathers in forward and again in backward, the root once
+    shape = PRESETS["tiny"]
+    assert _gathers(fs_ops) == _gathers(fsdp_ops) == 2 * shape.layers + 1
+    # FSDP2's copy-in writes exactly the bf16 shards it gathers: the byte count is the bytes written
+    assert all(n % FAKE_WORLD == 0 for n in (shape.dim, shape.ffn, shape.vocab))  # no padding
+    layer, root = _shard_bytes_bf16(shape, FAKE_WORLD)
+    assert fsdp_ops["fsdp::all_gather_copy_in"] == [2 * shape.layers + 1,
+                                                    2 * shape.layers * layer + root]
+    for key in ("ops", "non_view_ops", "copy_ops", "copy_bytes", "peak_bytes", "step_s"):
+        a, b = (sides[s]["counts"][key] if key in sides[s]["counts"] else sides[s][key]
+                for s in ("flexshard", "fsdp2"))
+        assert mode["ratios"][key] == pytest.approx(a / b)
+    assert [t[:2] for t in result["targets"]] == [["eager", "ops"], ["eager", "copy_bytes"]]
+    assert "| aten ops per forward+backward |" in stdout and "| fsdp::chunk_cat |" in stdout
+    assert "target eager ops flexshard/FSDP2" in stdout
+
+
+def test_count_step_matches_the_cli(fake_run):
+    """count_step (the helper engine tests call) counts what the CLI counts."""
+    result, _, helper = fake_run
+    cli = result["modes"][0]["sides"]["flexshard"]["counts"]
+    assert helper == cli
+
+
+def test_written_bytes_of_copy_ops():
+    import torch
+
+    from benchmarks.fake_world import OpCounter
+
+    a, b = torch.zeros(6), torch.ones(4, dtype=torch.bfloat16)
+    outs = [torch.empty(2), torch.empty(4)]
+    with OpCounter() as counter:
+        a[:4].copy_(b)  # 4 fp32 written
+        torch._foreach_copy_([a[:2], a[2:3]], [b[:2], b[2:3]])  # 3 fp32
+        torch.split_with_sizes_copy(a, [2, 4], out=outs)  # 6 fp32 into out=
+        torch.cat([b, b])  # 8 bf16
+        a.view(2, 3).t()  # views: counted ops, no bytes
+    c = counter.copy_bytes
+    assert c["aten::copy_"] == 16 and c["aten::_foreach_copy_"] == 12
+    assert c["aten::split_with_sizes_copy"] == 24 and c["aten::cat"] == 16
+    assert counter.views["aten::view"] == 1 and counter.views["aten::t"] == 1
+    assert "aten::view" not in c
+
+
+def test_device_summary_attributes_kernels_to_copies():
+    """On a GPU: kernels counted, copy time taken once per outermost copy op,
+    and per library label (made-up events, as torch.profiler's FunctionEvents)."""
+    from types import SimpleNamespace
+
+    from benchmarks.fake_world_bench import device_summary
+
+    cpu, cuda = SimpleNamespace(name="CPU"), SimpleNamespace(name="CUDA")
+
+    def ev(name, device, us=0.0, parent=None, kernels=0):
+        e = SimpleNamespace(name=name, device_type=device, device_time_total=us,
+                            cpu_parent=parent, kernels=[None] * kernels, cpu_children=[])
+        if parent is not None:
+            parent.cpu_children.append(e)
+        return e
+    label = ev("FSDP::all_gather_copy_in", cpu, 7.0)
+    copy_in = ev("fsdp::all_gather_copy_in", cpu, 7.0, label)
+    inner = ev("aten::_foreach_copy_", cpu, 7.0, copy_in, kernels=2)
+    mm = ev("aten::mm", cpu, 30.0, kernels=1)
+    events = [label, copy_in, inner, mm, ev("kernel_a", cuda, 3.0), ev("kernel_b", cuda, 4.0),
+              ev("gemm", cuda, 30.0), ev("Memcpy HtoD", cuda, 1.0)]
+    s = device_summary(events)
+    assert (s["kernels"], s["memcpy_memset"], s["device_us"]) == (3, 1, 38.0)
+    assert (s["copy_device_us"], s["copy_kernels"]) == (7.0, 2)
+    assert s["label_device_us"] == {"FSDP::all_gather_copy_in": 7.0}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fake-world", "8", "--rank", "8"], "need N >= 1 and 0 <= rank < N"),
+    (["--fake-world", "8", "--offload"], "--offload is for the real-world mode"),
+    (["--fake-world", "8", "--device", "cpu", "--preset", "1b"],
+     "--preset '1b' with --fake-world: choose from"),
+    (["--preset", "8b"], "--preset '8b': choose from"),
+])
+def test_fake_world_bad_arguments(argv, message, capsys):
+    from benchmarks.gpu import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_fake_world_defaults():
+    from benchmarks.gpu import parse_args
+
+    args = parse_args(["--fake-world", "8", "--device", "cpu", "--counts"])
+    assert (args.preset, args.modes) == ("cpu", ["eager"])
+    assert parse_args([]).preset == "1b"  # the real-world mode keeps its default
+
+
+def test_fake_world_presets_are_what_the_issues_ask():
+    """CPU: hidden >= 384, 4 layers, sequence >= 256 (issue 34); GPU: Llama-3-8B's
+    layer shapes at sequence 4096 (issue 33)."""
+    from benchmarks.fake_world import PRESETS
+
+    cpu, gpu = PRESETS["cpu"], PRESETS["8b"]
+    assert cpu.dim >= 384 and cpu.layers == 4 and cpu.seq >= 256
+    assert (gpu.dim, gpu.ffn, gpu.heads, gpu.kv_heads, gpu.seq) == (4096, 14336, 32, 8, 4096)

@@ -1,0 +1,330 @@
+"""One rank of an N-rank job in one process: flexshard against FSDP2 under
+torch.distributed's "fake" backend (issues 33 and 34).
+
+Every kernel the rank runs, runs; collectives move nothing (their outputs keep
+whatever their buffers held), so one device measures what one rank of an
+N-device job computes, copies and holds: its shard sizes, its copy work, its
+memory. Losses are meaningless (gathered weights are uninitialised memory);
+correctness is the parity tests' job, this is the cost of a step.
+
+    python -m benchmarks.gpu --fake-world 8 --device cpu --counts    # issue 34's CPU counts
+    python -m benchmarks.gpu --fake-world 8                           # GPU: Llama-3-8B layers
+
+Both sides train the same Hugging Face LlamaForCausalLM from the same weights
+on the same batch, bf16 params and fp32 reduce, reshard after forward:
+flexshard with its default buckets (one per decoder layer plus the root),
+FSDP2 with `fully_shard` per decoder layer plus the root. A mode sets what
+else the step does: "eager", "compile" (`model.layers[i] = torch.compile(layer)`),
+"module-compile" (`layer.compile()`), "float8" / "float8-compile" (torchao's
+float8 linears with fp8 all-gathers; FSDP2 also runs torchao's
+`precompute_float8_dynamic_scale_for_fsdp` after each optimizer step).
+
+For engine work, `count_step` counts one side's ops and copied bytes in one
+call (its own fake world):
+
+    from benchmarks.gpu import count_step
+    c = count_step("flexshard", world=8)      # HF Llama hidden 384, 4 layers, seq 256
+    c.ops, c.copy_bytes, c.by_op["aten::copy_"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import warnings
+from collections import Counter
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import flexshard as fs
+
+from .meters import MemoryMeter, is_collective, nbytes
+
+SIDES = ("flexshard", "fsdp2")
+MODES = ("eager", "compile", "module-compile", "float8", "float8-compile")
+
+
+class LlamaShape(NamedTuple):
+    """A Llama's sizes and its batch (sequences per rank)."""
+
+    vocab: int
+    dim: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    layers: int
+    seq: int
+    batch: int
+
+
+PRESETS = {
+    # issue 34's CPU target: hidden 384 (6 heads of 64, 2 KV heads as Llama-3's
+    # grouped attention), SwiGLU 1024, sequence 256, one sequence per rank
+    "cpu": LlamaShape(vocab=1024, dim=384, ffn=1024, heads=6, kv_heads=2, layers=4, seq=256,
+                      batch=1),
+    # Llama-3-8B's layers (8 of its 32) at sequence 4096: one rank of 8 fits 80 GB
+    "8b": LlamaShape(vocab=128256, dim=4096, ffn=14336, heads=32, kv_heads=8, layers=8,
+                     seq=4096, batch=1),
+    "tiny": LlamaShape(vocab=128, dim=64, ffn=128, heads=4, kv_heads=2, layers=2, seq=32,
+                       batch=1),
+}
+
+# Ops that write a copy of bytes held elsewhere: casts, packs and unpacks, clones,
+# gathers by index. FSDP2's fsdp::* are custom ops whose inner copies a dispatch
+# mode does not see, so they count as one op with the bytes they write.
+COPY_OPS = frozenset({
+    "aten::copy_", "aten::_to_copy", "aten::_foreach_copy_", "aten::_foreach_copy",
+    "aten::cat", "aten::stack", "aten::_chunk_cat", "aten::split_with_sizes_copy",
+    "aten::clone", "aten::index", "aten::index_select", "aten::index_put",
+    "aten::index_put_", "aten::_index_put_impl_", "aten::index_copy", "aten::index_copy_",
+    "aten::narrow_copy", "aten::slice_scatter", "aten::select_scatter",
+    "aten::as_strided_scatter", "aten::constant_pad_nd",
+    "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat",
+})
+_NOT_WORK = ("profiler::",)  # record_function's enter/exit markers: no kernel, no bytes
+
+
+def is_view(func) -> bool:
+    """Whether every output of `func` aliases an input (a view: no kernel, no bytes)."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                 for r in returns)
+
+
+def written_bytes(func, args, kwargs, out) -> int:
+    """Bytes `func` wrote: its mutated arguments (in-place and out= ops), else its
+    outputs; all_gather_copy_in writes only its first output (the copy-in slice of
+    the gather buffer it returns as well)."""
+    name = func._schema.name
+    if name == "fsdp::all_gather_copy_in":
+        return nbytes(out[0])
+    written = [a.name for a in func._schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    if written:
+        bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+        targets = [bound.get(n) for n in written]
+    else:
+        targets = [out]
+    return sum(nbytes(t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op dispatched under it by name (record_function markers left
+    out), the views among them, collectives, and the bytes copy-family ops write.
+
+    An op on a tensor subclass (DTensor, torchao's float8 weight) counts once, at
+    the subclass: the ops it runs inside are not seen (as FSDP2's custom ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.views: Counter = Counter()
+        self.copy_bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if name.startswith(_NOT_WORK):
+            return out
+        self.ops[name] += 1
+        if is_view(func):
+            self.views[name] += 1
+        if name in COPY_OPS:
+            self.copy_bytes[name] += written_bytes(func, args, kwargs, out)
+        return out
+
+
+class Counts(NamedTuple):
+    """One forward+backward of one side, counted by OpCounter."""
+
+    ops: int  # every dispatched op
+    non_view_ops: int  # less the views (on a GPU: about the kernels launched)
+    copy_ops: int  # copy-family ops
+    copy_bytes: int  # bytes they wrote
+    collectives: int
+    by_op: dict  # name -> (count, copy bytes)
+
+    @classmethod
+    def of(cls, counter: OpCounter) -> "Counts":
+        by_op = {n: (c, counter.copy_bytes.get(n, 0)) for n, c in counter.ops.most_common()}
+        return cls(sum(counter.ops.values()),
+                   sum(counter.ops.values()) - sum(counter.views.values()),
+                   sum(c for n, c in counter.ops.items() if n in COPY_OPS),
+                   sum(counter.copy_bytes.values()),
+                   sum(c for n, c in counter.ops.items() if is_collective(n)), by_op)
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int = 0, device: torch.device = torch.device("cpu")):
+    """Rank `rank` of a fake process group of `world` ranks, its 1-D DeviceMesh yielded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"fake_world: this process already has a {dist.get_backend()!r} process group; "
+            "the fake world needs its own default group: run it in a fresh process "
+            "(python -m benchmarks.gpu --fake-world N, or a subprocess)")
+    if not 0 <= rank < world:
+        raise ValueError(f"fake_world: rank {rank} is not in a world of {world} ranks")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh(device.type, (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def hf_llama(shape: LlamaShape, device: torch.device, seed: int = 0) -> nn.Module:
+    """transformers' LlamaForCausalLM at `shape`, fp32, initialised from `seed` on `device`."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.seq,
+        rope_theta=500000.0, tie_word_embeddings=False, use_cache=False,
+        attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config)
+
+
+def blocks(model: nn.Module) -> list:
+    """(ModuleList, index) of every child of the model's outermost ModuleLists:
+    the blocks both sides shard one by one (flexshard's default buckets)."""
+    out, taken = [], []
+    for name, sub in model.named_modules():
+        if isinstance(sub, nn.ModuleList) and not any(name.startswith(t) for t in taken):
+            out.extend((sub, i) for i in range(len(sub)))
+            taken.append(f"{name}.")
+    return out
+
+
+def wrap(side: str, model: nn.Module, mesh, reshard: bool = True) -> nn.Module:
+    """Shard `model` over `mesh` as `side` does by default: bf16 params, fp32 reduce."""
+    if side == "flexshard":
+        mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return fs.flex_shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if side != "fsdp2":
+        raise ValueError(f"unknown side {side!r}; use one of {SIDES}")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for parent, i in blocks(model):
+        fully_shard(parent[i], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard else False,
+                       mp_policy=mp)
+
+
+def to_float8(model: nn.Module) -> nn.Module:
+    """torchao float8 linears with fp8 all-gathers (the head stays in high precision)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return convert_to_float8_training(model, config=config,
+                                          module_filter_fn=lambda m, fqn: fqn != "lm_head")
+
+
+def compile_blocks(model: nn.Module, how: str) -> None:
+    """Compile each block: "compile" replaces it by torch.compile(block), "module-compile"
+    calls block.compile() (nn.Module.compile, the block stays itself)."""
+    for parent, i in blocks(model):
+        if how == "compile":
+            parent[i] = torch.compile(parent[i])
+        else:
+            parent[i].compile()
+
+
+class Side:
+    """One side of the comparison in one mode: its model, optimizer and step."""
+
+    def __init__(self, side: str, mode: str, shape: LlamaShape, mesh, device: torch.device,
+                 seed: int = 0, build: Optional[Callable[[], nn.Module]] = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
+        self.kind, self.mode, self.device = side, mode, device
+        model = build() if build is not None else hf_llama(shape, device, seed)
+        if mode.startswith("float8"):
+            model = to_float8(model)
+        self.model = wrap(side, model, mesh)
+        if mode.endswith("compile"):
+            compile_blocks(self.model, "module-compile" if mode == "module-compile" else "compile")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(seed)
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", shape.vocab)
+        self.tokens = torch.randint(0, vocab, (shape.batch, shape.seq), generator=g).to(device)
+
+    def forward_backward(self) -> torch.Tensor:
+        loss = self.model(input_ids=self.tokens, labels=self.tokens).loss
+        loss.backward()
+        return loss
+
+    def optimizer_step(self) -> None:
+        self.opt.step()
+        if self.kind == "fsdp2" and self.mode.startswith("float8"):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        """One training step; its wall seconds (device synchronised)."""
+        sync(self.device)
+        start = time.perf_counter()
+        self.forward_backward()
+        self.optimizer_step()
+        sync(self.device)
+        return time.perf_counter() - start
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def counted(side: Side) -> Counts:
+    """One forward+backward of `side` under OpCounter (its optimizer step outside)."""
+    counter = OpCounter()
+    with counter:
+        side.forward_backward()
+    side.optimizer_step()
+    return Counts.of(counter)
+
+
+def count_step(side: str = "flexshard", world: int = 8, *, shape: LlamaShape = PRESETS["cpu"],
+               mode: str = "eager", build: Optional[Callable[[], nn.Module]] = None,
+               warmup: int = 1, rank: int = 0) -> Counts:
+    """Ops and copied bytes of one forward+backward of rank `rank` in a fake world of
+    `world` ranks, after `warmup` steps: `side` ("flexshard" or "fsdp2") shards an HF
+    Llama of `shape` (or `build()`'s model: an HF causal LM, its blocks in a ModuleList).
+    Creates its own fake world: call it in a process without a process group."""
+    device = torch.device("cpu")
+    with fake_world(world, rank, device) as mesh:
+        s = Side(side, mode, shape, mesh, device, build=build)
+        for _ in range(warmup):
+            s.step()
+        counts = counted(s)
+        del s
+        gc.collect()
+    return counts
+
+
+def cpu_peak_bytes(side: Side) -> int:
+    """Peak live bytes over one step on a CPU (meters.MemoryMeter: params, optimizer
+    state and every storage the step touches, at the allocator's block size)."""
+    meter = MemoryMeter()
+    meter.register(side.model.parameters(), "param")
+    meter.register([t for s in side.opt.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor)], "opt_state")
+    with meter:
+        side.step()
+    return meter.peak

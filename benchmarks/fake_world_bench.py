@@ -1,0 +1,255 @@
+"""The fake-world benchmark's run and report (`python -m benchmarks.gpu --fake-world N`):
+for each mode, both sides built and warmed up, then each side alone: its ops and
+copied bytes (`--counts`, eager modes), its peak memory, on a GPU one profiled
+step (kernels launched, GPU time in copy-family ops and in each library's
+labelled regions); then their steps timed alternating. See fake_world.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from .fake_world import COPY_OPS, PRESETS, SIDES, Counts, Side, counted, cpu_peak_bytes, sync
+
+# (mode or "*", measure, target, device type or "*"): issue 34's targets, flexshard / FSDP2
+TARGETS = [("*", "ops", 1.00, "*"), ("*", "copy_bytes", 1.00, "*"),
+           ("eager", "step_s", 0.90, "cuda"), ("compile", "step_s", 0.90, "cuda"),
+           ("module-compile", "step_s", 0.90, "cuda"), ("*", "peak_bytes", 0.95, "cuda"),
+           ("float8-compile", "step_s", 1.00, "cuda")]
+COUNTED_MODES = ("eager", "float8")  # compiled graphs run inductor kernels, not aten ops
+TOP_OPS = 15
+
+
+def _allocated(device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_bytes(side: Side) -> int:
+    """Peak bytes one step of `side` holds: on a GPU torch.cuda's peak over the
+    step, less what was allocated before it, plus what the side keeps between
+    steps (`side.persistent`); on a CPU meters.MemoryMeter's peak."""
+    if side.device.type != "cuda":
+        return cpu_peak_bytes(side)
+    gc.collect()
+    sync(side.device)
+    before = torch.cuda.memory_allocated(side.device)
+    torch.cuda.reset_peak_memory_stats(side.device)
+    side.step()
+    return torch.cuda.max_memory_allocated(side.device) - before + side.persistent
+
+
+def _top_level(events, names) -> list:
+    """The events named in `names` with no ancestor named in `names` (an op's
+    inner copies count once, with it)."""
+    def inside(e):
+        p = e.cpu_parent
+        while p is not None:
+            if p.name in names:
+                return True
+            p = p.cpu_parent
+        return False
+    return [e for e in events if e.name in names and not inside(e)]
+
+
+def device_summary(events) -> dict:
+    """From a profiled step's FunctionEvents: device kernels launched, their total
+    time, the time and kernels under copy-family ops, and under each library's
+    labelled regions (FlexShard::*, FSDP::*)."""
+    device = [e for e in events if e.device_type.name != "CPU"]
+    kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    copies = _top_level(cpu, COPY_OPS)
+    labels: dict = {}
+    for e in cpu:
+        if e.name.startswith(("FlexShard::", "FSDP::")):
+            labels[e.name] = labels.get(e.name, 0.0) + e.device_time_total
+    return {"kernels": len(kernels), "memcpy_memset": len(device) - len(kernels),
+            "device_us": sum(e.device_time_total for e in device),
+            "copy_device_us": sum(e.device_time_total for e in copies),
+            "copy_kernels": sum(_kernel_count(e) for e in copies),
+            "label_device_us": dict(sorted(labels.items(), key=lambda kv: -kv[1]))}
+
+
+def _kernel_count(e) -> int:
+    return len(e.kernels) + sum(_kernel_count(c) for c in e.cpu_children)
+
+
+def profile_side(side: Side, out_dir: Path) -> dict:
+    """One step under torch.profiler (CPU and CUDA): the device summary; the
+    Chrome trace into `out_dir`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        side.step()
+    prof.export_chrome_trace(str(out_dir / f"{side.mode}-{side.kind}.json"))
+    return device_summary(prof.events())
+
+
+def timed(sides: list, steps: int) -> dict:
+    """Steps alternating (A B, B A, ...) so drift hits both alike: seconds per step."""
+    record = {s.kind: [] for s in sides}
+    for i in range(steps):
+        order = sides if i % 2 == 0 else sides[::-1]
+        for s in order:
+            record[s.kind].append(s.step())
+    return record
+
+
+def run_mode(mode: str, args, shape, mesh, device) -> dict:
+    """Both sides in `mode`: counts, memory, profile each alone; then timed together."""
+    sides = []
+    for kind in SIDES:
+        gc.collect()
+        before = _allocated(device)
+        side = Side(kind, mode, shape, mesh, device, args.seed)
+        for _ in range(args.warmup):
+            side.step()
+        side.persistent = _allocated(device) - before  # sharded params, optimizer state
+        sides.append(side)
+    out = {}
+    for side in sides:
+        r = {}
+        if args.counts and mode in COUNTED_MODES:
+            r["counts"] = counted(side)._asdict()
+        r["peak_bytes"] = peak_bytes(side)
+        if device.type == "cuda":
+            r["profile"] = profile_side(side, Path(args.out) / "traces")
+        out[side.kind] = r
+    steps = timed(sides, args.steps)
+    for kind, times in steps.items():
+        out[kind]["step_s"] = statistics.median(times)
+        out[kind]["step_s_all"] = times
+    del sides
+    gc.collect()
+    return {"mode": mode, "sides": out, "ratios": ratios(out)}
+
+
+def _measures(r: dict) -> dict:
+    m = {"peak_bytes": r["peak_bytes"], "step_s": r["step_s"]}
+    if "counts" in r:
+        m.update({k: r["counts"][k] for k in ("ops", "non_view_ops", "copy_ops", "copy_bytes")})
+    if "profile" in r:
+        m.update({k: r["profile"][k] for k in ("kernels", "copy_device_us", "copy_kernels")})
+    return m
+
+
+def ratios(sides: dict) -> dict:
+    """flexshard / FSDP2 for every measure both sides have (None where FSDP2's is 0)."""
+    a, b = _measures(sides["flexshard"]), _measures(sides["fsdp2"])
+    return {k: (a[k] / b[k] if b[k] else None) for k in a if k in b}
+
+
+def targets(result: dict) -> list:
+    """Issue 34's targets met by this run's modes: (mode, measure, ratio, target, verdict)."""
+    rows = []
+    device = result["config"]["device"]
+    for m in result["modes"]:
+        for mode, measure, target, dev in TARGETS:
+            if mode in ("*", m["mode"]) and dev in ("*", device) and measure in m["ratios"]:
+                value = m["ratios"][measure]
+                ok = value is not None and value <= target
+                rows.append((m["mode"], measure, value, target, "PASS" if ok else "MISS"))
+    return rows
+
+
+def run(args, device: torch.device) -> dict:
+    """Every mode of `args.modes` in a fake world of `args.fake_world` ranks."""
+    from .fake_world import fake_world
+
+    shape = PRESETS[args.preset]._replace(**{k: getattr(args, k) for k in ("batch", "seq", "layers")
+                                             if getattr(args, k)})
+    result = {"machine": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                          "torch": torch.__version__, "device": str(device),
+                          "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
+                          else None, "threads": torch.get_num_threads()},
+              "model": {"preset": args.preset, **shape._asdict(), "hf": "LlamaForCausalLM"},
+              "config": {"device": device.type, "world": args.fake_world, "rank": args.rank,
+                         "param_dtype": "bf16", "reduce_dtype": "fp32", "steps": args.steps,
+                         "warmup": args.warmup, "counts": args.counts},
+              "modes": []}
+    with fake_world(args.fake_world, args.rank, device) as mesh:
+        for mode in args.modes:
+            result["modes"].append(run_mode(mode, args, shape, mesh, device))
+            print(mode_text(result["modes"][-1], device), flush=True)
+    result["targets"] = targets(result)
+    return result
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _ratio(v) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+_ROWS = [  # (measure, label, format)
+    ("ops", "aten ops per forward+backward", "{:,}"),
+    ("non_view_ops", "  of them not views", "{:,}"),
+    ("copy_ops", "copy-family ops", "{:,}"),
+    ("copy_bytes", "bytes written by copy-family ops", _mib),
+    ("kernels", "kernels launched per step", "{:,}"),
+    ("copy_kernels", "  of them under copy-family ops", "{:,}"),
+    ("copy_device_us", "GPU time in copy-family ops", lambda v: f"{v / 1e3:.2f} ms"),
+    ("peak_bytes", "peak memory", _mib),
+    ("step_s", "step time, median", lambda v: f"{v * 1e3:.1f} ms"),
+]
+
+
+def mode_text(m: dict, device: torch.device) -> str:
+    """A markdown table of one mode: each measure, both sides and the ratio; the top ops."""
+    where = "CPU (MemoryMeter; loaded shared machine)" if device.type == "cpu" else "GPU"
+    a, b = _measures(m["sides"]["flexshard"]), _measures(m["sides"]["fsdp2"])
+    lines = [f"### mode {m['mode']} ({where})", "",
+             "| measure | flexshard | FSDP2 | flexshard / FSDP2 |", "|---|---|---|---|"]
+    for key, label, fmt in _ROWS:
+        if key in a and key in b:
+            f = fmt.format if isinstance(fmt, str) else fmt
+            unit = f" ({device.type.upper()})" if key in ("peak_bytes", "step_s") else ""
+            lines.append(f"| {label}{unit} | {f(a[key])} | {f(b[key])} | "
+                         f"{_ratio(m['ratios'].get(key))} |")
+    if "counts" in m["sides"]["flexshard"]:
+        lines += ["", *op_table(m["sides"]["flexshard"]["counts"]["by_op"],
+                                m["sides"]["fsdp2"]["counts"]["by_op"])]
+    return "\n".join(lines)
+
+
+def op_table(fs_ops: dict, fsdp_ops: dict, top: int = TOP_OPS) -> list:
+    """The ops dispatched most (by either side) and every copy-family op:
+    count and copied bytes on each side."""
+    names = sorted(set(fs_ops) | set(fsdp_ops),
+                   key=lambda n: -max(fs_ops.get(n, (0, 0))[0], fsdp_ops.get(n, (0, 0))[0]))
+    shown = names[:top] + [n for n in names[top:] if n in COPY_OPS]
+    lines = ["| op | flexshard | FSDP2 | copy bytes flexshard | copy bytes FSDP2 |",
+             "|---|---|---|---|---|"]
+    for n in shown:
+        (ca, ba), (cb, bb) = fs_ops.get(n, (0, 0)), fsdp_ops.get(n, (0, 0))
+        copy = n in COPY_OPS
+        lines.append(f"| {n} | {ca:,} | {cb:,} | {_mib(ba) if copy else ''} | "
+                     f"{_mib(bb) if copy else ''} |")
+    return lines
+
+
+def text(result: dict) -> str:
+    m, c = result["model"], result["config"]
+    lines = [f"fake world of {c['world']} (rank {c['rank']}), {c['device']}: HF Llama "
+             f"dim {m['dim']}, ffn {m['ffn']}, {m['heads']} heads ({m['kv_heads']} KV), "
+             f"{m['layers']} layers, vocab {m['vocab']}, seq {m['seq']}, batch {m['batch']}/rank; "
+             f"bf16 params, fp32 reduce, reshard after forward"]
+    for mode, measure, value, target, verdict in result["targets"]:
+        lines.append(f"target {mode} {measure} flexshard/FSDP2: {_ratio(value)} "
+                     f"(<= {target:.2f}) {verdict}")
+    return "\n".join(lines)
+
+
+def write(result: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
