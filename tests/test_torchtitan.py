@@ -24,6 +24,7 @@ from torchtitan.models.llama3 import model_registry
 
 import flexshard as fs
 from flexshard.integrations.torchtitan import FlexShardConfig, llama_buckets, parallelize_llama
+from flexshard.integrations.torchtitan.pipeline import pipeline_decoder
 from flexshard.integrations.torchtitan.trainer import (FlexShardTrainer, check_trainer_config,
                                                        clip_before_step)
 from flexshard.runtime.state import get_state
@@ -241,7 +242,6 @@ def test_mixed_precision_and_reshard_come_from_torchtitan_config(policy, blocks_
 
 @pytest.mark.parametrize("field, value, flag", [
     ("cp", 2, "--parallelism.context_parallel_degree > 1"),
-    ("pp", 2, "--parallelism.pipeline_parallel_degree > 1"),
 ])
 def test_other_parallelisms_are_refused(field, value, flag):
     degrees = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
@@ -272,6 +272,7 @@ def test_experiment_config_is_selected_like_torchtitans_own():
     assert config.flex_shard == FlexShardConfig(placement="ragged")
     assert config.training.steps == 7
     assert config.model_spec.parallelize_fn is parallelize_llama
+    assert config.model_spec.pipelining_fn is pipeline_decoder
     assert config.model_spec.name == "flexshard/llama3" and config.model_spec.flavor == "debugmodel"
     assert config.parallelism.spmd_backend == "partial_dtensor"
     assert isinstance(config.activation_checkpoint, SelectiveAC.Config)  # torchtitan's own

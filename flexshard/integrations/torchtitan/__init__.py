@@ -12,5 +12,7 @@ Select it the way torchtitan selects its own experiments::
 
 from .config import FlexShardConfig
 from .parallelize import llama_buckets, parallelize_decoder, parallelize_llama
+from .pipeline import FlexShardStage, pipeline_decoder
 
-__all__ = ["FlexShardConfig", "llama_buckets", "parallelize_decoder", "parallelize_llama"]
+__all__ = ["FlexShardConfig", "FlexShardStage", "llama_buckets", "parallelize_decoder",
+           "parallelize_llama", "pipeline_decoder"]

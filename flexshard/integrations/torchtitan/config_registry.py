@@ -21,6 +21,7 @@ from torchtitan.models.qwen3 import config_registry as qwen3
 from torchtitan.trainer import Trainer
 
 from .parallelize import parallelize_decoder
+from .pipeline import pipeline_decoder
 from .trainer import FlexShardTrainer
 
 
@@ -30,7 +31,8 @@ def flexshard_config(config: Trainer.Config) -> FlexShardTrainer.Config:
     out = FlexShardTrainer.Config(**values)
     spec = out.model_spec
     out.model_spec = dataclasses.replace(spec, name=f"flexshard/{spec.name}",
-                                         parallelize_fn=parallelize_decoder, pipelining_fn=None)
+                                         parallelize_fn=parallelize_decoder,
+                                         pipelining_fn=pipeline_decoder)
     if isinstance(out.loss, ChunkedLossWrapper.Config):
         out.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
     out.parallelism.spmd_backend = "partial_dtensor"

@@ -70,7 +70,6 @@ def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
     """The torchtitan options flex_shard does not compose with, as CLI flags."""
     checks = [
         (parallel_dims.cp_enabled, "--parallelism.context_parallel_degree > 1"),
-        (parallel_dims.pp_enabled, "--parallelism.pipeline_parallel_degree > 1"),
         (parallelism.spmd_backend != "partial_dtensor",
          f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)"),
         (training.enable_cpu_offload, "--training.enable_cpu_offload"),
