@@ -6,7 +6,8 @@
 CPU runs use gloo; with CUDA each rank takes GPU LOCAL_RANK and NCCL. The
 process group gets a 120 s timeout (PG_TIMEOUT): a rank that dies or hangs
 makes the others fail within two minutes instead of torch's default 30.
-Rank 0 prints the bucket plan, a progress bar, and a summary whose last line
+Rank 0 prints the bucket plan (one line per bucket; --show-plan adds every
+parameter), a progress bar, and a summary whose last line
 is `final loss <value>`; the loss curve goes to --plot (needs matplotlib).
 """
 
@@ -63,6 +64,9 @@ def _sharding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reshard", action="store_true",
                    help="keep each block's parameters unsharded from forward to backward "
                         "(one gather per bucket per step instead of two; more memory)")
+    p.add_argument("--show-plan", action="store_true",
+                   help="print every parameter of the bucket plan (its placement, shape and "
+                        "dtype) under the table of buckets (default: the buckets only)")
     p.add_argument("--offload", action="store_true",
                    help="CPU offload (fs.OffloadPolicy): sharded params, grads and AdamW state in "
                         "(pinned) CPU memory, copied to the GPU for each gather; the optimizer "
@@ -250,7 +254,7 @@ def main(argv=None) -> None:
     try:
         model = build_model(args, env)
         if env.rank == 0:
-            print(fs.describe(model), flush=True)
+            print(fs.describe(model).table(per_param=args.show_plan), flush=True)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         ckpt = (Checkpointer(args.checkpoint_dir, args.checkpoint_every)
                 if args.checkpoint_dir else None)

@@ -236,6 +236,18 @@ def test_print_shows_a_table_and_the_totals():
     assert "per rank: params " in text and "AdamW state" in text and "replicate dim" in text
 
 
+def test_the_short_table_leaves_out_the_parameters_only():
+    plan = fs.describe(make_model(), mesh_shape=(1, 3), placement=fs.RaggedShard())
+    full, short = str(plan).splitlines(), plan.table(per_param=False).splitlines()
+    listing = full[len(short) - 3:-3]  # str(): each bucket's name, then its parameters
+    assert [line for line in listing if not line.startswith("  ")] == [
+        f"{b.name}:" for b in plan.buckets]
+    assert [line.split()[0] for line in listing if line.startswith("  ")] == [
+        fqn for b in plan.buckets for fqn in b.params]
+    assert full[:len(short) - 3] + full[-3:] == short  # the rest, in order
+    assert short[-3:] == plan.summary().splitlines()
+
+
 def test_describe_keeps_reading_a_wrapped_module_at_world_size_one():
     model = fs.flex_shard(make_model(), mp_policy=BF16)
     plan = fs.describe(model)

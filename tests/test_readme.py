@@ -2,10 +2,12 @@
 commands parse, and every local link and file named exists.
 
 Python blocks carry a `<!-- readme-test: world 1, 2 -->` marker naming the world
-sizes to run them at: world 1 in this process, larger worlds in the harness (as
-`torchrun` would, with the default process group already set up). Bash blocks are
-checked without running them: shell syntax, the files they name, and every
-`torchrun`/`pip` command's arguments through the real argument parsers.
+sizes to run them at. Each runs as a user runs it: the block alone in a file, in a
+fresh process with nothing set up beforehand, as `python block.py` at world 1 and
+under `torchrun --nproc-per-node N` at world N (tests/doc_scripts.py: one launch per
+world size, one forked process per block and rank). Bash blocks are checked without
+running them: shell syntax, the files they name, and every `torchrun`/`pip`
+command's arguments through the real argument parsers.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-
-from harness import run_world
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -78,18 +78,72 @@ def test_the_pages_have_the_blocks_they_document():
     assert not unmarked, f"python blocks at {unmarked} have no readme-test marker"
 
 
-def _exec_block(code: str, doc: str = "README.md") -> None:
-    exec(compile(code, doc, "exec"), {"__name__": "__readme__"})
+LAUNCH_TIMEOUT_S = 900
+
+
+def _script_name(block: Block) -> str:
+    return re.sub(r"\W", "_", block.where) + ".py"
+
+
+def _launch(world: int, folder: Path, blocks: list) -> subprocess.Popen:
+    """Start `blocks` as scripts at `world` ranks; results land in `folder`."""
+    folder.mkdir(parents=True)
+    scripts = []
+    for block in blocks:
+        (folder / _script_name(block)).write_text(block.code)
+        scripts.append(str(folder / _script_name(block)))
+    runner = [str(REPO / "tests" / "doc_scripts.py"), str(folder), *scripts]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    if world == 1:
+        argv = [sys.executable, *runner]
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={world}", *runner]
+    return subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def block_runs(request, tmp_path_factory) -> dict:
+    """(block, world) -> (exit status, output) per rank, for the blocks this session
+    selected: every world size launched at once, each running its blocks in turn."""
+    chosen = [item.callspec.params for item in request.session.items
+              if getattr(item, "originalname", None) == "test_python_block_runs"]
+    by_world: dict = {}
+    for params in chosen:
+        by_world.setdefault(params["world"], []).append(params["block"])
+    root = tmp_path_factory.mktemp("doc_blocks")
+    launches = {w: _launch(w, root / f"world{w}", blocks) for w, blocks in by_world.items()}
+    logs = {}
+    for world, proc in launches.items():
+        try:
+            logs[world] = proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            logs[world] = proc.communicate()[0] + "\n(the launch timed out)"
+    results = {}
+    for world, blocks in by_world.items():
+        for block in blocks:
+            base = root / f"world{world}" / _script_name(block)
+            ranks = []
+            for rank in range(world):
+                rc, out = Path(f"{base}.{rank}.rc"), Path(f"{base}.{rank}.out")
+                ranks.append((rc.read_text() if rc.exists() else "not run",
+                              out.read_text() if out.exists() else ""))
+            results[block.where, world] = (ranks, logs[world])
+    return results
 
 
 @pytest.mark.parametrize("block, world", RUNS, ids=[f"{b.doc}:{b.line}-world{w}" for b, w in RUNS])
-def test_python_block_runs(block, world, monkeypatch, capsys):
-    if world == 1:
-        monkeypatch.delenv("RANK", raising=False)
-        _exec_block(block.code, block.doc)
-        assert capsys.readouterr().out.strip(), "the block printed nothing"
-    else:
-        run_world(world, _exec_block, block.code, block.doc, timeout=120)
+def test_python_block_runs(block, world, block_runs):
+    ranks, launch_log = block_runs[block.where, world]
+    failed = [(r, rc, out) for r, (rc, out) in enumerate(ranks) if rc != "0"]
+    assert not failed, "\n".join(
+        [f"{block.where} at world {world}: rank {r} exited {rc}\n{out[-3000:]}"
+         for r, rc, out in failed] + [f"launch output:\n{launch_log[-2000:]}"])
+    assert ranks[0][1].strip(), f"{block.where} at world {world}: the block printed nothing"
 
 
 def _commands(block: Block) -> list:

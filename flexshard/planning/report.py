@@ -108,8 +108,13 @@ class ShardingPlan(NamedTuple):
         """The model's totals: per-rank bytes and collectives per step."""
         return _summary(self)
 
+    def table(self, per_param: bool = True) -> str:
+        """One row per bucket, then (with `per_param`) each bucket's parameters, then
+        the summary; str() is `table()`."""
+        return _table(self, per_param)
+
     def __str__(self) -> str:
-        return _table(self)
+        return _table(self, True)
 
 
 def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: Sequence[bool],
@@ -222,12 +227,12 @@ def _gathers_text(b: BucketPlan) -> str:
     return f"{b.gathers_per_step} (1 in {b.regather_ranks} ranks)"
 
 
-def _table(plan: ShardingPlan) -> str:
+def _table(plan: ShardingPlan, per_param: bool) -> str:
     rows = [_COLUMNS] + [_row(b) for b in plan.buckets]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    for b in plan.buckets:
+    for b in plan.buckets if per_param else ():
         lines.append(f"{b.name}:")
         formats = b.wire_formats or (None,) * len(b.params)
         for fqn, shape, pl, dt, fmt in zip(b.params, b.shapes, b.placements, b.dtypes, formats):
