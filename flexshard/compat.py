@@ -187,3 +187,10 @@ DCP_CALLERS = (
     resolve("torch.distributed.checkpoint.utils:find_tensor_shard",
             "DCP's loader, which calls ShardedPieces.__get_tensor_shard__"),
 )
+
+# Fused ops over lists of tensors (placements/batch.py, float8.py): one kernel for a
+# bucket's params on a GPU. _chunk_cat joins tensors of any shapes, flattened, into
+# `out` (cast to out's dtype inside: FSDP2's reduce-scatter copy-in); _foreach_norm
+# with ord=inf is each tensor's max |x| (torchao's fused amax for FSDP2).
+chunk_cat = resolve("torch:_chunk_cat", "to join a bucket's pieces into one buffer in one op")
+foreach_norm = resolve("torch:_foreach_norm", "to take every float8 weight's amax in one op")

@@ -4,6 +4,7 @@ behaves as flexshard expects; nothing else in flexshard names a private torch AP
 from __future__ import annotations
 
 import ast
+import math
 import pathlib
 
 import pytest
@@ -290,3 +291,16 @@ def test_only_compat_names_private_torch_apis():
              if p.name != "compat.py"}
     assert {k: v for k, v in found.items() if v} == {}, "route them through flexshard/compat.py"
     assert _private_torch_names(PKG / "compat.py") == []  # compat names them as strings
+
+
+def test_chunk_cat_joins_flattened_pieces_casting_into_out():
+    a, b = torch.randn(2, 3), torch.randn(5)
+    out = torch.empty(1, 11, dtype=torch.float64)
+    compat.chunk_cat([a, b], 0, 1, out=out)
+    assert torch.equal(out[0], torch.cat([a.reshape(-1), b]).double())
+
+
+def test_foreach_norm_inf_is_each_max_abs():
+    ts = [torch.randn(3, 4), torch.randn(7).bfloat16()]
+    norms = compat.foreach_norm(ts, ord=math.inf)
+    assert all(torch.equal(n, t.abs().max()) for n, t in zip(norms, ts))

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
@@ -264,3 +265,87 @@ def test_compiled_blocks_with_fp8_gathers_match_eager():
                                    rtol=1e-5, atol=1e-6)
         for k, v in eager.items():
             torch.testing.assert_close(comp[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# A bucket's float8 weights are cast together (placements/float8.py): one amax
+# all-reduce and one cast per bucket, bit for bit torchao's cast weight by weight.
+
+
+class _OpCount(TorchDispatchMode):
+    """Ops dispatched, and collectives among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.collectives = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += func.namespace != "profiler"
+        self.collectives += "all_reduce" in func.__name__ or "allreduce" in func.__name__
+        return func(*args, **(kwargs or {}))
+
+
+def _linears(n: int, bias: bool = False) -> nn.Module:
+    """`n` float8 Linears (fp8 gathers) of varied shapes in one bucket."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear(32 + 16 * (i % 3), 32 + 16 * (i % 3), bias=bias)
+                            for i in range(n)])
+    for i, layer in enumerate(model):  # amaxes far apart, and one all-zero weight
+        layer.weight.data.mul_(10.0 ** (i - 2))
+    model[0].weight.data.zero_()
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return convert_to_float8_training(model, config=config)
+
+
+def _encode_both(n: int, bias: bool, param_dtype) -> tuple:
+    """Rank body: the bucket's gather input written by the batch and by each
+    weight's own fsdp_pre_all_gather: (bytes equal, scales equal, ops and
+    collectives of each)."""
+    model = fs.flex_shard(_linears(n, bias), mp_policy=fs.MixedPrecisionPolicy(
+        param_dtype=param_dtype))
+    from flexshard.runtime.state import find_state
+
+    bucket = find_state(model).buckets[0]
+    wires = bucket._plans_for(bucket.gather_layout).wires
+    assert len(wires.batches) == 1 and len(wires.batches[0].members) == n
+    mesh = bucket.gather.shard_mesh(torch.device("cpu"))
+    views = bucket.storage.views
+    fused = torch.zeros(bucket.gather_layout.segment_bytes, dtype=torch.uint8)
+    alone = fused.clone()
+    wires.encode(fused, views, mesh)  # the first one puts its index tensor on the device
+    with _OpCount() as batched:
+        wires.encode(fused, views, mesh)
+    fused_scales = [w.meta[1][0].clone() for w in wires if not w.cast]
+    with _OpCount() as each:
+        for wire, view in zip(wires, views):
+            wire.encode(alone, view, mesh)
+    alone_scales = [w.meta[1][0] for w in wires if not w.cast]
+    same_scales = all(torch.equal(a, b) and a.shape == b.shape
+                      for a, b in zip(fused_scales, alone_scales))
+    return (torch.equal(fused, alone), same_scales, (batched.ops, batched.collectives),
+            (each.ops, each.collectives))
+
+
+def _encode_cases() -> dict:
+    """Rank body: _encode_both for buckets of 1, 2, 4 and 8 fp32 weights, and of
+    5 weights with biases gathered in bf16."""
+    cases = {n: _encode_both(n, False, None) for n in (1, 2, 4, 8)}
+    cases["bias-bf16"] = _encode_both(5, True, torch.bfloat16)
+    return cases
+
+
+def test_a_bucket_casts_bit_for_bit_in_ops_that_do_not_grow_with_its_weights():
+    for cases in run_world(2, _encode_cases):
+        assert all(same_bytes and same_scales for same_bytes, same_scales, _, _ in cases.values())
+    counts = {n: c[2:] for n, c in cases.items() if isinstance(n, int)}
+    ops = {n: c[0][0] for n, c in counts.items()}
+    # within 2 ops: one piece takes a shortcut in torch's repeat_interleave, and
+    # pieces in their layout's order are written by one copy, else by a split
+    # and a split_with_sizes_copy
+    assert max(ops.values()) - min(ops.values()) <= 2, ops
+    assert all(c[0][1] == 1 for c in counts.values())  # one amax all-reduce per bucket
+    each = {n: c[1] for n, c in counts.items()}  # the per-weight path, for the record
+    assert each[8] == (8 * each[1][0], 8) and each[1][0] > 10, each

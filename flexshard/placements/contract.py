@@ -19,7 +19,7 @@ Pieces are always taken in rank order. A rank may hold an empty piece.
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -93,3 +93,28 @@ class WireFormat(abc.ABC):
         """The unsharded parameter from every part's full tensor and the
         `meta` this rank's encode returned. May return `fulls[0]` itself
         (then it stays a view of the gathered buffer)."""
+
+    # Batches (optional): on a GPU each op is a kernel launch, so a bucket of N
+    # params of one format encoded one by one launches N times the kernels of one
+    # encode over them all. Params of a bucket whose formats return equal keys
+    # (and whose pieces share a dtype) are encoded by the first one's
+    # encode_batch and decoded by its decode_batch; the bucket writes the flat
+    # parts into the gather input in a constant number of ops.
+
+    def batch_key(self) -> Optional[Hashable]:
+        """The key params encoded together share; None (the default): encode alone."""
+        return None
+
+    def encode_batch(self, formats: Sequence["WireFormat"], pieces: Sequence[torch.Tensor],
+                     mesh, cache: dict) -> tuple:
+        """(flats, metas) for the non-empty `pieces` of params sent in `formats`
+        (this one among them): flats[k] is every piece's part k flattened and
+        joined in order (part k's dtype), metas what each decode needs. `cache`
+        lives as long as the batch (for index tensors made on first use).
+        A param whose piece is empty on this rank is left out (its meta is None)."""
+        raise NotImplementedError(f"{type(self).__name__} has a batch_key but no encode_batch")
+
+    def decode_batch(self, formats: Sequence["WireFormat"], fulls: Sequence[Sequence[torch.Tensor]],
+                     metas: Sequence[Any], cache: dict) -> list:
+        """The unsharded parameters of a batch (decode of each, by default)."""
+        return [f.decode(parts, meta) for f, parts, meta in zip(formats, fulls, metas)]

@@ -5,7 +5,8 @@ collective per bucket. torchao's float8 weights
 enable_fsdp_float8_all_gather=True)`) are the user today: each rank casts its
 piece to fp8 with the scale of the whole weight (its pre-all-gather all-reduces
 the amax over the shard group), the fp8 bytes travel, and the post-all-gather
-wraps the gathered fp8 weight for the float8 matmul.
+wraps the gathered fp8 weight for the float8 matmul. torchao's weights of a
+bucket are cast together, their amaxes in one all-reduce (placements/float8.py).
 
 At wrap flexshard keeps the param's bytes in its storage as a plain tensor (the
 sharded param, what the optimizer and checkpoints see: high precision) and
@@ -24,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from . import float8
 from .contract import Placement, WireFormat, WirePart
 
 
@@ -36,6 +38,7 @@ class SubclassGather(WireFormat):
     ctx: Any  # the subclass's flatten context (its config)
     wire_dtype: torch.dtype
     out_dtype: torch.dtype  # the gather dtype (param_dtype), given to fsdp_post_all_gather
+    batched: bool = False  # torchao's dynamic float8 weight: cast a bucket at a time (float8.py)
 
     needs_mesh = True
 
@@ -43,8 +46,7 @@ class SubclassGather(WireFormat):
         return (WirePart(torch.Size(shape), self.wire_dtype, placement),)
 
     def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor], mesh) -> Any:
-        sub = self.cls.__tensor_unflatten__({self.inner: piece}, self.ctx, piece.shape,
-                                            piece.stride())
+        sub = self._rebuild(piece)
         inputs, meta = _pre_all_gather(sub, mesh)
         if len(inputs) != 1 or inputs[0].shape != outs[0].shape:
             raise NotImplementedError(
@@ -54,10 +56,37 @@ class SubclassGather(WireFormat):
         outs[0].copy_(inputs[0])
         return sub, meta
 
+    def batch_key(self):
+        return ("torchao float8", self.cls, self.wire_dtype) if self.batched else None
+
+    def encode_batch(self, formats, pieces, mesh, cache) -> tuple:
+        """torchao's cast of each piece (see float8.py): one amax all-reduce and
+        one cast for the batch; each decode gets its subclass and scale."""
+        scale = float8.scales(float8.amax(pieces, mesh), self.wire_dtype)
+        bits = float8.cast(pieces, scale, self.wire_dtype, cache)
+        return (bits,), [(sub, (s,)) for sub, s in zip(_rebuilt(formats, pieces, cache),
+                                                      scale.unbind(0))]
+
+    def _rebuild(self, piece: torch.Tensor) -> torch.Tensor:
+        """The subclass around this rank's piece (its post-all-gather reads its config)."""
+        return self.cls.__tensor_unflatten__({self.inner: piece}, self.ctx, piece.shape,
+                                             piece.stride())
+
     def decode(self, fulls: Sequence[torch.Tensor], meta: Any) -> torch.Tensor:
         sub, inner_meta = meta
         out, _ = sub.fsdp_post_all_gather((fulls[0],), inner_meta, self.out_dtype)
         return out
+
+
+def _rebuilt(formats: Sequence[SubclassGather], pieces: Sequence[torch.Tensor],
+             cache: dict) -> list:
+    """Each piece's subclass, kept while the pieces are the same tensors (the
+    storage's views; an offloaded bucket stages new ones each gather)."""
+    kept = cache.get("subclasses")
+    if kept is None or len(kept[0]) != len(pieces) or any(
+            a is not b for a, b in zip(kept[0], pieces)):
+        kept = cache["subclasses"] = (list(pieces), [f._rebuild(p) for f, p in zip(formats, pieces)])
+    return kept[1]
 
 
 def _pre_all_gather(sub: torch.Tensor, mesh) -> tuple:
@@ -83,7 +112,8 @@ def subclass_gather(fqn: str, param: torch.Tensor) -> Optional[SubclassGather]:
             "all-gather, whose wire dtype flexshard cannot read at wrap time (it reads a "
             "'dtype' entry of its __tensor_flatten__ context, as torchao's float8 weights "
             "have); unwrap it to a plain tensor before flex_shard")
-    return SubclassGather(cls, names[0], ctx, wire, param.dtype)
+    return SubclassGather(cls, names[0], ctx, wire, param.dtype,
+                          float8.is_dynamic_float8(cls, names, ctx))
 
 
 def with_gather_dtype(fmt: SubclassGather, dtype: torch.dtype) -> SubclassGather:

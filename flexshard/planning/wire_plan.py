@@ -8,7 +8,7 @@ experimental traced gather."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ class WirePlan(NamedTuple):
     formats: tuple
     slots: tuple  # SlotPlan per part
     first: tuple  # len(formats) + 1 indices into `slots`
+    dtypes: tuple = ()  # each slot's own dtype (its pieces': what a batch encodes from)
 
     def regions(self, slot: int) -> range:
         return range(self.first[slot], self.first[slot + 1])
@@ -49,7 +50,7 @@ def plan_wire(slots: Sequence[SlotPlan], formats: Sequence[WireFormat],
             fqn = slot.fqn if k == 0 else f"{slot.fqn}#{k}"
             out.append(SlotPlan(fqn, part.shape, part.dtype, part.placement, shapes))
         first.append(len(out))
-    return WirePlan(tuple(formats), tuple(out), tuple(first))
+    return WirePlan(tuple(formats), tuple(out), tuple(first), tuple(s.dtype for s in slots))
 
 
 def cast_wire(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
@@ -89,8 +90,16 @@ class ParamWire:
                 return first.full(gathered), 0
             full = first.full(gathered, copy=True)
             return full, full.numel() * full.element_size()
-        fulls = [plan.full(gathered) for plan in self.copies]
-        out = self.format.decode(fulls, self.meta)
+        fulls = self.fulls(gathered)
+        return self.counted(self.format.decode(fulls, self.meta), fulls, gathered)
+
+    def fulls(self, gathered: torch.Tensor) -> list:
+        """Each part's full tensor out of `gathered` (views where they can be)."""
+        return [plan.full(gathered) for plan in self.copies]
+
+    def counted(self, out: torch.Tensor, fulls: Sequence[torch.Tensor],
+                gathered: torch.Tensor) -> tuple:
+        """(out, bytes copied out to make it from `gathered` through `fulls`)."""
         if type(out) is not torch.Tensor:  # a subclass over the parts: count the parts copied
             return out, sum(f.numel() * f.element_size()
                             for f, plan in zip(fulls, self.copies) if plan.span is None)
@@ -104,6 +113,124 @@ class ParamWire:
                                   self.meta)
 
 
-def plan_param_wires(layout, wire: WirePlan, rank: int) -> tuple:
-    """A ParamWire per slot of `wire` over `layout` (made at wrap time)."""
-    return tuple(ParamWire(layout, wire, i, rank) for i in range(len(wire.formats)))
+def plan_param_wires(layout, wire: WirePlan, rank: int) -> "BucketWires":
+    """A ParamWire per slot of `wire` over `layout`, batched where their
+    formats allow (made at wrap time)."""
+    params = tuple(ParamWire(layout, wire, i, rank) for i in range(len(wire.formats)))
+    groups: dict = {}
+    for i, fmt in enumerate(wire.formats):
+        key = fmt.batch_key()
+        if key is not None:  # pieces of one dtype: a batch joins them in one op
+            groups.setdefault((key, wire.dtypes[i] if wire.dtypes else None), []).append(i)
+    batches = tuple(WireBatch(layout, wire, members, rank) for members in groups.values())
+    return BucketWires(params, batches)
+
+
+class BucketWires:
+    """A bucket's ParamWires over one layout (iterable as them) and its batches:
+    the encode of every param into the gather input and the decode of every
+    unsharded param, a batch at a time where formats batch."""
+
+    def __init__(self, params: tuple, batches: tuple) -> None:
+        self.params, self.batches = params, batches
+        batched = {i for b in batches for i in b.members}
+        self.alone = tuple(i for i in range(len(params)) if i not in batched)
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __getitem__(self, i: int) -> ParamWire:
+        return self.params[i]
+
+    def encode(self, send: torch.Tensor, pieces: Sequence[torch.Tensor], mesh=None) -> None:
+        """Write this rank's sharded `pieces` (one per param) into `send`."""
+        for i in self.alone:
+            self.params[i].encode(send, pieces[i], mesh)
+        for batch in self.batches:
+            batch.encode(self.params, send, pieces, mesh)
+
+    def decode(self, gathered: torch.Tensor, view_ok: bool = True) -> list:
+        """(unsharded param, bytes copied out) per param, in order."""
+        out: list = [None] * len(self.params)
+        for i in self.alone:
+            out[i] = self.params[i].decode(gathered, view_ok)
+        for batch in self.batches:
+            for i, done in zip(batch.members, batch.decode(self.params, gathered)):
+                out[i] = done
+        return out
+
+
+class WireBatch:
+    """Params of one bucket whose formats encode together, for one rank: one
+    encode_batch makes their parts as flat tensors, and each flat part goes
+    into its pieces' places in the gather input in at most three ops
+    (`_Scatter`), whatever the number of params."""
+
+    def __init__(self, layout, wire: WirePlan, members: Sequence[int], rank: int) -> None:
+        self.members = tuple(members)
+        self.formats = tuple(wire.formats[i] for i in members)
+        # params with bytes to send from this rank (an empty piece sends none)
+        self.live = tuple(i for i in members
+                          if any(layout.regions[j].nbytes[rank] for j in wire.regions(i)))
+        parts = {len(wire.regions(i)) for i in members}
+        if len(parts) != 1:
+            raise AssertionError(f"a wire batch's formats make different numbers of parts: {parts}")
+        self.writers = tuple(
+            _Scatter([(layout.regions[j].offsets[rank], layout.regions[j].nbytes[rank])
+                      for j in (wire.first[i] + k for i in self.live)])
+            for k in range(parts.pop()))
+        self.cache: dict = {}  # the format's index tensors, per device
+
+    def encode(self, params: Sequence[ParamWire], send: torch.Tensor,
+               pieces: Sequence[torch.Tensor], mesh) -> None:
+        if not self.live:
+            return
+        live = [params[i].format for i in self.live]
+        flats, metas = live[0].encode_batch(live, [pieces[i] for i in self.live], mesh, self.cache)
+        for writer, flat in zip(self.writers, flats):
+            writer.write(send, flat)
+        for i, meta in zip(self.live, metas):
+            params[i].meta = meta
+
+    def decode(self, params: Sequence[ParamWire], gathered: torch.Tensor) -> list:
+        wires = [params[i] for i in self.members]
+        fulls = [w.fulls(gathered) for w in wires]
+        outs = self.formats[0].decode_batch(self.formats, fulls, [w.meta for w in wires],
+                                            self.cache)
+        return [w.counted(out, parts, gathered) for w, out, parts in zip(wires, outs, fulls)]
+
+
+class _Scatter:
+    """Writes a flat tensor's bytes into spans of a gather input, in order:
+    one copy when the spans lie back to back, else one split of the bytes
+    they cover (gaps included) and one split_with_sizes_copy into theirs."""
+
+    def __init__(self, spans: Sequence[tuple]) -> None:
+        spans = [(start, n) for start, n in spans if n]
+        self.sizes = [n for _, n in spans]
+        self.lo = min((s for s, _ in spans), default=0)
+        self.hi = max((s + n for s, n in spans), default=0)
+        by_start = sorted(range(len(spans)), key=lambda i: spans[i][0])
+        self.chunks: Optional[list] = None  # byte sizes of [lo, hi) cut at every span
+        if by_start != list(range(len(spans))) or sum(self.sizes) != self.hi - self.lo:
+            self.chunks, self.index, at = [], [0] * len(spans), self.lo
+            for i in by_start:
+                start, n = spans[i]
+                if start > at:
+                    self.chunks.append(start - at)
+                self.index[i] = len(self.chunks)
+                self.chunks.append(n)
+                at = start + n
+
+    def write(self, send: torch.Tensor, flat: torch.Tensor) -> None:
+        if not self.sizes:
+            return
+        data, region = flat.view(torch.uint8), send[self.lo:self.hi]
+        if self.chunks is None:
+            region.copy_(data)
+            return
+        views = region.split(self.chunks)
+        torch.split_with_sizes_copy(data, self.sizes, out=[views[i] for i in self.index])

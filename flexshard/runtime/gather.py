@@ -138,8 +138,8 @@ class BucketGather:
         outs = []
         with hidden_from_checkpoint(), record_function("FlexShard::all_gather_copy_out"):
             # hidden: recomputed anyway, skip the per-op Python dispatch
-            for wire in plans.wires:  # copy-out (decode) on the compute stream
-                full, copied = wire.decode(pending.gathered, view_ok)
+            # copy-out (decode) on the compute stream
+            for full, copied in plans.wires.decode(pending.gathered, view_ok):
                 self.counters.copy_out_bytes += copied
                 outs.append(full)
         return outs
@@ -249,5 +249,4 @@ class BucketGather:
             send[:used].copy_(self.storage.buffer[:used])
             return
         mesh = self.shard_mesh(send.device) if plans.needs_mesh else None
-        for wire, view in zip(plans.wires, views):
-            wire.encode(send, view, mesh)
+        plans.wires.encode(send, views, mesh)  # batched where formats batch (wire_plan.py)

@@ -1,0 +1,71 @@
+"""torchao's float8 weights encoded a bucket at a time.
+
+torchao's `WeightWithDynamicFloat8CastTensor` casts its piece to fp8 in its
+fsdp_pre_all_gather: amax = max|piece|, all-reduced (MAX) over the shard group,
+scale = fp8 max / amax (in float64, then float32), bits = clamp(piece * scale)
+as fp8. Weight by weight that is a collective and about ten kernels per weight:
+on an H100 it made a bucket's copy-in ten times its bf16 one. FSDP2 gets the
+amaxes of all weights from one `torch._foreach_norm` and one all-reduce
+(torchao's `precompute_float8_dynamic_scale_for_fsdp`); flexshard does the same
+per bucket and also casts the bucket's weights at once: its pieces joined into
+one float32 buffer (`_chunk_cat`, the cast inside), one multiply by each
+weight's scale spread over its elements, one clamp and one cast. Same float32
+products, same clamp, same rounding: the bits and scales are those of the
+weight-by-weight path (tests/test_float8_gather.py checks them bit for bit).
+
+flexshard knows this class by its module and name (core does not import
+torchao) and only while it carries no precomputed scale: any other subclass,
+or a change torchao makes to this math, goes through the subclass's own hooks
+weight by weight (the test above fails on such a change).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from ..compat import foreach_norm
+from .batch import joined, spread
+
+EPS = 1e-12  # torchao.float8.float8_utils.EPS: an all-zero weight keeps a finite scale
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def is_dynamic_float8(cls: type, names: Sequence[str], ctx) -> bool:
+    """Whether a subclass param is torchao's dynamically scaled float8 weight
+    whose cast flexshard batches (one inner tensor, no precomputed scale)."""
+    return (cls.__module__ == "torchao.float8.fsdp_utils"
+            and cls.__name__ == "WeightWithDynamicFloat8CastTensor"
+            and list(names) == ["_tensor"] and isinstance(ctx, dict) and ctx.get("dtype") in _FP8)
+
+
+def amax(pieces: Sequence[torch.Tensor], mesh) -> torch.Tensor:
+    """max|piece| of each piece over the shard group, float32, one all-reduce.
+    Over the whole default group when `mesh` is None, as torchao's per-weight
+    path reduces (a world of one is then left alone only without a process group)."""
+    out = torch.stack(foreach_norm(pieces, ord=math.inf)).float()  # inf-norm: max |x|, exact
+    if dist.is_available() and dist.is_initialized():
+        group = mesh.get_group() if mesh is not None else dist.group.WORLD
+        with record_function("FlexShard::float8_amax_all_reduce"):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+def scales(amaxes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's amax_to_scale, elementwise: float64, clamp, max / amax, float32."""
+    amaxes = amaxes.to(torch.float64)
+    return (torch.finfo(dtype).max / torch.clamp(amaxes, min=EPS)).to(torch.float32)
+
+
+def cast(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.dtype,
+         cache: dict) -> torch.Tensor:
+    """Every piece times its scale, saturated to `dtype`'s range and cast: the
+    pieces' fp8 bits joined flat, in order."""
+    flat = joined(pieces, torch.float32)  # torchao upcasts too, then multiplies in float32
+    flat.mul_(spread(scale, cache, "numels", lambda: [p.numel() for p in pieces]))
+    top = torch.finfo(dtype).max
+    return flat.clamp_(min=-top, max=top).to(dtype)
