@@ -219,41 +219,6 @@ def test_whole_model_fullgraph_names_per_block_compile():
                            r"compile each block instead \(block.compile\(\) after flex_shard\)")
 
 
-def titan_training(compile_model: bool) -> tuple:
-    """Rank body: torchtitan's debugmodel (SDPA) through flexshard's parallelize_llama,
-    3 AdamW steps, with or without --compile.enable."""
-    import torch.distributed as dist
-    from torchtitan.config import CompileConfig
-    from test_torchtitan import BATCH, LR, SEQ, STEPS as TITAN_STEPS, debugmodel, parallelize
-    from test_torchtitan import titan_loss, tokens
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = parallelize(debugmodel(), world,
-                        compile_config=CompileConfig(enable=compile_model, components=["model"]))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(TITAN_STEPS):
-        loss = titan_loss(model, tokens(step, rank), world * BATCH * SEQ)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    compiled = [b._compiled_call_impl is not None for b in model.layers.children()]
-    full = fs.full_state_dict(model)  # a collective: every rank calls it
-    return losses, full if rank == 0 else None, compiled
-
-
-def test_torchtitan_compile_enable_matches_eager():
-    eager = run_world(2, titan_training, False, timeout=300)
-    comp = run_world(2, titan_training, True, timeout=300)
-    assert all(comp[0][2]) and not any(eager[0][2])  # every block compiled, or none
-    for (e_losses, _, _), (c_losses, _, _) in zip(eager, comp):
-        torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses),
-                                   rtol=1e-5, atol=0)
-    for k, ref in eager[0][1].items():
-        assert_rel_close(comp[0][1][k], ref, 1e-5, k)
-
-
 def test_a_missing_cpp_compiler_is_named_before_compiling(monkeypatch):
     """inductor needs g++ (or $CXX) on CPU: without one, parallelize_llama raises
     at once, before touching the model."""

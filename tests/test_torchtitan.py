@@ -93,8 +93,10 @@ def _train_sharded(placement: str, ac: str = "none", compile_model: bool = False
     rank, world = dist.get_rank(), dist.get_world_size()
     model = parallelize(debugmodel(), world, placement, ac=ac,
                         compile_config=CompileConfig(enable=compile_model, components=["model"]))
-    if compile_model:  # torchtitan's compile of each block, inside its AC wrapper
-        assert all(_compiled_inside(b, ac) for b in model.layers.children())
+    # torchtitan's compile of each block, inside its AC wrapper; none without --compile.enable
+    compiled = [_compiled_inside(b, ac) for b in model.layers.children()]
+    assert all(compiled) if compile_model else not any(
+        b._compiled_call_impl is not None for b in model.modules())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -151,11 +153,11 @@ def test_parallelize_llama_matches_single_process_training(placement, ac):
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
 def test_compile_with_activation_checkpointing_matches_single_process_training(ac):
-    """--compile.enable with torchtitan's AC: the block inside each AC wrapper is
-    compiled, the wrapper runs eagerly around it, flex_shard's gather recomputes
-    with the block."""
+    """--compile.enable, alone and with torchtitan's AC: each block (with AC, the
+    block inside each AC wrapper) is compiled, the wrapper runs eagerly around it,
+    flex_shard's gather recomputes with the block."""
     results = run_world(2, _train_sharded, "shard", ac, True, timeout=300)
     check_matches_reference(results, *_train_reference(2))
 
