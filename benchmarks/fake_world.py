@@ -307,6 +307,10 @@ def count_step(side: str = "flexshard", world: int = 8, *, shape: LlamaShape = P
     `world` ranks, after `warmup` steps: `side` ("flexshard" or "fsdp2") shards an HF
     Llama of `shape` (or `build()`'s model: an HF causal LM, its blocks in a ModuleList).
     Creates its own fake world: call it in a process without a process group."""
+    if mode.endswith("compile"):
+        raise ValueError(f"count_step: mode {mode!r} compiles the blocks, and under the "
+                         "counting dispatch mode they would run eagerly; count an eager mode "
+                         "('eager' or 'float8')")
     device = torch.device("cpu")
     with fake_world(world, rank, device) as mesh:
         s = Side(side, mode, shape, mesh, device, build=build)

@@ -1,8 +1,10 @@
 """The fake-world benchmark's run and report (`python -m benchmarks.gpu --fake-world N`):
-for each mode, both sides built and warmed up, then each side alone: its ops and
-copied bytes (`--counts`, eager modes), its peak memory, on a GPU one profiled
-step (kernels launched, GPU time in copy-family ops and in each library's
-labelled regions); then their steps timed alternating. See fake_world.py.
+for each mode, both sides built and warmed up; each side alone: on a GPU its peak
+memory and one profiled step (kernels launched, GPU time in copy-family ops and
+in each library's labelled regions; with compiled blocks, on a CPU too: the
+compiled graphs the step called); their steps timed alternating; last, eager
+modes only, each side under the dispatch-mode meters: ops and copied bytes
+(`--counts`) and, on a CPU, peak memory. See fake_world.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import datetime
 import gc
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +25,6 @@ TARGETS = [("*", "ops", 1.00, "*"), ("*", "copy_bytes", 1.00, "*"),
            ("eager", "step_s", 0.90, "cuda"), ("compile", "step_s", 0.90, "cuda"),
            ("module-compile", "step_s", 0.90, "cuda"), ("*", "peak_bytes", 0.95, "cuda"),
            ("float8-compile", "step_s", 1.00, "cuda")]
-COUNTED_MODES = ("eager", "float8")  # compiled graphs run inductor kernels, not aten ops
 TOP_OPS = 15
 
 
@@ -60,7 +62,8 @@ def _top_level(events, names) -> list:
 def device_summary(events) -> dict:
     """From a profiled step's FunctionEvents: device kernels launched, their total
     time, the time and kernels under copy-family ops, and under each library's
-    labelled regions (FlexShard::*, FSDP::*)."""
+    labelled regions (FlexShard::*, FSDP::*); compiled graphs the step called
+    (forward and backward: inductor's "## Call CompiledFxGraph" regions)."""
     device = [e for e in events if e.device_type.name != "CPU"]
     kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
     cpu = [e for e in events if e.device_type.name == "CPU"]
@@ -73,7 +76,8 @@ def device_summary(events) -> dict:
             "device_us": sum(e.device_time_total for e in device),
             "copy_device_us": sum(e.device_time_total for e in copies),
             "copy_kernels": sum(_kernel_count(e) for e in copies),
-            "label_device_us": dict(sorted(labels.items(), key=lambda kv: -kv[1]))}
+            "label_device_us": dict(sorted(labels.items(), key=lambda kv: -kv[1])),
+            "compiled_graph_calls": sum(e.name.startswith("## Call CompiledFxGraph") for e in cpu)}
 
 
 def _kernel_count(e) -> int:
@@ -86,24 +90,38 @@ def profile_side(side: Side, out_dir: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if side.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         side.step()
     prof.export_chrome_trace(str(out_dir / f"{side.mode}-{side.kind}.json"))
     return device_summary(prof.events())
 
 
 def timed(sides: list, steps: int) -> dict:
-    """Steps alternating (A B, B A, ...) so drift hits both alike: seconds per step."""
-    record = {s.kind: [] for s in sides}
+    """Steps alternating (A B, B A, ...) so drift hits both alike: per side the
+    wall seconds of each step and this process's CPU seconds (all threads)."""
+    record = {s.kind: ([], []) for s in sides}
     for i in range(steps):
         order = sides if i % 2 == 0 else sides[::-1]
         for s in order:
-            record[s.kind].append(s.step())
+            cpu = time.process_time()
+            record[s.kind][0].append(s.step())
+            record[s.kind][1].append(time.process_time() - cpu)
     return record
 
 
-def run_mode(mode: str, args, shape, mesh, device) -> dict:
-    """Both sides in `mode`: counts, memory, profile each alone; then timed together."""
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far (0 where nothing compiled)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def build_sides(mode: str, args, shape, mesh, device) -> list:
+    """Both sides built and warmed up one after the other; each knows the bytes it
+    keeps between steps (`persistent`: sharded params, optimizer state)."""
     sides = []
     for kind in SIDES:
         gc.collect()
@@ -111,32 +129,51 @@ def run_mode(mode: str, args, shape, mesh, device) -> dict:
         side = Side(kind, mode, shape, mesh, device, args.seed)
         for _ in range(args.warmup):
             side.step()
-        side.persistent = _allocated(device) - before  # sharded params, optimizer state
+        side.persistent = _allocated(device) - before
         sides.append(side)
-    out = {}
+    return sides
+
+
+def run_mode(mode: str, args, shape, mesh, device) -> dict:
+    """Both sides in `mode`: each alone, its GPU memory and profiled step; their steps
+    timed alternating; then each alone under the dispatch-mode meters (op counts,
+    CPU memory). The meters come last: a step under a TorchDispatchMode leaves
+    dynamo skipping the compiled blocks from then on (they run eagerly), so
+    compiled modes get no dispatch-mode measure at all."""
+    sides, out = build_sides(mode, args, shape, mesh, device), {}
+    compiled = mode.endswith("compile")
     for side in sides:
-        r = {}
-        if args.counts and mode in COUNTED_MODES:
-            r["counts"] = counted(side)._asdict()
-        r["peak_bytes"] = peak_bytes(side)
+        r, graphs = {}, graphs_compiled()
         if device.type == "cuda":
+            r["peak_bytes"] = peak_bytes(side)
+        if device.type == "cuda" or compiled:
             r["profile"] = profile_side(side, Path(args.out) / "traces")
+        # a graph compiled after warm-up: a recompile (or a new graph break) every step
+        r["graphs_after_warmup"] = graphs_compiled() - graphs
         out[side.kind] = r
-    steps = timed(sides, args.steps)
-    for kind, times in steps.items():
-        out[kind]["step_s"] = statistics.median(times)
-        out[kind]["step_s_all"] = times
+    graphs = graphs_compiled()
+    for kind, (wall, cpu) in timed(sides, args.steps).items():
+        out[kind].update(step_s=statistics.median(wall), cpu_s=statistics.median(cpu),
+                         step_s_all=wall)
+    graphs = graphs_compiled() - graphs
+    for side in sides if not compiled else ():
+        if args.counts:
+            out[side.kind]["counts"] = counted(side)._asdict()
+        if device.type != "cuda":
+            out[side.kind]["peak_bytes"] = peak_bytes(side)
     del sides
     gc.collect()
-    return {"mode": mode, "sides": out, "ratios": ratios(out)}
+    return {"mode": mode, "sides": out, "ratios": ratios(out), "graphs_in_timed_steps": graphs}
 
 
 def _measures(r: dict) -> dict:
-    m = {"peak_bytes": r["peak_bytes"], "step_s": r["step_s"]}
+    m = {k: r[k] for k in ("peak_bytes", "step_s", "cpu_s") if k in r}
     if "counts" in r:
         m.update({k: r["counts"][k] for k in ("ops", "non_view_ops", "copy_ops", "copy_bytes")})
     if "profile" in r:
-        m.update({k: r["profile"][k] for k in ("kernels", "copy_device_us", "copy_kernels")})
+        keys = ("kernels", "copy_device_us", "copy_kernels", "compiled_graph_calls")
+        m.update({k: r["profile"][k] for k in keys if r["profile"]["device_us"] or
+                  k == "compiled_graph_calls"})
     return m
 
 
@@ -156,6 +193,21 @@ def targets(result: dict) -> list:
                 value = m["ratios"][measure]
                 ok = value is not None and value <= target
                 rows.append((m["mode"], measure, value, target, "PASS" if ok else "MISS"))
+    return rows
+
+
+def compile_checks(result: dict) -> list:
+    """For each compiled mode and side: whether the step called compiled graphs
+    (a block compiled with nothing to show ran eagerly) and compiled none anew."""
+    rows = []
+    for m in result["modes"]:
+        if not m["mode"].endswith("compile"):
+            continue
+        for kind, r in m["sides"].items():
+            calls, again = r["profile"]["compiled_graph_calls"], r["graphs_after_warmup"]
+            verdict = ("ran eagerly" if not calls else
+                       f"recompiled ({again} graphs after warm-up)" if again else "compiled")
+            rows.append((m["mode"], kind, calls, again, verdict))
     return rows
 
 
@@ -179,6 +231,7 @@ def run(args, device: torch.device) -> dict:
             result["modes"].append(run_mode(mode, args, shape, mesh, device))
             print(mode_text(result["modes"][-1], device), flush=True)
     result["targets"] = targets(result)
+    result["compile_checks"] = compile_checks(result)
     return result
 
 
@@ -198,8 +251,10 @@ _ROWS = [  # (measure, label, format)
     ("kernels", "kernels launched per step", "{:,}"),
     ("copy_kernels", "  of them under copy-family ops", "{:,}"),
     ("copy_device_us", "GPU time in copy-family ops", lambda v: f"{v / 1e3:.2f} ms"),
+    ("compiled_graph_calls", "compiled graphs called per step", "{:,}"),
     ("peak_bytes", "peak memory", _mib),
     ("step_s", "step time, median", lambda v: f"{v * 1e3:.1f} ms"),
+    ("cpu_s", "process CPU time per step, median", lambda v: f"{v * 1e3:.1f} ms"),
 ]
 
 
@@ -212,9 +267,17 @@ def mode_text(m: dict, device: torch.device) -> str:
     for key, label, fmt in _ROWS:
         if key in a and key in b:
             f = fmt.format if isinstance(fmt, str) else fmt
-            unit = f" ({device.type.upper()})" if key in ("peak_bytes", "step_s") else ""
+            unit = f" ({device.type.upper()})" if key in ("peak_bytes", "step_s", "cpu_s") else ""
             lines.append(f"| {label}{unit} | {f(a[key])} | {f(b[key])} | "
                          f"{_ratio(m['ratios'].get(key))} |")
+    if m["mode"].endswith("compile") and device.type == "cpu":
+        lines.append("| peak memory (CPU) | n/a | n/a | MemoryMeter's dispatch mode would run "
+                     "the compiled blocks eagerly |")
+    if m["mode"].endswith("compile"):
+        g = [m["sides"][k]["graphs_after_warmup"] for k in ("flexshard", "fsdp2")]
+        lines.append(f"| graphs compiled after warm-up (recompiles) | {g[0]} | {g[1]} | |")
+        lines.append(f"\ngraphs compiled in the timed steps (both sides): "
+                     f"{m['graphs_in_timed_steps']}")
     if "counts" in m["sides"]["flexshard"]:
         lines += ["", *op_table(m["sides"]["flexshard"]["counts"]["by_op"],
                                 m["sides"]["fsdp2"]["counts"]["by_op"])]

@@ -256,6 +256,22 @@ def test_device_summary_attributes_kernels_to_copies():
     assert s["label_device_us"] == {"FSDP::all_gather_copy_in": 7.0}
 
 
+def test_device_summary_reads_real_profiler_events():
+    """The attributes device_summary reads are torch.profiler's (a CPU profile:
+    no device events, the labelled copy found with nothing under it)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.fake_world_bench import device_summary
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("FlexShard::all_gather_copy_in"):
+            torch.cat([torch.ones(4), torch.zeros(4)]).to(torch.bfloat16)
+    s = device_summary(prof.events())
+    assert (s["kernels"], s["copy_kernels"], s["compiled_graph_calls"]) == (0, 0, 0)
+    assert s["label_device_us"] == {"FlexShard::all_gather_copy_in": 0}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--fake-world", "8", "--rank", "8"], "need N >= 1 and 0 <= rank < N"),
     (["--fake-world", "8", "--offload"], "--offload is for the real-world mode"),
@@ -287,3 +303,24 @@ def test_fake_world_presets_are_what_the_issues_ask():
     cpu, gpu = PRESETS["cpu"], PRESETS["8b"]
     assert cpu.dim >= 384 and cpu.layers == 4 and cpu.seq >= 256
     assert (gpu.dim, gpu.ffn, gpu.heads, gpu.kv_heads, gpu.seq) == (4096, 14336, 32, 8, 4096)
+
+
+def test_compile_checks_name_eager_and_recompiling_blocks():
+    from benchmarks.fake_world_bench import compile_checks
+
+    def side(calls, again):
+        return {"profile": {"compiled_graph_calls": calls}, "graphs_after_warmup": again}
+    result = {"modes": [
+        {"mode": "eager", "sides": {"flexshard": {}, "fsdp2": {}}},
+        {"mode": "module-compile", "sides": {"flexshard": side(0, 0), "fsdp2": side(8, 0)}},
+        {"mode": "float8-compile", "sides": {"flexshard": side(8, 3), "fsdp2": side(8, 0)}}]}
+    assert [row[1:] for row in compile_checks(result)] == [
+        ("flexshard", 0, 0, "ran eagerly"), ("fsdp2", 8, 0, "compiled"),
+        ("flexshard", 8, 3, "recompiled (3 graphs after warm-up)"), ("fsdp2", 8, 0, "compiled")]
+
+
+def test_count_step_refuses_compiled_modes():
+    from benchmarks.fake_world import count_step
+
+    with pytest.raises(ValueError, match="count an eager mode"):
+        count_step("flexshard", mode="compile")
