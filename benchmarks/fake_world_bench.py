@@ -64,7 +64,9 @@ def device_summary(events) -> dict:
     time, the time and kernels under copy-family ops, and under each library's
     labelled regions (FlexShard::*, FSDP::*); compiled graphs the step called
     (forward and backward: inductor's "## Call CompiledFxGraph" regions)."""
-    device = [e for e in events if e.device_type.name != "CPU"]
+    # GPU-side record_function ranges (gpu_user_annotation) are device events too: not kernels
+    device = [e for e in events if e.device_type.name != "CPU"
+              and not getattr(e, "is_user_annotation", False)]
     kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
     cpu = [e for e in events if e.device_type.name == "CPU"]
     copies = _top_level(cpu, COPY_OPS)

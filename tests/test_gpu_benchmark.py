@@ -248,8 +248,10 @@ def test_device_summary_attributes_kernels_to_copies():
     copy_in = ev("fsdp::all_gather_copy_in", cpu, 7.0, label)
     inner = ev("aten::_foreach_copy_", cpu, 7.0, copy_in, kernels=2)
     mm = ev("aten::mm", cpu, 30.0, kernels=1)
+    annotation = ev("FSDP::all_gather_copy_in", cuda, 7.0)  # its range on the GPU timeline
+    annotation.is_user_annotation = True
     events = [label, copy_in, inner, mm, ev("kernel_a", cuda, 3.0), ev("kernel_b", cuda, 4.0),
-              ev("gemm", cuda, 30.0), ev("Memcpy HtoD", cuda, 1.0)]
+              ev("gemm", cuda, 30.0), ev("Memcpy HtoD", cuda, 1.0), annotation]
     s = device_summary(events)
     assert (s["kernels"], s["memcpy_memset"], s["device_us"]) == (3, 1, 38.0)
     assert (s["copy_device_us"], s["copy_kernels"]) == (7.0, 2)
