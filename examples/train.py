@@ -20,7 +20,6 @@ import os
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -37,9 +36,6 @@ from report import Traffic, peak_memory_bytes, plot_losses, progress  # noqa: E4
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 WARMUP = 10  # steps of linear learning-rate warm-up, then cosine decay to 10%
-# torch 2.13 deprecates the *_tensor collectives flexshard calls: a note for flexshard, not users.
-warnings.filterwarnings(
-    "ignore", message=r"`torch\.distributed\.(all_gather_into|reduce_scatter)_tensor` is deprec")
 PLACEMENTS = ("shard", "owned", "ragged", "mixed")
 
 

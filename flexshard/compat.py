@@ -1,11 +1,15 @@
-"""Every private torch API flexshard relies on, resolved in one place.
+"""Every private torch API flexshard relies on, and every torch name that differs
+between the releases it supports, resolved in one place.
 
 flexshard leans on a few torch internals (non-reentrant checkpoint's
 generator, the dispatch-mode stack, autograd's graph-task id, ...). Each is
 looked up here when flexshard is imported, so a torch that renamed or removed
 one fails at import with an ImportError naming the symbol and what flexshard
-uses it for, never mid-training. A torch outside the releases flexshard was
-written for warns once. tests/test_compat.py checks that each symbol resolves
+uses it for, never mid-training. Names torch renamed inside TORCH_RANGE
+(`resolve_first`) are looked up newest spelling first, so each supported torch
+runs its own current name (an old one may warn as deprecated). What only the
+experimental code uses is resolved on first use: it never breaks `import
+flexshard`. A torch outside the releases flexshard was written for warns once. tests/test_compat.py checks that each symbol resolves
 and still behaves as flexshard expects; nothing else in flexshard touches a
 private torch name.
 """
@@ -17,7 +21,9 @@ import warnings
 
 import torch
 
-TORCH_RANGE = ((2, 13), (2, 14))  # [first, past-last) torch releases flexshard was written for
+# [first, past-last) torch releases flexshard was written for: 2.13 in CI, 2.11's API
+# surface by tests/test_compat.py's name-removal test, 2.11 and 2.14 run by hand.
+TORCH_RANGE = ((2, 11), (2, 16))
 
 
 def _release(version: str) -> tuple:
@@ -57,6 +63,19 @@ def resolve(path: str, used_for: str):
     return obj
 
 
+def resolve_first(paths: tuple, used_for: str):
+    """The object at the first of `paths` torch has (a renamed name: newest spelling
+    first), or ImportError naming them all."""
+    for path in paths:
+        try:
+            return resolve(path, used_for)
+        except ImportError:
+            pass
+    raise ImportError(f"flexshard needs one of torch's {' / '.join(paths)} ({used_for}), none "
+                      f"of which torch {torch.__version__} has; flexshard was written for "
+                      f"{_range_text()}: install such a torch, or port flexshard/compat.py")
+
+
 def _tensor_attr(attr: str, used_for: str) -> str:
     """`attr` when tensors have it, else ImportError naming it."""
     resolve(f"torch._C:TensorBase.{attr}", used_for)
@@ -64,6 +83,17 @@ def _tensor_attr(attr: str, used_for: str) -> str:
 
 
 check_torch_version()
+
+# The flat-buffer collectives (runtime/comm.py, the bucket gather and gradient
+# reduce-scatter): torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor
+# to all_gather_single / reduce_scatter_single and made the old names aliases that
+# warn (FutureWarning); 2.11 and 2.12 have only the old ones. Same arguments.
+all_gather_single = resolve_first(
+    ("torch.distributed:all_gather_single", "torch.distributed:all_gather_into_tensor"),
+    "to all-gather a bucket's flat buffer")
+reduce_scatter_single = resolve_first(
+    ("torch.distributed:reduce_scatter_single", "torch.distributed:reduce_scatter_tensor"),
+    "to reduce-scatter a bucket's flat gradient buffer")
 
 # Activation checkpointing (runtime/reshard.py): the saved-tensors hooks on top of
 # the stack, None when none are active.
@@ -163,10 +193,19 @@ def inductor_cpp_compilers() -> tuple:
 
 # The in-graph gather (experimental/ingraph.py, experimental): an all-gather that dynamo
 # traces into the graph (the _c10d_functional ops) and whose backward is a
-# reduce-scatter summing over the group.
-all_gather_autograd = resolve(
-    "torch.distributed._functional_collectives:all_gather_single_autograd",
-    "to trace a bucket's all-gather into a compiled block (gather_in_graph)")
+# reduce-scatter summing over the group. torch 2.13 renamed all_gather_tensor_autograd
+# to all_gather_single_autograd (the old name warns outside compile). Resolved on
+# first use, so a torch without either breaks only the experimental code.
+FUNCTIONAL_ALL_GATHER = ("torch.distributed._functional_collectives:all_gather_single_autograd",
+                         "torch.distributed._functional_collectives:all_gather_tensor_autograd")
+
+
+def functional_all_gather_autograd():
+    """torch's functional all-gather with autograd: f(tensor, gather_dim, group)."""
+    return resolve_first(FUNCTIONAL_ALL_GATHER,
+                         "to trace a bucket's all-gather into a compiled block (gather_in_graph)")
+
+
 # The namespace of those ops, as the selective checkpoint policy sees them.
 FUNCTIONAL_COLLECTIVES_NAMESPACE = "_c10d_functional"
 

@@ -173,6 +173,14 @@ def check_parity(world: int, config: dict, steps: int = 4, make_opt: Optional[Ca
 
     results = run_world(world, train_sharded, steps, config, model_kw, make_opt, count_comms,
                         timeout=180)
+    compare_to_reference(results, world, steps, make_opt, param_dtype, model_kw, rtol, atol, exact)
+    return results
+
+
+def compare_to_reference(results: list, world: int, steps: int,
+                         make_opt: Optional[Callable] = None, param_dtype=None, model_kw=None,
+                         rtol: float = 1e-5, atol: float = 1e-6, exact: bool = False) -> None:
+    """Check `train_sharded`'s per-rank results against `reference_run` (see check_parity)."""
     ref_losses, ref_params, ref_grads = reference_run(world, steps, param_dtype=param_dtype,
                                                       model_kw=model_kw, make_opt=make_opt)
     losses, full = results[0][0], results[0][1]
@@ -189,7 +197,6 @@ def check_parity(world: int, config: dict, steps: int = 4, make_opt: Optional[Ca
         if exact:
             assert torch.equal(full[k], ref), f"{k} is not bitwise equal to the reference"
         assert_rel_close(full[k], ref, rtol, k)
-    return results
 
 
 def assert_rel_close(actual, expected, rel, name) -> None:

@@ -32,10 +32,88 @@ def _stack() -> list:
 
 def test_torch_version_is_in_range_and_outside_warns():
     assert compat.check_torch_version()
-    with pytest.warns(UserWarning, match=r"flexshard was written for torch>=2\.13,<2\.14 and "
+    with pytest.warns(UserWarning, match=r"flexshard was written for torch>=2\.11,<2\.16 and "
                                          r"torch is 3\.1\.0"):
         assert not compat.check_torch_version("3.1.0")
-    assert compat.check_torch_version("2.13.1+cu126")
+    for inside in ("2.11.0+cu130", "2.13.1+cu126", "2.15.0"):
+        assert compat.check_torch_version(inside)
+    for outside in ("2.10.0", "2.16.0a0"):
+        with pytest.warns(UserWarning, match="flexshard was written for"):
+            assert not compat.check_torch_version(outside)
+
+
+def test_pyproject_admits_the_releases_compat_was_written_for():
+    import re
+
+    text = (PKG.parent / "pyproject.toml").read_text()
+    (a, b), (c, d) = compat.TORCH_RANGE
+    assert re.search(rf'"torch>={a}\.{b},<{c}\.{d}"', text), "pyproject.toml and TORCH_RANGE differ"
+
+
+def test_renamed_names_resolve_newest_first():
+    import torch.distributed as dist
+
+    assert compat.resolve_first(("torch.distributed:all_gather_single",
+                                 "torch.distributed:all_gather_into_tensor"), "a test") \
+        is dist.all_gather_single
+    assert compat.resolve_first(("torch.distributed:no_such_gather",
+                                 "torch.distributed:all_gather_into_tensor"), "a test") \
+        is dist.all_gather_into_tensor
+    with pytest.raises(ImportError, match=r"one of torch's torch:_a / torch:_b \(for a test\), "
+                                          r"none of which torch .* has"):
+        compat.resolve_first(("torch:_a", "torch:_b"), "for a test")
+
+
+def test_this_torch_runs_its_own_names_without_deprecation_warnings():
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    assert compat.all_gather_single is getattr(dist, "all_gather_single", None) \
+        or not hasattr(dist, "all_gather_single")
+    assert compat.reduce_scatter_single is getattr(dist, "reduce_scatter_single", None) \
+        or not hasattr(dist, "reduce_scatter_single")
+    assert compat.functional_all_gather_autograd() in (
+        getattr(funcol, "all_gather_single_autograd", None),
+        getattr(funcol, "all_gather_tensor_autograd", None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.functional_all_gather_autograd()
+
+
+def test_torch_2_11_api_surface_trains_as_one_process(tmp_path):
+    """flexshard imported after torch 2.13's three new names are deleted (the old ones
+    kept, as on 2.11) trains 2 ranks as one process does: losses, step-0 grads, params."""
+    import os
+    import subprocess
+    import sys
+
+    from harness import _free_port
+    from old_torch_api import STEPS
+    from reference import compare_to_reference
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    script = PKG.parent / "tests" / "old_torch_api.py"
+    ranks = [subprocess.Popen([sys.executable, str(script), str(tmp_path)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in ranks]  # about 3 s of CPU each
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in ranks] == [0, 0], "\n".join(outputs)
+    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank, got in enumerate(saved):
+        assert got["still_there"] == []
+        assert got["calls"]["all_gather_into_tensor"] > 0
+        assert got["calls"]["reduce_scatter_tensor"] > 0
+        assert got["calls"]["all_gather_tensor_autograd"] == 1
+        assert got["functional"] == ([0.0, 1.0, 10.0, 1.0], [2 * (2 * rank), 2 * (2 * rank) + 2])
+    compare_to_reference([got["result"] for got in saved], 2, STEPS, exact=True)
 
 
 def test_a_missing_symbol_fails_naming_it():
@@ -224,7 +302,7 @@ def _functional_gather() -> tuple:
 
     rank = dist.get_rank()
     x = torch.tensor([10.0 * rank, 10.0 * rank + 1], requires_grad=True)
-    out = compat.all_gather_autograd(x, 0, dist.group.WORLD)
+    out = compat.functional_all_gather_autograd()(x, 0, dist.group.WORLD)
     (out * torch.arange(4.0)).sum().backward()
     return out.tolist(), x.grad.tolist()
 

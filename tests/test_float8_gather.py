@@ -104,6 +104,7 @@ def _grads(model) -> dict:
     """Full first-step grads, FQN -> tensor, for either library."""
     import torch.distributed as dist
 
+    from flexshard import compat
     from flexshard.runtime.state import find_state
 
     state = find_state(model)
@@ -116,7 +117,7 @@ def _grads(model) -> dict:
             flat = [t.reshape(-1) for t in pieces]
             sizes = [t.numel() for t in flat]
             buf = torch.zeros(max(sizes) * len(sizes), dtype=p.grad.dtype)
-            dist.all_gather_single(buf, torch.nn.functional.pad(
+            compat.all_gather_single(buf, torch.nn.functional.pad(  # 2.11 and 2.13's name
                 p.grad.reshape(-1), (0, max(sizes) - p.grad.numel())))
             pieces = [buf[r * max(sizes):r * max(sizes) + n].view(s)
                       for r, (n, s) in enumerate(zip(sizes, slot.local_shapes))]

@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, all_gather_autograd
+from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, functional_all_gather_autograd
 from ..runtime.bucket import Bucket
 from ..planning.wire_plan import plan_param_wires
 from ..runtime.state import get_state
@@ -83,6 +83,7 @@ class TracedGather:
         self.order = sorted(range(len(self.pieces)), key=lambda i: self.pieces[i][0])
         self.wires = plan_param_wires(layout, bucket.gather.wire, bucket.rank)
         self.group, self.factor = bucket.group, bucket.grads.gradient_divide_factor
+        self.all_gather = functional_all_gather_autograd()  # its name differs by torch release
 
     def gather_input(self, sharded: Sequence[torch.Tensor]) -> torch.Tensor:
         """This rank's segment: its pieces at their offsets, zeros in the gaps."""
@@ -100,7 +101,7 @@ class TracedGather:
     def unsharded(self, sharded: Sequence[torch.Tensor]) -> list:
         """The unsharded params, made inside the graph that calls this."""
         send = _DivideGrad.apply(self.gather_input(sharded), self.factor)
-        gathered = all_gather_autograd(send, 0, self.group)  # backward: reduce-scatter, sum
+        gathered = self.all_gather(send, 0, self.group)  # backward: reduce-scatter, sum
         return [wire.traced(gathered) for wire in self.wires]
 
 

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..compat import all_gather_single, reduce_scatter_single  # named by torch release
+
 
 class Comm:
     """The collectives flexshard issues, each over a whole flat buffer."""
@@ -23,14 +25,15 @@ class Comm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group,
                    async_op: bool = False) -> Optional[dist.Work]:
         """Rank-major gather of equal-sized `input`s into `output`."""
-        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+        return all_gather_single(output, input, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> Optional[dist.Work]:
         """Reduce rank-major `input`s by `op` (SUM, or AVG where `averages`)
         and give rank r segment r in `output`. `input` may be used as scratch."""
-        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return reduce_scatter_single(output, input, op=op, group=group,
+                                     async_op=async_op)
 
     def averages(self, group) -> bool:
         """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;
