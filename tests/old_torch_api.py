@@ -32,8 +32,9 @@ CALLS = collections.Counter()
 def as_torch_2_11() -> None:
     """Remove torch 2.13's new names; the old ones call the implementation, counted."""
     for module, new, old in RENAMED:
-        impl = getattr(module, new)
-        delattr(module, new)
+        impl = getattr(module, new, None) or getattr(module, old)  # on torch 2.11 itself: old
+        if hasattr(module, new):
+            delattr(module, new)
 
         def counted(*args, _impl=impl, _old=old, **kwargs):
             CALLS[_old] += 1

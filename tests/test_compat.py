@@ -51,14 +51,8 @@ def test_pyproject_admits_the_releases_compat_was_written_for():
 
 
 def test_renamed_names_resolve_newest_first():
-    import torch.distributed as dist
-
-    assert compat.resolve_first(("torch.distributed:all_gather_single",
-                                 "torch.distributed:all_gather_into_tensor"), "a test") \
-        is dist.all_gather_single
-    assert compat.resolve_first(("torch.distributed:no_such_gather",
-                                 "torch.distributed:all_gather_into_tensor"), "a test") \
-        is dist.all_gather_into_tensor
+    assert compat.resolve_first(("torch:concat", "torch:cat"), "a test") is torch.concat
+    assert compat.resolve_first(("torch:_no_such_cat", "torch:cat"), "a test") is torch.cat
     with pytest.raises(ImportError, match=r"one of torch's torch:_a / torch:_b \(for a test\), "
                                           r"none of which torch .* has"):
         compat.resolve_first(("torch:_a", "torch:_b"), "for a test")
