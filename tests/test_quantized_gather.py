@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from flexshard.planning.layout import SlotPlan, bind_placements, plan_layout
-from flexshard.planning.wire_plan import ParamWire, plan_wire
+from flexshard.placements.wire import Cast
+from flexshard.planning.wire_plan import ParamWire, plan_param_wires, plan_wire
 from harness import run_world
 from models import batch, loss_fn
 from reference import assemble_grads, make_model, reference_run, train_sharded
@@ -168,3 +170,92 @@ def test_describe_shows_what_is_quantized_and_the_bytes():
         0.5 * sum(b.gather_wire_bytes for b in plain.buckets)
     assert sum(b.quantized for b in quant.buckets) >= 4
     assert "quantized" in str(quant)
+
+
+# A bucket's quantized params are quantized and dequantized together
+# (BlockQuantized.encode_batch / decode_batch): the same bits as one at a time,
+# in a number of kernels that does not grow with the params.
+
+
+class _Kernels(TorchDispatchMode):
+    """Ops that are not views: on a GPU, roughly the kernels launched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _bucket(shapes, dtype, placement, world, policy) -> tuple:
+    """(slots, wire plan, gather layout) of a bucket of `shapes` under `policy`."""
+    bound = bind_placements([(torch.Size(s), dtype.itemsize, placement) for s in shapes], world)
+    slots = [SlotPlan(f"p{i}", torch.Size(s), dtype, pl,
+                      tuple(pl.local_shape(torch.Size(s), r, world) for r in range(world)))
+             for i, (s, pl) in enumerate(zip(shapes, bound))]
+    formats = [policy.format(s.fqn, s.shape, dtype, dtype, s.placement, world) or Cast(dtype)
+               for s in slots]
+    wire = plan_wire(slots, formats, world)
+    return slots, wire, plan_layout(wire.slots, [s.dtype for s in wire.slots], world)
+
+
+def _encode_decode(shapes, dtype, placement, world, policy, batched: bool) -> tuple:
+    """(gathered buffer, [(param, bytes copied)], kernels of rank 0's encode, of its
+    decode past the copy-out of each param's parts)."""
+    slots, wire, layout = _bucket(shapes, dtype, placement, world, policy)
+    torch.manual_seed(0)
+    fulls = [(torch.randn(s.shape) * torch.logspace(-2, 2, s.shape[0]).view(-1, *[1] * (
+        len(s.shape) - 1))).to(dtype) for s in slots]
+    segments, kernels = [], []
+    for r in range(world):
+        wires = plan_param_wires(layout, wire, r)
+        pieces = [s.placement.shard(f, r, world) for s, f in zip(slots, fulls)]
+        segment = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
+        with _Kernels() as mode:
+            if batched:
+                wires.encode(segment, pieces)
+            else:
+                for w, piece in zip(wires, pieces):
+                    w.encode(segment, piece)
+        segments.append(segment)
+        kernels.append(mode.ops)
+    gathered = torch.cat(segments)
+    with _Kernels() as mode:
+        outs = wires.decode(gathered) if batched else [w.decode(gathered) for w in wires]
+    with _Kernels() as copy_out:  # the bucket's copy-out (copy plans), not the format's
+        [w.fulls(gathered) for w in wires if not w.cast]
+    return gathered, outs, kernels[0], mode.ops - copy_out.ops
+
+
+PLACEMENTS = [(fs.Shard(0), 4), (fs.RaggedShard(units=(3, 0, 5)), 3), (fs.RaggedShard(), 3),
+              (fs.Owned(), 3)]
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("placement,world", PLACEMENTS)
+def test_a_bucket_quantizes_and_dequantizes_at_once_bit_for_bit(qdtype, dtype, placement, world):
+    shapes = [(64, 80), (48, 16), (64,), (96, 32), (32, 8, 4)]  # a bias travels as itself
+    policy = fs.QuantizedGather(qdtype, min_numel=256)
+    batched = _encode_decode(shapes, dtype, placement, world, policy, True)
+    alone = _encode_decode(shapes, dtype, placement, world, policy, False)
+    assert torch.equal(batched[0], alone[0])  # every rank's gather input, byte for byte
+    for (got, got_copied), (want, want_copied) in zip(batched[1], alone[1]):
+        assert got.dtype == want.dtype and torch.equal(got, want) and got_copied == want_copied
+
+
+def test_kernels_per_bucket_do_not_grow_with_its_quantized_params():
+    counts = {}
+    for n in (1, 2, 4, 8):
+        shapes = [(32 + 16 * (i % 3), 24 + 8 * (i % 2)) for i in range(n)]
+        policy = fs.QuantizedGather(torch.int8, min_numel=1)
+        counts[n] = {batched: _encode_decode(shapes, torch.float32, fs.Shard(0), 2, policy,
+                                             batched)[2:] for batched in (True, False)}
+    assert counts[1][True][0] <= 16 and counts[1][True][1] <= 8, counts[1]
+    for n, c in counts.items():
+        assert c[True] == counts[1][True], (n, c)
+        assert c[False] == (n * counts[1][False][0], n * counts[1][False][1]), (n, c)
+    assert counts[8][True][0] * 4 < counts[8][False][0]
+    assert counts[8][True][1] < counts[8][False][1]

@@ -20,14 +20,18 @@ def joined(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return out.view(-1)
 
 
-def spread(values: torch.Tensor, cache: dict, name: str, counts: Callable) -> torch.Tensor:
-    """`values[i]` repeated `counts()[i]` times, joined (one op). The counts
-    (a list of ints, the same every step: the batch's pieces keep their shapes)
-    go to the device on first use and stay in `cache`; their sum is known on
-    the host, so nothing waits for the device."""
-    key = (name, values.device)
+def counts(cache: dict, name: str, device: torch.device, values: Callable) -> tuple:
+    """(`values()` as an int64 tensor on `device`, their sum): made on first use
+    and kept in `cache` (a batch's pieces keep their shapes, so they stay right)."""
+    key = (name, device)
     if key not in cache:
-        ints = counts()
-        cache[key] = (torch.tensor(ints, dtype=torch.int64, device=values.device), sum(ints))
-    repeats, total = cache[key]
-    return torch.repeat_interleave(values, repeats, output_size=total)
+        ints = values()
+        cache[key] = (torch.tensor(ints, dtype=torch.int64, device=device), sum(ints))
+    return cache[key]
+
+
+def spread(values: torch.Tensor, cache: dict, name: str, repeats: Callable) -> torch.Tensor:
+    """`values[i]` repeated `repeats()[i]` times, joined: one op. Their sum is
+    known on the host, so nothing waits for the device."""
+    times, total = counts(cache, name, values.device, repeats)
+    return torch.repeat_interleave(values, times, output_size=total)

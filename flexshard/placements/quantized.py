@@ -16,6 +16,15 @@ row (1% of an int8 row of 384 columns) and follows outliers more closely.
 pays: floating params of 2+ dims with at least `min_numel` elements, split by
 rows on a multiple of `block_rows`; the rest (norms, biases, small or
 column-split tensors) travel in the gather dtype, and `fs.describe` counts them.
+
+A bucket's quantized params are quantized together and dequantized together
+(`encode_batch` / `decode_batch`): their pieces joined into one float32
+buffer, every block's amax in one segment reduce, one divide by the scales
+spread over their blocks, one round, clamp and cast; after the gather one
+multiply for all of them. The same float32 operations element by element as
+one param at a time, so the same bits, in a number of kernels that does not
+grow with the bucket's params (on a GPU each op of a param-by-param loop is a
+kernel launch: +22-27% step time against bf16 gathers on an H100).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .batch import counts, joined, spread
 from .contract import Placement, WireFormat, WirePart
 from .ragged import RaggedShard
 from .wire import WirePolicy
@@ -63,14 +73,46 @@ class BlockQuantized(WireFormat):
         blocks = data.float().reshape(scales.numel(), self._width(data.shape)) * scales[:, None]
         return blocks.view(data.shape).to(self.out_dtype)
 
+    def batch_key(self):
+        return ("block quantized", self.dtype, self.out_dtype)
+
+    def encode_batch(self, formats, pieces, mesh, cache) -> tuple:
+        """encode of every piece at once: (quantized data joined, scales joined)."""
+        flat = joined(pieces, torch.float32)
+        widths = lambda: _widths(formats, [p.shape for p in pieces])  # noqa: E731 (on first use)
+        lengths, _ = counts(cache, "piece widths", flat.device, widths)
+        amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True)
+        scale = amax.clamp(min=_EPS) / _QMAX[self.dtype]
+        return (self._quantize(flat.div_(spread(scale, cache, "piece widths", widths)), True),
+                scale), [None] * len(pieces)
+
+    def decode_batch(self, formats, fulls, metas, cache) -> list:
+        """decode of every param at once, each a view of one new buffer."""
+        data = joined([parts[0] for parts in fulls], torch.float32)
+        scales = joined([parts[1] for parts in fulls], torch.float32)
+        widths = lambda: _widths(formats, [parts[0].shape for parts in fulls])  # noqa: E731
+        out = data.mul_(spread(scales, cache, "full widths", widths)).to(self.out_dtype)
+        return [piece.view(parts[0].shape) for piece, parts in
+                zip(out.split_with_sizes([parts[0].numel() for parts in fulls]), fulls)]
+
     def _width(self, shape: torch.Size) -> int:
         """Elements of one block: `block_rows` rows of every column."""
         return self.block_rows * math.prod(shape[1:])
 
-    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+    def _quantize(self, scaled: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """`scaled` rounded (int8) and saturated to the wire dtype (in place:
+        into `scaled` itself before the cast)."""
         if self.dtype == torch.int8:
-            return scaled.round().clamp(-127, 127).to(torch.int8)
-        return scaled.clamp(-448.0, 448.0).to(self.dtype)
+            rounded = scaled.round_() if in_place else scaled.round()
+            return rounded.clamp_(-127, 127).to(torch.int8)
+        clamped = scaled.clamp_(-448.0, 448.0) if in_place else scaled.clamp(-448.0, 448.0)
+        return clamped.to(self.dtype)
+
+
+def _widths(formats: Sequence[BlockQuantized], shapes: Sequence[torch.Size]) -> list:
+    """Elements of each block of rows of tensors of `shapes`, in order."""
+    return [f._width(shape) for f, shape in zip(formats, shapes)
+            for _ in range(shape[0] // f.block_rows)]
 
 
 @dataclass(frozen=True)
