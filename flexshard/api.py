@@ -179,7 +179,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     local = to_local_params(module, named)  # DTensor params: their TP-local tensors
     try:
         _plan_and_build(module, mesh, local, specs, placement, mp_policy,
-                        reshard_after_forward, offload_policy, comm)
+                        reshard_after_forward, offload_policy, comm, named)
     except BaseException:
         restore_params(local)
         raise
@@ -188,7 +188,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
 
 
 def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_after_forward,
-                    offload_policy, comm) -> None:
+                    offload_policy, comm, originals: dict) -> None:
     named = local.named
     _, world_size = _rank_and_world(mesh)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
@@ -201,7 +201,7 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
     check_ranks_agree(plan, state.comm, groups)  # over flex_shard's mesh: TP ranks may hold other shapes
     if local.specs:  # checkpoints are written by every rank of the (dp, tp) mesh
         state.files_group, state.files_rank, _ = root_group(mesh)
-    _build(module, state, plan, named, device, local.specs)
+    _build(module, state, plan, named, device, local.specs, originals)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
 
@@ -315,10 +315,12 @@ def _replicas(mesh) -> int:
     return 1 if mesh is None or mesh.ndim == 1 else mesh.size(0)
 
 
-def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict) -> None:
+def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
+           originals: dict) -> None:
     """The runtime of `plan`: buckets filled with this rank's pieces and installed
     on their modules, forward hooks on each running module and on the root.
-    `tp_specs`: FQN -> TPSpec of the params that were DTensors."""
+    `tp_specs`: FQN -> TPSpec of the params that were DTensors; `originals`: FQN ->
+    the user's Parameter objects, which become the sharded params where they can."""
     state.prefetcher, reduce_queue = _new_prefetcher(), ReduceQueue()
     devices = DeviceContexts()  # one set of streams per device, shared by the buckets
     reduce_queue.listeners.append(state.prefetcher.end_backward)
@@ -338,6 +340,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict) -
         if bucket.post_forward_size is not None:
             bucket.subgroups.of(bucket.rank, bucket.post_forward_size)  # made now, by every member
         bucket.load_full(lambda fqn: named[fqn].detach())
+        bucket.adopt([originals[slot.fqn] for slot in planned.slots])
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
         bucket.tp_specs = slot_specs(planned.slots, tp_specs)

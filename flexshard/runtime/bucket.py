@@ -33,6 +33,7 @@ from .grad_reduce import GradReduce
 from .inflight import PendingGather, PendingReduce
 from .offload import Offload
 from .grad_reduce import ReduceQueue
+from .identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
 from .unshard_node import _Unshard
 
@@ -152,6 +153,17 @@ class Bucket:
             for slot, view in zip(self.slots, self.storage.views):
                 full = fqn_to_tensor(slot.fqn)
                 view.copy_(slot.placement.shard(full.to(view.device), self.rank, self.world_size))
+
+    def adopt(self, originals: Sequence[torch.Tensor]) -> None:
+        """After load_full: each slot's original Parameter object becomes its
+        sharded param in place (runtime/identity.py), or, where it cannot, is
+        marked so that an optimizer stepping it raises."""
+        for i, (slot, original) in enumerate(zip(self.slots, originals)):
+            kept = adopt(original, self.params[i])
+            if kept is None:
+                mark_stale(original, slot.fqn)
+            else:
+                self.params[i] = kept
 
     def unshard(self) -> list:
         """Gather the bucket: unsharded parameters linked to the sharded ones by autograd."""

@@ -7,8 +7,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ..compat import POST_ACCUMULATE_GRAD_HOOKS
 from ..planning.layout import BucketLayout, typed_view
+from .identity import replace_keeping
 
 
 def segment_views(buffer: torch.Tensor, layout: BucketLayout, slots, rank: int) -> list:
@@ -48,13 +48,11 @@ class BucketStorage:
 
 
 def moved_param(old: nn.Parameter, view: torch.Tensor, fn) -> nn.Parameter:
-    """A new sharded param over `view` carrying `old`'s grad (moved by `fn`)
-    and post-accumulate-grad hooks. A new object, because `.data =` would
-    stop the param from sharing the storage buffer's version counter."""
-    param = nn.Parameter(view, requires_grad=old.requires_grad)
-    if old.grad is not None:
-        param.grad = fn(old.grad)
-    hooks = getattr(old, POST_ACCUMULATE_GRAD_HOOKS, None)
-    if hooks:
-        setattr(param, POST_ACCUMULATE_GRAD_HOOKS, hooks)
+    """The sharded param over `view`, carrying `old`'s grad (moved by `fn`) and
+    hooks: `old` itself where it can be kept (identity.py; an optimizer built
+    before the move keeps working), else a new object. Never `old.data = view`,
+    which would stop the param from sharing the storage buffer's version counter."""
+    grad = None if old.grad is None else fn(old.grad)
+    param = replace_keeping(old, nn.Parameter(view, requires_grad=old.requires_grad))
+    param.grad = grad
     return param
