@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Sequence, Union
 
 import torch
@@ -171,6 +172,8 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     from) are sharded by their local tensors and are DTensors again in forward.
     """
     _check_args(module, mesh, placement, mp_policy, reshard_after_forward, offload_policy)
+    if mesh is None:
+        _init_from_launcher(module)
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
     _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())
@@ -254,6 +257,24 @@ def _check_bucket_meshes(specs, mesh) -> None:
                              f"mesh of ranks {sorted(ranks)}; every rank wraps the same buckets, "
                              "each passing the bucket-mesh slice that holds it (e.g. "
                              "mesh['ep_shard'])")
+
+
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets them
+
+
+def _init_from_launcher(module: nn.Module) -> None:
+    """Launched by torchrun (or a launcher setting its variables) with no
+    process group: initialise the default one from the environment, as FSDP2's
+    fully_shard does, with the backend of the params' device (gloo on CPU, NCCL
+    on CUDA, torch's default pair otherwise), instead of each rank training
+    its own replica."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if not all(key in os.environ for key in _LAUNCHER_ENV):
+        return
+    devices = {p.device.type for p in module.parameters()}
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(devices.pop()) if len(devices) == 1 else None
+    dist.init_process_group(backend)
 
 
 def _bucket_mesh_of(named: dict, specs) -> dict:

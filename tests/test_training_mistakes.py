@@ -91,3 +91,27 @@ def test_optimizer_built_before_wrapping_trains():
     results = run_world(WORLD, optimizer_before_wrap)
     assert_matches_reference(results[0])
     assert results[1][1].keys() == results[0][1].keys()
+
+
+# Under torchrun with no process group: flex_shard initialises the default one.
+
+
+def test_torchrun_without_init_process_group(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    out = tmp_path / "rank0.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(tests / "torchrun_no_init.py"), str(out), str(LR), str(STEPS)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    seen = torch.load(out)
+    assert (seen["world"], seen["backend"]) == (2, "gloo")
+    full_rows = seen["rows"][1]
+    assert seen["rows"][0] == -(-full_rows // 2), seen["rows"]  # rank 0 holds its half
+    assert_matches_reference((seen["losses"], seen["full"]))
