@@ -32,6 +32,7 @@ from .runtime.device import DeviceContexts
 from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.prefetch import Prefetcher
 from .runtime.grad_reduce import ReduceQueue
+from .runtime.registration import RegistrationGuard
 from .runtime.reshard import SavedParams
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
 
@@ -103,6 +104,15 @@ class FlexShardModule:
         state.prefetcher.drop_all()
         state.prefetcher.depth = depth
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"copy.deepcopy of a flex_shard-ed {type(self).__name__} is not supported: its "
+            "buckets hold process groups and its params are this rank's shards. Deep-copy the "
+            "model before flex_shard and wrap both alike (ema = copy.deepcopy(model); "
+            "fs.flex_shard(model); fs.flex_shard(ema)); the copies' params are then the same "
+            "shards, and an EMA updates them in place: torch._foreach_lerp_(list("
+            "ema.parameters()), list(model.parameters()), 1 - decay)")
+
     def _apply(self, fn, recurse=True):
         """nn.Module._apply (to_empty, to, cuda, ...): the buckets' storage moves
         as one buffer each and the sharded params are re-viewed into it."""
@@ -124,7 +134,9 @@ class FlexShardModule:
         A Hugging Face model passes its own: `init_parameters(model._init_weights)`."""
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_parameters expects a callable init_fn(module), got {init_fn!r}")
-        init_parameters(self, get_state(self), init_fn)
+        state = get_state(self)
+        with state.registration.pause():  # it registers full-size params one module at a time
+            init_parameters(self, state, init_fn)
 
     def unshard(self, async_op: bool = False):
         """Gather every bucket and install the unsharded params on the modules,
@@ -207,6 +219,7 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
     _build(module, state, plan, named, device, local.specs, originals)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
+    state.registration = RegistrationGuard(module, state.buckets)
 
 
 @functools.cache  # one class per original class, as FSDP2 does, not one per call

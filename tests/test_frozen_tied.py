@@ -112,14 +112,17 @@ def test_module_shared_across_buckets_trains_correctly():
            "'layers.1.up.weight', which bucket 'layers.1' matches" in messages[0]
 
 
-def refreeze_after_wrap():
-    model = fs.flex_shard(make_model())
+def unfreeze_after_wrap():
+    model = make_model()
     model.layers[0].up.weight.requires_grad_(False)
+    fs.flex_shard(model)
+    model.layers[0].up.weight.requires_grad_(True)
     x, _ = batch(0, torch.distributed.get_rank())
     model(x)
 
 
-def test_changing_requires_grad_after_wrap_raises():
-    expect_all_ranks_raise(2, refreeze_after_wrap, ValueError,
+def test_unfreezing_after_wrap_raises():
+    # freezing after the wrap trains right: tests/test_training_mistakes.py
+    expect_all_ranks_raise(2, unfreeze_after_wrap, ValueError,
                            r"'layers.0.up.weight' \(bucket 'layers.0'\) changed requires_grad "
-                           r"to False after flex_shard")
+                           r"to True after flex_shard; it was frozen when wrapped")

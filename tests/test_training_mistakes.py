@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
-from models import batch, loss_fn
+from models import TinyGPT, batch, loss_fn
 from reference import make_model
 from training_helpers import check_against_reference
 
@@ -115,3 +115,187 @@ def test_torchrun_without_init_process_group(tmp_path):
     full_rows = seen["rows"][1]
     assert seen["rows"][0] == -(-full_rows // 2), seen["rows"]  # rank 0 holds its half
     assert_matches_reference((seen["losses"], seen["full"]))
+
+
+# A parameter replaced, tied or added after wrapping raises at the assignment.
+
+
+def replace_param():
+    model = fs.flex_shard(make_model())
+    model.layers[0].up.weight = nn.Parameter(torch.zeros(50, 30))
+
+
+def tie_after_wrap():
+    model = fs.flex_shard(make_model())
+    model.head.weight = model.tok.weight
+
+
+def add_adapter():
+    model = fs.flex_shard(make_model())
+    model.layers[1].lora = nn.Linear(30, 4, bias=False)
+
+
+def test_param_replaced_or_added_after_wrapping_raises():
+    expect_all_ranks_raise(WORLD, replace_param, ValueError,
+                           r"parameter 'layers.0.up.weight' was replaced by another nn.Parameter "
+                           r"after flex_shard.*model.load_state_dict\(\{'layers.0.up.weight'")
+    expect_all_ranks_raise(WORLD, tie_after_wrap, ValueError,
+                           r"parameter 'head.weight' was replaced .* tie parameters before")
+    expect_all_ranks_raise(WORLD, add_adapter, ValueError,
+                           r"module 'layers.1.lora' was registered after flex_shard with "
+                           r"parameter\(s\) \['layers.1.lora.weight'\]")
+
+
+def new_values_the_documented_way():
+    """The fix the error names: load the new value; re-assigning the same sharded
+    param and wrapping a block in a module that adds no params are allowed."""
+    model = fs.flex_shard(make_model())
+    missing, unexpected = model.load_state_dict({"layers.0.up.weight": replaced_up()},
+                                                strict=False)
+    assert not unexpected and "layers.0.up.weight" not in missing
+    model.head.weight = model.head.weight
+    model.layers[0] = nn.Sequential(model.layers[0])  # full_state_dict keeps the wrap's names
+    return sgd_train(model, sgd(model.parameters())), fs.full_state_dict(model)
+
+
+def replaced_up() -> torch.Tensor:
+    return torch.linspace(-0.1, 0.1, 50 * 30).reshape(50, 30)
+
+
+def reference_with_new_values() -> nn.Module:
+    model = make_model()
+    with torch.no_grad():
+        model.layers[0].up.weight.copy_(replaced_up())
+    return model
+
+
+def test_new_values_loaded_after_wrapping_train():
+    result = run_world(WORLD, new_values_the_documented_way)[0]
+    assert_matches_reference(result, model=reference_with_new_values())
+
+
+# requires_grad_(False) after wrapping: the param is frozen, the others train.
+
+
+def freeze_after_wrap():
+    model = fs.flex_shard(make_model())
+    model.layers[0].up.weight.requires_grad_(False)
+    model.pos.requires_grad_(False)
+    result = sgd_train(model, sgd(model.parameters())), fs.full_state_dict(model)
+    assert model.layers[0].up.weight.grad is None and model.pos.grad is None
+    return result
+
+
+def frozen_reference() -> nn.Module:
+    model = make_model()
+    model.layers[0].up.weight.requires_grad_(False)
+    model.pos.requires_grad_(False)
+    return model
+
+
+def test_freezing_after_wrapping_trains():
+    assert_matches_reference(run_world(WORLD, freeze_after_wrap)[0], model=frozen_reference())
+
+
+# copy.deepcopy of a wrapped model (an EMA) raises; the recipe it names trains right.
+
+DECAY = 0.5
+
+
+def deepcopy_wrapped():
+    copy.deepcopy(fs.flex_shard(make_model()))
+
+
+def ema_recipe():
+    model = make_model()
+    ema = copy.deepcopy(model)
+    fs.flex_shard(model)
+    fs.flex_shard(ema)
+    losses = sgd_train(model, sgd(model.parameters()), step_fn=None)
+    with torch.no_grad():
+        torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - DECAY)
+    return losses, fs.full_state_dict(ema)
+
+
+def test_deepcopy_raises_and_the_ema_recipe_trains():
+    expect_all_ranks_raise(WORLD, deepcopy_wrapped, TypeError,
+                           r"copy.deepcopy of a flex_shard-ed FlexShardTinyGPT is not supported.*"
+                           r"ema = copy.deepcopy\(model\); fs.flex_shard\(model\)")
+    losses, ema = run_world(WORLD, ema_recipe)[0]
+    start = make_model().state_dict()
+    ref_losses, trained = reference()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    want = {k: torch.lerp(start[k], v, 1 - DECAY) for k, v in trained.items()}
+    assert ema.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(ema[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# A bucket's module called twice in one forward: both calls' grads are summed.
+
+
+class TwiceGPT(TinyGPT):
+    """TinyGPT whose block 1 runs twice."""
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        x = self.layers[1](self.layers[0](x))
+        x = self.layers[1](x)
+        return self.head(self.norm(x))
+
+
+def twice_model() -> TwiceGPT:
+    torch.manual_seed(0)
+    return TwiceGPT()
+
+
+def twice_body():
+    model = fs.flex_shard(twice_model())  # a bucket per block
+    return sgd_train(model, sgd(model.parameters())), fs.full_state_dict(model)
+
+
+def test_module_called_twice_in_one_forward_trains():
+    assert_matches_reference(run_world(WORLD, twice_body)[0], model=twice_model())
+
+
+# Gradient hooks on params see this rank's piece of the averaged gradient: an
+# elementwise hook (here, doubling one param's grad) trains as unsharded; so does
+# an optimizer step in a post-accumulate-grad hook, registered before or after.
+
+
+def double(grad):
+    return grad * 2
+
+
+def hooks_body(before: bool):
+    model = make_model()
+    if not before:
+        fs.flex_shard(model)
+    model.layers[0].up.weight.register_hook(double)
+    in_backward = list(model.layers[1].parameters())
+    for p in in_backward:
+        p.register_post_accumulate_grad_hook(step_in_backward(sgd([p])))
+    if before:
+        fs.flex_shard(model)
+    rest = [p for p in model.parameters() if all(p is not q for q in in_backward)]
+    return sgd_train(model, sgd(rest)), fs.full_state_dict(model)
+
+
+def hooked_reference() -> nn.Module:
+    model = make_model()
+    model.layers[0].up.weight.register_hook(double)
+    for p in model.layers[1].parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward(sgd([p])))
+    return model
+
+
+def step_in_backward(opt):
+    def hook(param):
+        opt.step()
+        opt.zero_grad()
+    return hook
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_grad_hooks_on_params(before):
+    assert_matches_reference(run_world(WORLD, hooks_body, before)[0], model=hooked_reference())

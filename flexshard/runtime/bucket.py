@@ -202,13 +202,16 @@ class Bucket:
                 "the params, then module.unshard() again")
 
     def _check_requires_grad(self) -> None:
+        """Freezing a param after flex_shard is fine (its grad is left out, see
+        _Unshard); unfreezing one the bucket has no gradient room for is not."""
         trainable = set(self.grad_slots)
         for i, (slot, param) in enumerate(zip(self.slots, self.params)):
-            if param.requires_grad != (i in trainable):
+            if param.requires_grad and i not in trainable:
                 raise ValueError(
                     f"parameter {slot.fqn!r} (bucket {self.name!r}) changed requires_grad to "
-                    f"{param.requires_grad} after flex_shard; the bucket's gradient layout is "
-                    "fixed at wrap time, so set requires_grad before calling flex_shard")
+                    "True after flex_shard; it was frozen when wrapped, so the bucket's gradient "
+                    "layout has no room for it: set requires_grad before calling flex_shard "
+                    "(freezing a param after flex_shard is fine)")
 
     # The modules registering the params (tied aliases included).
 

@@ -41,6 +41,7 @@ class FlexShardState:
     #                                                   own meshes (BucketSpec.mesh)
     subgroups: dict = field(default_factory=dict)  # id(shard group) -> mesh.Subgroups
     unset_buffers: Any = None  # checkpoint.unset_buffers.UnsetBuffers: to_empty()'s, until written
+    registration: Any = None  # registration.RegistrationGuard: params set after wrapping raise
 
 
 def files_group(state: FlexShardState) -> tuple:

@@ -21,6 +21,7 @@ class UnshardTarget(ReduceTarget, Protocol):
     what its Reduction needs (ReduceTarget: launch, finish, host wait)."""
 
     grad_slots: list
+    params: list  # the sharded params: one frozen since the wrap gets no grad
     grad_route: GradRoute
     reduce_queue: ReduceQueue
     compute_device: torch.device
@@ -40,8 +41,8 @@ class _Unshard(torch.autograd.Function):
         ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
         ctx.set_materialize_grads(False)
         outs = bucket.gather_params()
-        trainable = set(bucket.grad_slots)
-        frozen = [o for i, o in enumerate(outs) if i not in trainable]
+        # frozen now (requires_grad_(False) after the wrap included): no grad is computed
+        frozen = [o for o, p in zip(outs, bucket.params) if not p.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return tuple(outs)
