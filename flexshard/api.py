@@ -34,6 +34,7 @@ from .runtime.prefetch import Prefetcher
 from .runtime.grad_reduce import ReduceQueue
 from .runtime.registration import RegistrationGuard
 from .runtime.reshard import SavedParams
+from .runtime.sharded_grad import norm_groups, wrap_grads
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
 
 
@@ -378,15 +379,24 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
         bucket.tp_specs = slot_specs(planned.slots, tp_specs)
+        bucket.norm_groups = [norm_groups(bucket, tp) if i in bucket.grad_slots else None
+                              for i, tp in enumerate(bucket.tp_specs or [None] * len(planned.slots))]
         bucket.attach(planned.aliases)
         state.buckets.append(bucket)
         if planned.needs_hooks:
             by_runner.setdefault(id(planned.runner), (planned.runner, []))[1].append(bucket)
+    # when a backward ends, the new sharded grads take full norms (sharded_grad.py)
+    reduce_queue.listeners.append(functools.partial(_wrap_grads, state.buckets))
     saved = SavedParams(state.prefetcher, reduce_queue, state.buckets)
     for runner, buckets in by_runner.values():
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, saved))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
+
+
+def _wrap_grads(buckets) -> None:
+    for bucket in buckets:
+        wrap_grads(bucket.params, bucket.norm_groups)
 
 
 def _bucket_groups(state, mesh) -> MeshGroups:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
+from .runtime.sharded_grad import plain
 from .runtime.state import get_state
 
 
@@ -59,7 +60,7 @@ def _grads_by_group(state) -> dict:
         specs = b.tp_specs or (None,) * len(b.params)
         for p, spec in zip(b.params, specs):
             if p.grad is not None:
-                out.setdefault(_tp_groups(spec), []).append(p.grad)
+                out.setdefault(_tp_groups(spec), []).append(plain(p.grad))  # local norms
     return out
 
 
@@ -105,7 +106,7 @@ def _norm_over_bucket_meshes(state, norm_type: float, device) -> torch.Tensor:
     inf = math.isinf(norm_type)
     local = torch.zeros(1, device=device)
     for bucket in state.buckets:
-        grads = [p.grad for p in bucket.params if p.grad is not None and p.grad.numel()]
+        grads = [plain(p.grad) for p in bucket.params if p.grad is not None and p.grad.numel()]
         if not grads:
             continue
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)

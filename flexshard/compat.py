@@ -132,6 +132,10 @@ def in_backward() -> bool:
 tree_map = resolve("torch.utils._pytree:tree_map", "to cast forward inputs and outputs")
 make_wrapper_subclass = resolve(  # checkpoint/pieces.py: ShardedPieces holds no full tensor
     "torch:Tensor._make_wrapper_subclass", "to build ShardedPieces for DCP")
+# Inside a __torch_function__ subclass's handler (runtime/sharded_grad.py): ops run as
+# on plain tensors and return plain tensors (the extending-torch docs' idiom).
+plain_torch_function = resolve("torch._C:DisableTorchFunctionSubclass",
+                               "to run ops on sharded grads as on plain tensors")
 # A tensor's version counter, shared by views: bumped by every in-place write.
 VERSION = _tensor_attr("_version", "to notice writes to the sharded params since a gather launched")
 # The hooks register_post_accumulate_grad_hook added, carried to a re-created param.

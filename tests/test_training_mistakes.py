@@ -299,3 +299,45 @@ def step_in_backward(opt):
 @pytest.mark.parametrize("before", [False, True])
 def test_grad_hooks_on_params(before):
     assert_matches_reference(run_world(WORLD, hooks_body, before)[0], model=hooked_reference())
+
+
+# torch.nn.utils.clip_grad_norm_ and get_total_norm give the global norm.
+
+MAX_NORM = 0.05  # below TinyGPT's grad norms: every step clips
+
+
+def torch_clip(norm_type: float, foreach):
+    def clip(model):
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type,
+                                              foreach=foreach)
+        assert norm > MAX_NORM, "the test must clip"
+        clip.norms.append(float(norm))
+    clip.norms = []
+    return clip
+
+
+def torch_clip_body(norm_type, foreach):
+    model = fs.flex_shard(make_model())
+    clip = torch_clip(norm_type, foreach)
+    losses = sgd_train(model, sgd(model.parameters()), step_fn=clip)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is None for g in grads)  # zero_grad
+    x, y = batch(0, dist.get_rank())
+    loss_fn(model(x), y).backward()
+    totals = (float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()],
+                                                  norm_type)),
+              float(fs.clip_grad_norm_(model, 1e9, norm_type)))
+    return (losses, fs.full_state_dict(model)), clip.norms, totals
+
+
+@pytest.mark.parametrize("norm_type,foreach", [(2.0, None), (2.0, False), (float("inf"), None),
+                                               (1.0, False)])
+def test_torch_clip_grad_norm_is_global(norm_type, foreach):
+    results = run_world(WORLD, torch_clip_body, norm_type, foreach)
+    ref_clip = torch_clip(norm_type, foreach)
+    assert_matches_reference(results[0][0], step_fn=ref_clip)
+    torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(ref_clip.norms),
+                               rtol=1e-5, atol=0)
+    for _, norms, (total, fs_total) in results:
+        assert norms == results[0][1]  # the same on every rank
+        assert total == pytest.approx(fs_total, rel=1e-5)

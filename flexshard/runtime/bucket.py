@@ -89,6 +89,7 @@ class Bucket:
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
         self.aliases: tuple = ()  # per slot: every (module, attr) registering it (see attach)
         self.tp_specs: Optional[tuple] = None  # per slot: a DTensor param's TPSpec, or None
+        self.norm_groups: list = [None] * len(self.slots)  # per slot: sharded_grad.NormGroups
         self.held: Optional[list] = None  # unsharded params held by module.unshard()
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)

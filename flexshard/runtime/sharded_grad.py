@@ -1,0 +1,156 @@
+"""Sharded grads whose norms are the full gradient's.
+
+A sharded param's `.grad` is this rank's piece of the averaged gradient. Code
+written for unsharded models takes norms of grads (torch.nn.utils.clip_grad_norm_
+and get_total_norm call torch._foreach_norm or torch.linalg.vector_norm on them;
+logging calls p.grad.norm()): on plain pieces each rank would get its own
+pieces' norm and clip by it, silently. FSDP2's grads are DTensors, whose norms
+are global. Here, when a backward ends, each bucket's sharded grads become
+`ShardedGrad`s: the same tensors under a __torch_function__ subclass that runs
+every op as a plain tensor (no wrapping of outputs, so optimizer state stays
+plain) except full norms, which it completes with one all-reduce per call over
+the ranks holding the other pieces. A norm of a sharded grad is therefore a
+collective, as a DTensor's is: every rank must take it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from ..compat import plain_torch_function
+from .comm import Comm
+
+_SPEC = "_flexshard_norm"  # a ShardedGrad's NormGroups
+
+
+class NormGroups(NamedTuple):
+    """Where a sharded grad's other pieces are: the groups its norm sums over."""
+
+    groups: tuple  # the bucket's shard group (if > 1 rank), then TP groups it is split over
+    comm: Comm
+    device: torch.device  # the collective's device (the compute device; grads may be on host)
+    refusal: Optional[str] = None  # why its norm cannot be completed here (raised instead)
+
+    def __deepcopy__(self, memo):
+        return self  # process groups are not copied; the copy's pieces lie where these do
+
+
+class ShardedGrad(torch.Tensor):
+    """This rank's piece of a sharded param's gradient; full norms are global."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with plain_torch_function():
+            if func is torch._foreach_norm:
+                return _foreach_norm(*args, **kwargs)
+            if func in _FULL_NORMS and _full_reduction(func, args, kwargs):
+                return _norm(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save, pickling: a plain tensor (the piece); the groups stay behind
+        with plain_torch_function():
+            return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain alias of a ShardedGrad (its local norms are this rank's), else itself."""
+    if type(tensor) is ShardedGrad:
+        with plain_torch_function():
+            return tensor.as_subclass(torch.Tensor)
+    return tensor
+
+
+def wrap_grads(params: Sequence[torch.Tensor], specs: Sequence[Optional[NormGroups]]) -> None:
+    """Make each param's new grad a ShardedGrad (backward's end)."""
+    for param, spec in zip(params, specs):
+        grad = param.grad
+        if spec is None or grad is None or type(grad) is ShardedGrad:
+            continue
+        with plain_torch_function():
+            sharded = grad.as_subclass(ShardedGrad)
+        sharded.__dict__[_SPEC] = spec
+        param.grad = sharded
+
+
+# The norms, completed.
+
+_FULL_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
+
+
+def _full_reduction(func, args, kwargs) -> bool:
+    """A norm over every element, of an order we can complete (p or 'fro')."""
+    ord_ = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2))
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+    if ord_ == "fro":
+        ord_ = 2
+    return dim is None and kwargs.get("out") is None and isinstance(ord_, (int, float))
+
+
+def _norm(func, args, kwargs) -> torch.Tensor:
+    local = func(*args, **kwargs)
+    ord_ = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2))
+    return _complete([local], [args[0]], 2.0 if ord_ == "fro" else float(ord_))[0]
+
+
+def _foreach_norm(tensors, ord=2, dtype=None) -> list:
+    local = torch._foreach_norm(tensors, ord, dtype=dtype)
+    return _complete(list(local), tensors, float(ord))
+
+
+def _complete(local: list, tensors: Sequence[torch.Tensor], ord_: float) -> list:
+    """Each ShardedGrad's local norm made the full one: per group key, one
+    all-reduce of the stacked p-th powers (max / min for +-inf, counts for 0)."""
+    specs = [getattr(t, "__dict__", {}).get(_SPEC) for t in tensors]
+    for spec in specs:
+        if spec is not None and spec.refusal is not None:
+            raise NotImplementedError(spec.refusal)
+    by_key: dict = {}
+    for i, spec in enumerate(specs):
+        if spec is not None and spec.groups:
+            by_key.setdefault((tuple(id(g) for g in spec.groups), spec.device), []).append(i)
+    op = _reduce_op(ord_)
+    out = list(local)
+    with record_function("FlexShard::grad_norm_all_reduce"):
+        for indices in by_key.values():
+            spec = specs[indices[0]]
+            values = torch.stack([local[i].to(spec.device, torch.float32) for i in indices])
+            values = values if op != dist.ReduceOp.SUM or ord_ == 0 else values.pow(ord_)
+            for group in spec.groups:
+                spec.comm.all_reduce(values, group, op=op)
+            if op == dist.ReduceOp.SUM and ord_ != 0:
+                values = values.pow(1.0 / ord_)
+            for j, i in enumerate(indices):
+                out[i] = values[j].to(local[i].device, local[i].dtype).reshape(local[i].shape)
+    return out
+
+
+def _reduce_op(ord_: float) -> Any:
+    if math.isinf(ord_):
+        return dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN
+    return dist.ReduceOp.SUM
+
+
+def norm_groups(bucket, tp_spec) -> NormGroups:
+    """One slot's NormGroups: its bucket's shard group, and the TP mesh dims
+    its DTensor param is split over."""
+    groups = (bucket.group,) if bucket.world_size > 1 else ()
+    if tp_spec is not None and tp_spec.sharded_over_tp:
+        from torch.distributed.tensor import Shard
+
+        groups += tuple(tp_spec.mesh.get_group(d) for d, pl in enumerate(tp_spec.placements)
+                        if isinstance(pl, Shard))
+    refusal = None
+    if bucket.on_sub_mesh and tp_spec is None:
+        refusal = (f"bucket {bucket.name!r} runs on its own mesh, smaller than the model's, "
+                   "and its params are plain tensors: the other ranks hold other params "
+                   "(other experts) under the same names, so a per-rank total of torch's "
+                   "norms would differ across ranks. Use fs.clip_grad_norm_(model, max_norm) "
+                   "for clipping, fs.grad_norms(model) for logging")
+    return NormGroups(groups, bucket.comm, bucket.compute_device, refusal)
