@@ -7,6 +7,7 @@ from .checkpoint.pieces import ShardedPieces
 from .checkpoint.pretrained import PretrainedKeys, load_pretrained
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
+from .grads import full_grads, grad_norms
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from .placements import (BlockQuantized, Cast, Owned, Placement, QuantizedGather, RaggedShard,
                          Shard, WireFormat, WirePart, WirePolicy, shard_sizes)
@@ -41,7 +42,9 @@ __all__ = [
     "collectives",
     "describe",
     "flex_shard",
+    "full_grads",
     "full_state_dict",
+    "grad_norms",
     "load_checkpoint",
     "load_full_state_dict",
     "load_pretrained",

@@ -234,6 +234,7 @@ DCP_CALLERS = (
 # Fused ops over lists of tensors (placements/batch.py, float8.py): one kernel for a
 # bucket's params on a GPU. _chunk_cat joins tensors of any shapes, flattened, into
 # `out` (cast to out's dtype inside: FSDP2's reduce-scatter copy-in); _foreach_norm
-# with ord=inf is each tensor's max |x| (torchao's fused amax for FSDP2).
+# with ord=inf is each tensor's max |x| (torchao's fused amax for FSDP2); it is also the
+# call torch.nn.utils.clip_grad_norm_ and get_total_norm make on grads (sharded_grad.py).
 chunk_cat = resolve("torch:_chunk_cat", "to join a bucket's pieces into one buffer in one op")
 foreach_norm = resolve("torch:_foreach_norm", "to take every float8 weight's amax in one op")

@@ -376,3 +376,20 @@ def test_foreach_norm_inf_is_each_max_abs():
     ts = [torch.randn(3, 4), torch.randn(7).bfloat16()]
     norms = compat.foreach_norm(ts, ord=math.inf)
     assert all(torch.equal(n, t.abs().max()) for n, t in zip(norms, ts))
+
+
+def test_plain_torch_function_and_foreach_norm():
+    class Sub(torch.Tensor):
+        seen: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.seen.append(func)
+            with compat.plain_torch_function():
+                return func(*args, **(kwargs or {}))
+
+    a, b = torch.ones(4).as_subclass(Sub), torch.full((3,), 2.0)
+    norms = torch.nn.utils.get_total_norm([a, b], foreach=True)  # clip_grad_norm_'s path
+    assert compat.foreach_norm in Sub.seen
+    torch.testing.assert_close(norms, torch.tensor(math.sqrt(4 + 12)))
+    assert type(a + 1) is torch.Tensor  # outputs stay plain under the handler

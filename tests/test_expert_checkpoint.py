@@ -193,15 +193,8 @@ def train(model, opt, steps, first_grads: dict) -> None:
 
 def global_grads(model) -> dict:
     """FQN -> the full gradient on every rank, the experts' gathered over ep
-    into the global expert tensor."""
-    from flexshard.runtime.state import get_state
-
-    grads = full_grads(model)  # experts: this group's, gathered over its efsdp ranks
-    for bucket in get_state(model).buckets:
-        for slot, spec in zip(bucket.slots, bucket.tp_specs or ()):
-            if spec is not None:
-                grads[slot.fqn] = spec.full_of(grads[slot.fqn])
-    return grads
+    into the global expert tensor (fs.full_grads does both gathers)."""
+    return full_grads(model)
 
 
 class Run(NamedTuple):

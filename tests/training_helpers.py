@@ -261,22 +261,5 @@ def check_against_reference(losses, full: dict, world: int, steps: int, model_kw
 
 def full_grads(model) -> dict:
     """FQN -> the full gradient of a flex-sharded `model` on every rank (None
-    where every rank's sharded grad is None; an AssertionError where only some
-    ranks have one). Each bucket's pieces are placed and summed over its shard
-    group; under HSDP the replicas hold the same all-reduced pieces."""
-    from flexshard.runtime.state import get_state
-
-    out = {}
-    for bucket in get_state(model).buckets:
-        for slot, param in zip(bucket.slots, bucket.params):
-            has = torch.tensor([param.grad is not None], dtype=torch.int32)
-            dist.all_reduce(has, group=bucket.group)
-            if has.item() == 0:
-                out[slot.fqn] = None
-                continue
-            assert has.item() == bucket.world_size, f"{slot.fqn}: None on some ranks"
-            full = torch.zeros(slot.shape, dtype=param.dtype)
-            slot.placement.shard(full, bucket.rank, bucket.world_size).copy_(param.grad)
-            dist.all_reduce(full, group=bucket.group)  # each element lives on one rank
-            out[slot.fqn] = full
-    return out
+    where no rank has one): the public fs.full_grads."""
+    return fs.full_grads(model)

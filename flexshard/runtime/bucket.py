@@ -307,6 +307,10 @@ class Bucket:
         """BucketGather.gather on this bucket's compute device."""
         return self.gather.gather(layout, self.device_ctx, self.compute_device)
 
+    def gather_pieces(self, pieces: list) -> list:
+        """BucketGather.gather_pieces on this bucket's compute device."""
+        return self.gather.gather_pieces(pieces, self.compute_device)
+
     def start_gather(self) -> bool:
         """Launch the gather now (prefetch), unless in flight or not sharded."""
         if self.state is not BucketState.SHARDED:

@@ -144,6 +144,23 @@ class BucketGather:
                 outs.append(full)
         return outs
 
+    def gather_pieces(self, pieces: list, device: torch.device) -> list:
+        """Full tensors from this rank's `pieces`, shaped and typed as the sharded
+        params (None: zeros), in one all-gather over the storage layout (as
+        fs.full_state_dict's): for sharded grads."""
+        layout = self.storage.layout
+        plans = self.plans_for(layout)
+        with torch.no_grad(), record_function("FlexShard::all_gather_pieces"):
+            gathered = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=device)
+            start = layout.segment_start(self.rank)
+            send = gathered[start:start + layout.segment_bytes]
+            for wire, piece in zip(plans.wires, pieces):
+                if piece is not None:
+                    wire.encode(send, piece.to(device))
+            if self.world_size > 1:
+                self.comm.all_gather(gathered, send, self.group)
+            return [wire.decode(gathered, False)[0] for wire in plans.wires]
+
     def await_(self, pending: PendingGather, ctx: HostContext) -> None:
         """Make the compute stream (the current one) wait for a launched gather.
         After this the gather input may be dropped (see PendingGather.send)."""

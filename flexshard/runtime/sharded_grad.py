@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..compat import plain_torch_function
+from ..compat import foreach_norm, plain_torch_function
 from .comm import Comm
 
 _SPEC = "_flexshard_norm"  # a ShardedGrad's NormGroups
@@ -47,7 +47,7 @@ class ShardedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with plain_torch_function():
-            if func is torch._foreach_norm:
+            if func is foreach_norm:
                 return _foreach_norm(*args, **kwargs)
             if func in _FULL_NORMS and _full_reduction(func, args, kwargs):
                 return _norm(func, args, kwargs)
@@ -96,18 +96,22 @@ def _full_reduction(func, args, kwargs) -> bool:
 def _norm(func, args, kwargs) -> torch.Tensor:
     local = func(*args, **kwargs)
     ord_ = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2))
-    return _complete([local], [args[0]], 2.0 if ord_ == "fro" else float(ord_))[0]
+    return complete_norms([local], [_spec_of(args[0])], 2.0 if ord_ == "fro" else float(ord_))[0]
 
 
 def _foreach_norm(tensors, ord=2, dtype=None) -> list:
-    local = torch._foreach_norm(tensors, ord, dtype=dtype)
-    return _complete(list(local), tensors, float(ord))
+    local = foreach_norm(tensors, ord, dtype=dtype)
+    return complete_norms(list(local), [_spec_of(t) for t in tensors], float(ord))
 
 
-def _complete(local: list, tensors: Sequence[torch.Tensor], ord_: float) -> list:
-    """Each ShardedGrad's local norm made the full one: per group key, one
-    all-reduce of the stacked p-th powers (max / min for +-inf, counts for 0)."""
-    specs = [getattr(t, "__dict__", {}).get(_SPEC) for t in tensors]
+def _spec_of(tensor) -> Optional[NormGroups]:
+    return getattr(tensor, "__dict__", {}).get(_SPEC)
+
+
+def complete_norms(local: list, specs: Sequence[Optional[NormGroups]], ord_: float) -> list:
+    """Each local norm of a piece made the full tensor's (None spec: left
+    local): per group key, one all-reduce of the stacked p-th powers (max /
+    min for +-inf, counts for 0)."""
     for spec in specs:
         if spec is not None and spec.refusal is not None:
             raise NotImplementedError(spec.refusal)
