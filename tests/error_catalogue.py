@@ -19,7 +19,7 @@ AREAS = [  # (heading, path prefixes under flexshard/), first match wins
     ("Placements", ("placements/",)),
     ("Checkpoints, state dicts and loading", ("checkpoint/",)),
     ("Activation collectives", ("collectives.py",)),
-    ("Gradient clipping and optimizers", ("clip.py", "optim.py")),
+    ("Gradient clipping and optimizers", ("clip.py", "grads.py", "optim.py")),
     ("torchtitan", ("integrations/",)),
 ]
 

@@ -341,3 +341,46 @@ def test_torch_clip_grad_norm_is_global(norm_type, foreach):
     for _, norms, (total, fs_total) in results:
         assert norms == results[0][1]  # the same on every rank
         assert total == pytest.approx(fs_total, rel=1e-5)
+
+
+# A param flex_shard cannot keep (here one with a weak reference): the optimizer
+# built before the wrap raises at its first step instead of training nothing.
+
+
+def stale_optimizer():
+    import weakref
+
+    model = make_model()
+    held = weakref.ref(model.head.weight)  # noqa: F841 - keeps swap_tensors from taking it
+    opt = sgd(model.parameters())
+    fs.flex_shard(model)
+    x, y = batch(0, dist.get_rank())
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+
+def test_optimizer_over_a_replaced_param_raises():
+    expect_all_ranks_raise(WORLD, stale_optimizer, RuntimeError,
+                           r"SGD holds parameter 'head.weight' as it was before flex_shard.*"
+                           r"Build the optimizer after flex_shard")
+
+
+# A bucket on its own smaller mesh with plain params: torch's norms refuse.
+
+
+def sub_mesh_clip():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    solo = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "efsdp"))["efsdp"]
+    specs = [fs.BucketSpec("layers.1.*", mesh=solo, name="expert"),
+             fs.BucketSpec(["tok.*", "pos", "layers.0.*", "norm.*", "head.*"])]
+    model = fs.flex_shard(make_model(), buckets=specs)
+    x, y = batch(0, dist.get_rank())
+    loss_fn(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_torch_clip_refuses_a_bucket_on_a_smaller_mesh():
+    expect_all_ranks_raise(WORLD, sub_mesh_clip, NotImplementedError,
+                           r"bucket 'expert' runs on its own mesh, smaller than the model's.*"
+                           r"fs.clip_grad_norm_\(model, max_norm\)")
