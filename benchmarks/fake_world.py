@@ -17,7 +17,9 @@ FSDP2 with `fully_shard` per decoder layer plus the root. A mode sets what
 else the step does: "eager", "compile" (`model.layers[i] = torch.compile(layer)`),
 "module-compile" (`layer.compile()`), "float8" / "float8-compile" (torchao's
 float8 linears with fp8 all-gathers; FSDP2 also runs torchao's
-`precompute_float8_dynamic_scale_for_fsdp` after each optimizer step).
+`precompute_float8_dynamic_scale_for_fsdp` after each optimizer step);
+"int8-gather" / "fp8-gather" (flexshard's `fs.QuantizedGather`, against
+flexshard's own bf16 gathers: FSDP2 has none).
 
 For engine work, `count_step` counts one side's ops and copied bytes in one
 call (its own fake world):
@@ -46,8 +48,17 @@ import flexshard as fs
 
 from .meters import MemoryMeter, is_collective, nbytes
 
-SIDES = ("flexshard", "fsdp2")
-MODES = ("eager", "compile", "module-compile", "float8", "float8-compile")
+SIDES = ("flexshard", "fsdp2", "flexshard-bf16")
+MODES = ("eager", "compile", "module-compile", "float8", "float8-compile", "int8-gather",
+         "fp8-gather")
+# flexshard's QuantizedGather: no FSDP2 counterpart, so its baseline is flexshard's bf16 gathers
+QUANTIZED = {"int8-gather": torch.int8, "fp8-gather": torch.float8_e4m3fn}
+
+
+def sides_of(mode: str) -> tuple:
+    """(measured side, baseline side) of a mode: flexshard against FSDP2, or for a
+    quantized-gather mode flexshard against its own bf16 gathers."""
+    return ("flexshard", "flexshard-bf16") if mode in QUANTIZED else ("flexshard", "fsdp2")
 
 
 class LlamaShape(NamedTuple):
@@ -207,10 +218,13 @@ def blocks(model: nn.Module) -> list:
     return out
 
 
-def wrap(side: str, model: nn.Module, mesh, reshard: bool = True) -> nn.Module:
-    """Shard `model` over `mesh` as `side` does by default: bf16 params, fp32 reduce."""
-    if side == "flexshard":
-        mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def wrap(side: str, model: nn.Module, mesh, reshard: bool = True,
+         gather_format=None) -> nn.Module:
+    """Shard `model` over `mesh` as `side` does by default: bf16 params, fp32 reduce
+    (flexshard: its weights gathered in `gather_format`, if given)."""
+    if side.startswith("flexshard"):
+        mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     gather_format=gather_format)
         return fs.flex_shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard)
     if side != "fsdp2":
         raise ValueError(f"unknown side {side!r}; use one of {SIDES}")
@@ -255,7 +269,8 @@ class Side:
         model = build() if build is not None else hf_llama(shape, device, seed)
         if mode.startswith("float8"):
             model = to_float8(model)
-        self.model = wrap(side, model, mesh)
+        quantized = QUANTIZED.get(mode) if side == "flexshard" else None
+        self.model = wrap(side, model, mesh, gather_format=quantized and fs.QuantizedGather(quantized))
         if mode.endswith("compile"):
             compile_blocks(self.model, "module-compile" if mode == "module-compile" else "compile")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -304,7 +319,7 @@ def count_step(side: str = "flexshard", world: int = 8, *, shape: LlamaShape = P
                mode: str = "eager", build: Optional[Callable[[], nn.Module]] = None,
                warmup: int = 1, rank: int = 0) -> Counts:
     """Ops and copied bytes of one forward+backward of rank `rank` in a fake world of
-    `world` ranks, after `warmup` steps: `side` ("flexshard" or "fsdp2") shards an HF
+    `world` ranks, after `warmup` steps: `side` (one of SIDES) shards an HF
     Llama of `shape` (or `build()`'s model: an HF causal LM, its blocks in a ModuleList).
     Creates its own fake world: call it in a process without a process group."""
     if mode.endswith("compile"):

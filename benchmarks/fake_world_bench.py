@@ -18,14 +18,18 @@ from pathlib import Path
 
 import torch
 
-from .fake_world import COPY_OPS, PRESETS, SIDES, Counts, Side, counted, cpu_peak_bytes, sync
+from .fake_world import COPY_OPS, PRESETS, Side, counted, cpu_peak_bytes, sides_of, sync
 
 # (mode or "*", measure, target, device type or "*"): issue 34's targets, flexshard / FSDP2
+# ("*": every mode against FSDP2)
 TARGETS = [("*", "ops", 1.00, "*"), ("*", "copy_bytes", 1.00, "*"),
            ("eager", "step_s", 0.90, "cuda"), ("compile", "step_s", 0.90, "cuda"),
            ("module-compile", "step_s", 0.90, "cuda"), ("*", "peak_bytes", 0.95, "cuda"),
-           ("float8-compile", "step_s", 1.00, "cuda")]
+           ("float8-compile", "step_s", 1.00, "cuda"),
+           # QuantizedGather against flexshard's bf16 gathers: within 5%
+           ("int8-gather", "step_s", 1.05, "cuda"), ("fp8-gather", "step_s", 1.05, "cuda")]
 TOP_OPS = 15
+LABELS = {"fsdp2": "FSDP2"}  # how a side is named in the tables
 
 
 def _allocated(device) -> int:
@@ -125,7 +129,7 @@ def build_sides(mode: str, args, shape, mesh, device) -> list:
     """Both sides built and warmed up one after the other; each knows the bytes it
     keeps between steps (`persistent`: sharded params, optimizer state)."""
     sides = []
-    for kind in SIDES:
+    for kind in sides_of(mode):
         gc.collect()
         before = _allocated(device)
         side = Side(kind, mode, shape, mesh, device, args.seed)
@@ -165,7 +169,8 @@ def run_mode(mode: str, args, shape, mesh, device) -> dict:
             out[side.kind]["peak_bytes"] = peak_bytes(side)
     del sides
     gc.collect()
-    return {"mode": mode, "sides": out, "ratios": ratios(out), "graphs_in_timed_steps": graphs}
+    return {"mode": mode, "sides": out, "ratios": ratios(out, *sides_of(mode)),
+            "graphs_in_timed_steps": graphs}
 
 
 def _measures(r: dict) -> dict:
@@ -179,9 +184,9 @@ def _measures(r: dict) -> dict:
     return m
 
 
-def ratios(sides: dict) -> dict:
-    """flexshard / FSDP2 for every measure both sides have (None where FSDP2's is 0)."""
-    a, b = _measures(sides["flexshard"]), _measures(sides["fsdp2"])
+def ratios(sides: dict, num: str = "flexshard", den: str = "fsdp2") -> dict:
+    """num / den for every measure both sides have (None where den's is 0)."""
+    a, b = _measures(sides[num]), _measures(sides[den])
     return {k: (a[k] / b[k] if b[k] else None) for k in a if k in b}
 
 
@@ -191,7 +196,9 @@ def targets(result: dict) -> list:
     device = result["config"]["device"]
     for m in result["modes"]:
         for mode, measure, target, dev in TARGETS:
-            if mode in ("*", m["mode"]) and dev in ("*", device) and measure in m["ratios"]:
+            against_fsdp2 = sides_of(m["mode"])[1] == "fsdp2"
+            if (mode == m["mode"] or mode == "*" and against_fsdp2) and dev in ("*", device) \
+                    and measure in m["ratios"]:
                 value = m["ratios"][measure]
                 ok = value is not None and value <= target
                 rows.append((m["mode"], measure, value, target, "PASS" if ok else "MISS"))
@@ -263,9 +270,11 @@ _ROWS = [  # (measure, label, format)
 def mode_text(m: dict, device: torch.device) -> str:
     """A markdown table of one mode: each measure, both sides and the ratio; the top ops."""
     where = "CPU (MemoryMeter; loaded shared machine)" if device.type == "cpu" else "GPU"
-    a, b = _measures(m["sides"]["flexshard"]), _measures(m["sides"]["fsdp2"])
+    num, den = sides_of(m["mode"])
+    a, b = _measures(m["sides"][num]), _measures(m["sides"][den])
+    x, y = LABELS.get(num, num), LABELS.get(den, den)
     lines = [f"### mode {m['mode']} ({where})", "",
-             "| measure | flexshard | FSDP2 | flexshard / FSDP2 |", "|---|---|---|---|"]
+             f"| measure | {x} | {y} | {x} / {y} |", "|---|---|---|---|"]
     for key, label, fmt in _ROWS:
         if key in a and key in b:
             f = fmt.format if isinstance(fmt, str) else fmt
@@ -276,23 +285,24 @@ def mode_text(m: dict, device: torch.device) -> str:
         lines.append("| peak memory (CPU) | n/a | n/a | MemoryMeter's dispatch mode would run "
                      "the compiled blocks eagerly |")
     if m["mode"].endswith("compile"):
-        g = [m["sides"][k]["graphs_after_warmup"] for k in ("flexshard", "fsdp2")]
+        g = [m["sides"][k]["graphs_after_warmup"] for k in (num, den)]
         lines.append(f"| graphs compiled after warm-up (recompiles) | {g[0]} | {g[1]} | |")
         lines.append(f"\ngraphs compiled in the timed steps (both sides): "
                      f"{m['graphs_in_timed_steps']}")
-    if "counts" in m["sides"]["flexshard"]:
-        lines += ["", *op_table(m["sides"]["flexshard"]["counts"]["by_op"],
-                                m["sides"]["fsdp2"]["counts"]["by_op"])]
+    if "counts" in m["sides"][num]:
+        lines += ["", *op_table(m["sides"][num]["counts"]["by_op"],
+                                m["sides"][den]["counts"]["by_op"], (x, y))]
     return "\n".join(lines)
 
 
-def op_table(fs_ops: dict, fsdp_ops: dict, top: int = TOP_OPS) -> list:
+def op_table(fs_ops: dict, fsdp_ops: dict, names: tuple = ("flexshard", "FSDP2"),
+             top: int = TOP_OPS) -> list:
     """The ops dispatched most (by either side) and every copy-family op:
     count and copied bytes on each side."""
-    names = sorted(set(fs_ops) | set(fsdp_ops),
-                   key=lambda n: -max(fs_ops.get(n, (0, 0))[0], fsdp_ops.get(n, (0, 0))[0]))
-    shown = names[:top] + [n for n in names[top:] if n in COPY_OPS]
-    lines = ["| op | flexshard | FSDP2 | copy bytes flexshard | copy bytes FSDP2 |",
+    ops = sorted(set(fs_ops) | set(fsdp_ops),
+                 key=lambda n: -max(fs_ops.get(n, (0, 0))[0], fsdp_ops.get(n, (0, 0))[0]))
+    shown = ops[:top] + [n for n in ops[top:] if n in COPY_OPS]
+    lines = [f"| op | {names[0]} | {names[1]} | copy bytes {names[0]} | copy bytes {names[1]} |",
              "|---|---|---|---|---|"]
     for n in shown:
         (ca, ba), (cb, bb) = fs_ops.get(n, (0, 0)), fsdp_ops.get(n, (0, 0))
@@ -309,7 +319,8 @@ def text(result: dict) -> str:
              f"{m['layers']} layers, vocab {m['vocab']}, seq {m['seq']}, batch {m['batch']}/rank; "
              f"bf16 params, fp32 reduce, reshard after forward"]
     for mode, measure, value, target, verdict in result["targets"]:
-        lines.append(f"target {mode} {measure} flexshard/FSDP2: {_ratio(value)} "
+        names = "/".join(LABELS.get(k, k) for k in sides_of(mode))
+        lines.append(f"target {mode} {measure} {names}: {_ratio(value)} "
                      f"(<= {target:.2f}) {verdict}")
     return "\n".join(lines)
 

@@ -326,3 +326,20 @@ def test_count_step_refuses_compiled_modes():
 
     with pytest.raises(ValueError, match="count an eager mode"):
         count_step("flexshard", mode="compile")
+
+
+def test_fake_world_targets_per_mode_and_device():
+    """Issue 34's targets: ops and copy bytes against FSDP2 everywhere, times and memory
+    on a GPU only; a quantized-gather mode against flexshard's bf16 gathers, time only."""
+    from benchmarks.fake_world_bench import targets
+
+    def mode(name, **r):
+        return {"mode": name, "ratios": r}
+    modes = [mode("eager", ops=0.9, copy_bytes=1.2, step_s=0.8, peak_bytes=0.9),
+             mode("int8-gather", ops=1.5, copy_bytes=1.5, step_s=1.04, peak_bytes=1.0)]
+    cpu = targets({"config": {"device": "cpu"}, "modes": modes})
+    assert cpu == [("eager", "ops", 0.9, 1.0, "PASS"), ("eager", "copy_bytes", 1.2, 1.0, "MISS")]
+    gpu = targets({"config": {"device": "cuda"}, "modes": modes})
+    assert [r[:2] + r[4:] for r in gpu] == [
+        ("eager", "ops", "PASS"), ("eager", "copy_bytes", "MISS"), ("eager", "step_s", "PASS"),
+        ("eager", "peak_bytes", "PASS"), ("int8-gather", "step_s", "PASS")]
