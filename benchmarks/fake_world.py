@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 import warnings
 from collections import Counter
@@ -99,6 +100,8 @@ COPY_OPS = frozenset({
     "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat",
 })
 _NOT_WORK = ("profiler::",)  # record_function's enter/exit markers: no kernel, no bytes
+LIBRARY_LABELS = ("FlexShard::", "FSDP::")  # the record_function ranges ops are attributed to
+OUTSIDE = "(no library label)"  # the model's own ops, and any library work left unlabelled
 
 
 def is_view(func) -> bool:
@@ -127,7 +130,9 @@ def written_bytes(func, args, kwargs, out) -> int:
 
 class OpCounter(TorchDispatchMode):
     """Counts every op dispatched under it by name (record_function markers left
-    out), the views among them, collectives, and the bytes copy-family ops write.
+    out), the views among them, collectives, and the bytes copy-family ops write;
+    and per region, the innermost FlexShard::* or FSDP::* record_function range
+    open when the op ran (OUTSIDE: none open), ops and copied bytes.
 
     An op on a tensor subclass (DTensor, torchao's float8 weight) counts once, at
     the subclass: the ops it runs inside are not seen (as FSDP2's custom ops)."""
@@ -137,19 +142,38 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.views: Counter = Counter()
         self.copy_bytes: Counter = Counter()
+        self.region_ops: Counter = Counter()
+        self.region_bytes: Counter = Counter()
+        self._open: dict = {}  # thread -> labels of its open ranges (None: not a library's)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._schema.name
         if name.startswith(_NOT_WORK):
+            self._track_range(name, args, out)
             return out
+        region = next((r for r in reversed(self._stack()) if r), OUTSIDE)
         self.ops[name] += 1
+        self.region_ops[region] += 1
         if is_view(func):
             self.views[name] += 1
         if name in COPY_OPS:
-            self.copy_bytes[name] += written_bytes(func, args, kwargs, out)
+            n = written_bytes(func, args, kwargs, out)
+            self.copy_bytes[name] += n
+            self.region_bytes[region] += n
         return out
+
+    def _stack(self) -> list:
+        return self._open.setdefault(threading.get_ident(), [])
+
+    def _track_range(self, name: str, args, out) -> None:
+        """record_function ranges nest per thread (context managers): enter pushes, exit pops."""
+        if name == "profiler::_record_function_enter_new":
+            label = args[0].split(" (")[0]  # FSDP2 appends " (module fqn)": one row per kind
+            self._stack().append(label if label.startswith(LIBRARY_LABELS) else None)
+        elif name == "profiler::_record_function_exit" and self._stack():
+            self._stack().pop()
 
 
 class Counts(NamedTuple):
@@ -161,15 +185,18 @@ class Counts(NamedTuple):
     copy_bytes: int  # bytes they wrote
     collectives: int
     by_op: dict  # name -> (count, copy bytes)
+    by_region: dict  # FlexShard::* / FSDP::* range (or OUTSIDE) -> (ops, copy bytes)
 
     @classmethod
     def of(cls, counter: OpCounter) -> "Counts":
         by_op = {n: (c, counter.copy_bytes.get(n, 0)) for n, c in counter.ops.most_common()}
+        by_region = {r: (c, counter.region_bytes.get(r, 0))
+                     for r, c in counter.region_ops.most_common()}
         return cls(sum(counter.ops.values()),
                    sum(counter.ops.values()) - sum(counter.views.values()),
                    sum(c for n, c in counter.ops.items() if n in COPY_OPS),
                    sum(counter.copy_bytes.values()),
-                   sum(c for n, c in counter.ops.items() if is_collective(n)), by_op)
+                   sum(c for n, c in counter.ops.items() if is_collective(n)), by_op, by_region)
 
 
 @contextlib.contextmanager
@@ -270,7 +297,8 @@ class Side:
         if mode.startswith("float8"):
             model = to_float8(model)
         quantized = QUANTIZED.get(mode) if side == "flexshard" else None
-        self.model = wrap(side, model, mesh, gather_format=quantized and fs.QuantizedGather(quantized))
+        wire = fs.QuantizedGather(quantized) if quantized is not None else None
+        self.model = wrap(side, model, mesh, gather_format=wire)
         if mode.endswith("compile"):
             compile_blocks(self.model, "module-compile" if mode == "module-compile" else "compile")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)

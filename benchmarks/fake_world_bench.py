@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .fake_world import COPY_OPS, PRESETS, Side, counted, cpu_peak_bytes, sides_of, sync
+from .fake_world import (COPY_OPS, OUTSIDE, PRESETS, Side, counted, cpu_peak_bytes, sides_of,
+                         sync)
 
 # (mode or "*", measure, target, device type or "*"): issue 34's targets, flexshard / FSDP2
 # ("*": every mode against FSDP2)
@@ -290,9 +291,22 @@ def mode_text(m: dict, device: torch.device) -> str:
         lines.append(f"\ngraphs compiled in the timed steps (both sides): "
                      f"{m['graphs_in_timed_steps']}")
     if "counts" in m["sides"][num]:
-        lines += ["", *op_table(m["sides"][num]["counts"]["by_op"],
-                                m["sides"][den]["counts"]["by_op"], (x, y))]
+        a_counts, b_counts = m["sides"][num]["counts"], m["sides"][den]["counts"]
+        lines += ["", *region_table(a_counts["by_region"], b_counts["by_region"], (x, y)),
+                  "", *op_table(a_counts["by_op"], b_counts["by_op"], (x, y))]
     return "\n".join(lines)
+
+
+def region_table(a: dict, b: dict, names: tuple) -> list:
+    """Ops and copied bytes per library region (record_function range), both sides:
+    the unlabelled row holds the model's own ops, equal on both sides, plus any
+    library work outside its labels."""
+    lines = [f"| region | ops {names[0]} | ops {names[1]} | copy bytes {names[0]} | "
+             f"copy bytes {names[1]} |", "|---|---|---|---|---|"]
+    for r in sorted(set(a) | set(b), key=lambda r: (r != OUTSIDE, r)):
+        (ca, ba), (cb, bb) = a.get(r, (0, 0)), b.get(r, (0, 0))
+        lines.append(f"| {r} | {ca:,} | {cb:,} | {_mib(ba)} | {_mib(bb)} |")
+    return lines
 
 
 def op_table(fs_ops: dict, fsdp_ops: dict, names: tuple = ("flexshard", "FSDP2"),

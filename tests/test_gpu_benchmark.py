@@ -197,6 +197,17 @@ def test_fake_world_counts_both_sides(fake_run):
         a, b = (sides[s]["counts"][key] if key in sides[s]["counts"] else sides[s][key]
                 for s in ("flexshard", "fsdp2"))
         assert mode["ratios"][key] == pytest.approx(a / b)
+    # every op lands in one region; every copy a library makes is inside its labels, so
+    # the unlabelled copies are the model's own: the same bytes on both sides
+    from benchmarks.fake_world import OUTSIDE
+
+    for side in ("flexshard", "fsdp2"):
+        regions = sides[side]["counts"]["by_region"]
+        assert sum(n for n, _ in regions.values()) == sides[side]["counts"]["ops"]
+    fs_regions, fsdp_regions = (sides[s]["counts"]["by_region"] for s in ("flexshard", "fsdp2"))
+    assert fs_regions[OUTSIDE][1] == fsdp_regions[OUTSIDE][1] > 0
+    assert any(r.startswith("FlexShard::") and b > 0 for r, (_, b) in fs_regions.items())
+    assert any(r.startswith("FSDP::") and b > 0 for r, (_, b) in fsdp_regions.items())
     assert [t[:2] for t in result["targets"]] == [["eager", "ops"], ["eager", "copy_bytes"]]
     assert "| aten ops per forward+backward |" in stdout and "| fsdp::chunk_cat |" in stdout
     assert "target eager ops flexshard/FSDP2" in stdout
@@ -227,6 +238,27 @@ def test_written_bytes_of_copy_ops():
     assert c["aten::split_with_sizes_copy"] == 24 and c["aten::cat"] == 16
     assert counter.views["aten::view"] == 1 and counter.views["aten::t"] == 1
     assert "aten::view" not in c
+
+
+def test_ops_are_attributed_to_the_innermost_library_range():
+    import torch
+    from torch.profiler import record_function
+
+    from benchmarks.fake_world import OUTSIDE, OpCounter
+
+    a = torch.zeros(4)
+    with OpCounter() as counter:
+        with record_function("FSDP::all_gather (layers.0)"):
+            a.clone()  # 16 bytes
+            with record_function("user range"):
+                a.clone()  # still FSDP's: the user range is no library's
+                with record_function("FlexShard::all_gather_copy_in"):
+                    a.add(1)
+            a.mul(2)
+        a.sub(1)
+    assert counter.region_ops == {"FSDP::all_gather": 3, "FlexShard::all_gather_copy_in": 1,
+                                  OUTSIDE: 1}
+    assert counter.region_bytes == {"FSDP::all_gather": 32}
 
 
 def test_device_summary_attributes_kernels_to_copies():
