@@ -350,3 +350,30 @@ def test_a_bucket_casts_bit_for_bit_in_ops_that_do_not_grow_with_its_weights():
     assert all(c[0][1] == 1 for c in counts.values())  # one amax all-reduce per bucket
     each = {n: c[1] for n, c in counts.items()}  # the per-weight path, for the record
     assert each[8] == (8 * each[1][0], 8) and each[1][0] > 10, each
+
+
+def _amax_all_reduces() -> tuple:
+    """Rank body: all-reduces in each of two training steps, and the float8 buckets."""
+    from flexshard.runtime.state import find_state
+
+    model = _wrap("flexshard", float8_model(), None)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    counts = []
+    for step in range(2):
+        x, y = data(step, torch.distributed.get_rank())
+        with _OpCount() as mode:
+            (model(x) - y).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(mode.collectives)
+    buckets = sum(any(not w.cast for w in b._plans_for(b.gather_layout).wires)
+                  for b in find_state(model).buckets)
+    return counts, buckets
+
+
+def test_backward_regathers_with_the_scales_forward_computed():
+    # the layers reshard after forward and regather in backward: one amax
+    # all-reduce per float8 bucket and step, as FSDP2 + torchao's precompute
+    # makes one per step (parity with it: the tests above)
+    for counts, buckets in run_world(2, _amax_all_reduces):
+        assert buckets == 3 and counts == [buckets, buckets]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..compat import foreach_norm
+from ..compat import foreach_norm, in_backward, tensor_version
 from .batch import joined, spread
 
 EPS = 1e-12  # torchao.float8.float8_utils.EPS: an all-zero weight keeps a finite scale
@@ -52,6 +52,23 @@ def amax(pieces: Sequence[torch.Tensor], mesh) -> torch.Tensor:
         group = mesh.get_group() if mesh is not None else dist.group.WORLD
         with record_function("FlexShard::float8_amax_all_reduce"):
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+def bucket_scales(pieces: Sequence[torch.Tensor], mesh, dtype: torch.dtype,
+                  cache: dict) -> torch.Tensor:
+    """Each piece's scale: its amax over the group, as `scales`. Backward's
+    regather reuses forward's: the same pieces at the same version hold the
+    same values (the regather refuses params changed since forward, on every
+    rank, before this runs), so it is one all-reduce per bucket and step where
+    FSDP2 + torchao's precompute makes one per step for the whole model."""
+    version = tensor_version(pieces[0])  # the storage's counter, shared by its views
+    kept = cache.get("scale")
+    if (kept is not None and in_backward() and kept[0] == version
+            and all(a is b for a, b in zip(kept[1], pieces))):
+        return kept[2]
+    out = scales(amax(pieces, mesh), dtype)
+    cache["scale"] = (version, list(pieces), out)
     return out
 
 

@@ -62,7 +62,7 @@ class SubclassGather(WireFormat):
     def encode_batch(self, formats, pieces, mesh, cache) -> tuple:
         """torchao's cast of each piece (see float8.py): one amax all-reduce and
         one cast for the batch; each decode gets its subclass and scale."""
-        scale = float8.scales(float8.amax(pieces, mesh), self.wire_dtype)
+        scale = float8.bucket_scales(pieces, mesh, self.wire_dtype, cache)
         bits = float8.cast(pieces, scale, self.wire_dtype, cache)
         return (bits,), [(sub, (s,)) for sub, s in zip(_rebuilt(formats, pieces, cache),
                                                       scale.unbind(0))]
