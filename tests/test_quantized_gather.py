@@ -201,7 +201,15 @@ def _bucket(shapes, dtype, placement, world, policy) -> tuple:
     return slots, wire, plan_layout(wire.slots, [s.dtype for s in wire.slots], world)
 
 
-def _encode_decode(shapes, dtype, placement, world, policy, batched: bool) -> tuple:
+def _packed(pieces) -> list:
+    """The pieces as views of one buffer, back to back (as a bucket's storage holds them)."""
+    flat = torch.cat([p.reshape(-1) for p in pieces])
+    return [v.view(p.shape) for v, p in
+            zip(flat.split_with_sizes([p.numel() for p in pieces]), pieces)]
+
+
+def _encode_decode(shapes, dtype, placement, world, policy, batched: bool,
+                   packed: bool = False) -> tuple:
     """(gathered buffer, [(param, bytes copied)], kernels of rank 0's encode, of its
     decode past the copy-out of each param's parts)."""
     slots, wire, layout = _bucket(shapes, dtype, placement, world, policy)
@@ -212,6 +220,7 @@ def _encode_decode(shapes, dtype, placement, world, policy, batched: bool) -> tu
     for r in range(world):
         wires = plan_param_wires(layout, wire, r)
         pieces = [s.placement.shard(f, r, world) for s, f in zip(slots, fulls)]
+        pieces = _packed(pieces) if packed else pieces
         segment = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
         with _Kernels() as mode:
             if batched:
@@ -236,11 +245,17 @@ PLACEMENTS = [(fs.Shard(0), 4), (fs.RaggedShard(units=(3, 0, 5)), 3), (fs.Ragged
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("placement,world", PLACEMENTS)
-def test_a_bucket_quantizes_and_dequantizes_at_once_bit_for_bit(qdtype, dtype, placement, world):
-    shapes = [(64, 80), (48, 16), (64,), (96, 32), (32, 8, 4)]  # a bias travels as itself
+@pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
+def test_a_bucket_quantizes_and_dequantizes_at_once_bit_for_bit(qdtype, dtype, placement, world,
+                                                                 packed):
+    # a bias travels as itself; last, it leaves the matrices' pieces back to back
+    # when packed (one view of them is quantized), else they are joined first
+    shapes = [(64, 80), (48, 16), (96, 32), (32, 8, 4), (64,)]
+    if not packed:
+        shapes.insert(2, shapes.pop())
     policy = fs.QuantizedGather(qdtype, min_numel=256)
-    batched = _encode_decode(shapes, dtype, placement, world, policy, True)
-    alone = _encode_decode(shapes, dtype, placement, world, policy, False)
+    batched = _encode_decode(shapes, dtype, placement, world, policy, True, packed)
+    alone = _encode_decode(shapes, dtype, placement, world, policy, False, packed)
     assert torch.equal(batched[0], alone[0])  # every rank's gather input, byte for byte
     for (got, got_copied), (want, want_copied) in zip(batched[1], alone[1]):
         assert got.dtype == want.dtype and torch.equal(got, want) and got_copied == want_copied
@@ -252,7 +267,8 @@ def test_kernels_per_bucket_do_not_grow_with_its_quantized_params():
         shapes = [(32 + 16 * (i % 3), 24 + 8 * (i % 2)) for i in range(n)]
         policy = fs.QuantizedGather(torch.int8, min_numel=1)
         counts[n] = {batched: _encode_decode(shapes, torch.float32, fs.Shard(0), 2, policy,
-                                             batched)[2:] for batched in (True, False)}
+                                             batched, packed=True)[2:]
+                     for batched in (True, False)}
     assert counts[1][True][0] <= 16 and counts[1][True][1] <= 8, counts[1]
     for n, c in counts.items():
         assert c[True] == counts[1][True], (n, c)

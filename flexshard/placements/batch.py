@@ -5,7 +5,7 @@ pieces."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -18,6 +18,19 @@ def joined(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(1, sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device)
     chunk_cat(list(pieces), 0, 1, out=out)
     return out.view(-1)
+
+
+def back_to_back(pieces: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The pieces as one 1-D view when they lie back to back in one storage
+    (one dtype, each contiguous, in order): no copy needed to join them. Else None."""
+    first, total = pieces[0], 0
+    at = first.data_ptr()
+    for p in pieces:
+        if p.dtype != first.dtype or not p.is_contiguous() or p.data_ptr() != at:
+            return None
+        at += p.numel() * p.element_size()
+        total += p.numel()
+    return first.as_strided((total,), (1,))
 
 
 def counts(cache: dict, name: str, device: torch.device, values: Callable) -> tuple:

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..compat import foreach_norm, in_backward, tensor_version
-from .batch import joined, spread
+from .batch import back_to_back, joined, spread
 
 EPS = 1e-12  # torchao.float8.float8_utils.EPS: an all-zero weight keeps a finite scale
+_UP_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
@@ -82,7 +83,12 @@ def cast(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.dtype
          cache: dict) -> torch.Tensor:
     """Every piece times its scale, saturated to `dtype`'s range and cast: the
     pieces' fp8 bits joined flat, in order."""
-    flat = joined(pieces, torch.float32)  # torchao upcasts too, then multiplies in float32
-    flat.mul_(spread(scale, cache, "numels", lambda: [p.numel() for p in pieces]))
+    spread_scale = spread(scale, cache, "numels", lambda: [p.numel() for p in pieces])
+    view = back_to_back(pieces)  # a bucket of float8 linears without biases: one view
+    if view is not None and view.dtype in _UP_TO_FP32:
+        # torchao upcasts to float32, then multiplies; type promotion does the same
+        flat = torch.mul(view, spread_scale)
+    else:
+        flat = joined(pieces, torch.float32).mul_(spread_scale)
     top = torch.finfo(dtype).max
     return flat.clamp_(min=-top, max=top).to(dtype)

@@ -35,13 +35,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batch import counts, joined, spread
+from .batch import back_to_back, counts, joined, spread
 from .contract import Placement, WireFormat, WirePart
 from .ragged import RaggedShard
 from .wire import WirePolicy
 
 # Largest magnitude each wire dtype holds: int8 symmetric (-127..127), e4m3's max.
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_UP_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32
 _EPS = 1e-12  # an all-zero block keeps a finite scale (and decodes to zeros)
 
 
@@ -78,13 +79,18 @@ class BlockQuantized(WireFormat):
 
     def encode_batch(self, formats, pieces, mesh, cache) -> tuple:
         """encode of every piece at once: (quantized data joined, scales joined)."""
-        flat = joined(pieces, torch.float32)
+        flat = back_to_back(pieces)  # one view of the storage, else joined (one copy)
+        joins = flat is None or flat.dtype not in _UP_TO_FP32
+        if joins:
+            flat = joined(pieces, torch.float32)
         widths = lambda: _widths(formats, [p.shape for p in pieces])  # noqa: E731 (on first use)
         lengths, _ = counts(cache, "piece widths", flat.device, widths)
-        amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True)
+        amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True).float()
         scale = amax.clamp(min=_EPS) / _QMAX[self.dtype]
-        return (self._quantize(flat.div_(spread(scale, cache, "piece widths", widths)), True),
-                scale), [None] * len(pieces)
+        spread_scale = spread(scale, cache, "piece widths", widths)
+        # out of a view of the params: float32 out of place (promotion upcasts exactly)
+        scaled = flat.div_(spread_scale) if joins else torch.div(flat, spread_scale)
+        return (self._quantize(scaled, True), scale), [None] * len(pieces)
 
     def decode_batch(self, formats, fulls, metas, cache) -> list:
         """decode of every param at once, each a view of one new buffer."""
