@@ -11,8 +11,8 @@ as `__main__`: a new process with torchrun's environment, its own MASTER_PORT (i
 process group is its own; rank 0's child hosts the store, as under torchrun with
 TORCHELASTIC_USE_AGENT_STORE unset), `sys.path[0]` the script's folder, and flexshard
 imported by the script itself. Per script and rank it writes OUT/<script>.<rank>.out
-(stdout and stderr) and OUT/<script>.<rank>.rc (the exit status; "timeout" when the
-script ran past TIMEOUT_S and was killed).
+(stdout and stderr), OUT/<script>.<rank>.rc (the exit status; "timeout" when the
+script ran past TIMEOUT_S and was killed) and OUT/<script>.<rank>.cpu (its CPU seconds).
 """
 
 from __future__ import annotations
@@ -78,16 +78,17 @@ def _child(script: str, log: str, port) -> None:
         os._exit(code)
 
 
-def _wait(pid: int) -> str:
+def _wait(pid: int) -> tuple:
+    """(exit status or "timeout", CPU seconds the script took)."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
-            return str(os.waitstatus_to_exitcode(status))
+            return str(os.waitstatus_to_exitcode(status)), usage.ru_utime + usage.ru_stime
         time.sleep(POLL_S)
     os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return "timeout"
+    _, _, usage = os.wait4(pid, 0)
+    return "timeout", usage.ru_utime + usage.ru_stime
 
 
 def main(out: str, scripts: list) -> None:
@@ -105,8 +106,11 @@ def main(out: str, scripts: list) -> None:
         pid = os.fork()
         if pid == 0:
             _child(script, os.path.join(out, f"{name}.{rank}.out"), port)
+        status, cpu = _wait(pid)
         with open(os.path.join(out, f"{name}.{rank}.rc"), "w") as f:
-            f.write(_wait(pid))
+            f.write(status)
+        with open(os.path.join(out, f"{name}.{rank}.cpu"), "w") as f:
+            f.write(f"{cpu:.2f}")
 
 
 if __name__ == "__main__":

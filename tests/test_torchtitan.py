@@ -36,9 +36,13 @@ LR = 8e-4  # torchtitan's debugmodel learning rate
 BATCH, SEQ, VOCAB = 2, 32, 2048
 
 
+LAYERS = 2  # of the debugmodel's 6: each block is one bucket, and two show the handoff
+
+
 def debugmodel_config():
-    """torchtitan's llama3 debugmodel config, with SDPA attention."""
+    """torchtitan's llama3 debugmodel config cut to LAYERS blocks, with SDPA attention."""
     cfg = model_registry("debugmodel").model
+    cfg.layers = cfg.layers[:LAYERS]
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return cfg
@@ -54,7 +58,7 @@ def _pristine_debugmodel() -> torch.nn.Module:
 
 
 def debugmodel() -> torch.nn.Module:
-    """torchtitan's llama3 debugmodel on CPU, with SDPA attention, initialised (seed 0)."""
+    """torchtitan's llama3 debugmodel (LAYERS blocks) on CPU, with SDPA attention, initialised (seed 0)."""
     return copy.deepcopy(_pristine_debugmodel())  # building it computes 6 large RoPE caches
 
 
@@ -208,7 +212,7 @@ def test_meta_model_initialises_like_the_unsharded_one():
     assert params.keys() == dict(ref.named_parameters()).keys()
     for k, p in ref.named_parameters():
         assert torch.equal(params[k], p), k
-    assert len(buffers) == 6
+    assert len(buffers) == LAYERS  # one RoPE cache per block
     for k, b in ref.named_buffers():
         assert torch.equal(buffers[k], b), k
     assert not torch.equal(params["layers.0.feed_forward.w1.weight"][:384],
@@ -218,9 +222,9 @@ def test_meta_model_initialises_like_the_unsharded_one():
 def test_one_bucket_per_block_plus_root():
     model = debugmodel()
     specs = llama_buckets(model, reshard_after_forward=True)
-    assert [s.name for s in specs] == [f"layers.{i}" for i in range(6)] + ["root"]
+    assert [s.name for s in specs] == [f"layers.{i}" for i in range(LAYERS)] + ["root"]
     assert sorted(specs[-1].patterns) == ["lm_head.weight", "norm.weight", "tok_embeddings.weight"]
-    assert [s.reshard_after_forward for s in specs] == [True] * 6 + [False]
+    assert [s.reshard_after_forward for s in specs] == [True] * LAYERS + [False]
 
 
 @pytest.mark.parametrize("policy, blocks_reshard", [("default", True), ("always", True),
