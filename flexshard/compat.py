@@ -136,6 +136,25 @@ make_wrapper_subclass = resolve(  # checkpoint/pieces.py: ShardedPieces holds no
 # on plain tensors and return plain tensors (the extending-torch docs' idiom).
 plain_torch_function = resolve("torch._C:DisableTorchFunctionSubclass",
                                "to run ops on sharded grads as on plain tensors")
+
+# DTensor's wrapper takes its local tensor's storage offset; a wrapper whose offset is
+# not 0 has a nonzero data_ptr, so torch.save and DCP's stager read its (invalid)
+# storage. checkpoint/pieces.py builds state-dict DTensors on a stand-in local with
+# offset 0, then points them at the real local tensor (DTensor's own attribute).
+DTENSOR_LOCAL = "_local_tensor"
+DTENSOR_SPEC = "_spec"
+
+
+def dtensor_spec(dtensor):
+    """`dtensor`'s DTensorSpec (mesh, placements, global shape and stride)."""
+    return getattr(dtensor, DTENSOR_SPEC)
+
+
+def set_dtensor_local(dtensor, local: torch.Tensor) -> None:
+    """Make `local` the local tensor of `dtensor` (same shape, dtype and device)."""
+    setattr(dtensor, DTENSOR_LOCAL, local)
+
+
 # A tensor's version counter, shared by views: bumped by every in-place write.
 VERSION = _tensor_attr("_version", "to notice writes to the sharded params since a gather launched")
 # The hooks register_post_accumulate_grad_hook added, carried to a re-created param.

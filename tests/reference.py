@@ -56,7 +56,7 @@ def reference_run(world: int, steps: int, lr: float = LR, param_dtype=None, mode
                 first_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
             opt.step()
             opt.zero_grad()
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        params = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
         return losses, params, first_grads
     finally:
         torch.set_num_threads(threads)

@@ -78,7 +78,8 @@ def _values(placement_name):
     out = {}
     for k, v in sd.items():
         local = v.to_local() if isinstance(v, DTensor) else v.local
-        out[k] = (type(v).__name__, tuple(v.shape), local.data_ptr() == params[k].data_ptr())
+        kind = "DTensor" if isinstance(v, DTensor) else type(v).__mro__[1].__name__  # LivePieces
+        out[k] = (kind, tuple(v.shape), local.data_ptr() == params[k].data_ptr())
     try:
         sd["pos"] + 1
     except NotImplementedError as e:
@@ -101,7 +102,7 @@ def test_state_dict_values_carry_the_full_shape():
         assert {k: v[1] for k, v in vals.items() if k != "error"} == full
         assert all(t == "ShardedPieces" and same for t, _, same in (vals[k] for k in full))
         assert "head.weight" in vals and "tok.weight" in vals  # tied: both names
-        assert "use fs.full_state_dict(model) for full tensors" in vals["error"]
+        assert "call fs.full_state_dict(model) on every rank" in vals["error"]
 
 
 def _load_full_in_place(placement_name):
@@ -166,7 +167,8 @@ def _dsd_full(placement_name):
     model, _ = wrapped(placement_name)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
-    kinds = sorted({type(v).__name__ for v in full.values()})
+    kinds = sorted({"ShardedPieces" if isinstance(v, fs.ShardedPieces) else type(v).__name__
+                    for v in full.values()})
     reference = make_model(0).state_dict()
     loaded = []
     for broadcast in (False, True):  # every rank passes the full tensors, or rank 0 only

@@ -238,7 +238,7 @@ def reference_train(model, world: int, steps: int, step_fn=None) -> tuple:
             losses.append(loss.item())
     finally:
         torch.set_num_threads(threads)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
 def check_against_reference(losses, full: dict, world: int, steps: int, model_kw=None,

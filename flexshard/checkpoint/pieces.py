@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
-from ..compat import make_wrapper_subclass
+from ..compat import dtensor_spec, make_wrapper_subclass, set_dtensor_local
 from ..placements.contract import Placement
 from ..placements.shard import Shard, chunk_bounds
 
@@ -144,6 +145,8 @@ class ShardedPieces(torch.Tensor):
     Holds no full tensor. DCP saves each box as one chunk and, on load, copies
     the chunks that overlap each box straight into it (into the sharded
     parameter or optimizer state it views). Any other tensor op is refused.
+    A copy (DCP's stager, DSD's cpu offload) pickles as its pieces and boxes;
+    the `LivePieces` that state_dict() returns refuse to be pickled.
     """
 
     _local: torch.Tensor
@@ -168,7 +171,10 @@ class ShardedPieces(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         boxes = [(b.offsets, b.sizes) for b in self._boxes]
-        return f"ShardedPieces(shape={tuple(self.shape)}, dtype={self.dtype}, boxes={boxes})"
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, boxes={boxes})"
+
+    def __reduce_ex__(self, protocol):
+        return ShardedPieces, (self._local, tuple(self.shape), self._boxes)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -178,9 +184,16 @@ class ShardedPieces(torch.Tensor):
         if func is aten._to_copy.default:  # e.g. DSD's cpu offload: copy the pieces
             src = args[0]
             return ShardedPieces(func(src._local, **(kwargs or {})), src.shape, src._boxes)
+        if func is aten.new_empty.default:  # DCP's stager: it then sets _local, _boxes, _views
+            src, kwargs = args[0], dict(kwargs or {})
+            empty = torch.empty(0, dtype=kwargs.get("dtype") or src.dtype,
+                                device=kwargs.get("device") or src.device)
+            return ShardedPieces(empty, src.shape, ())
         raise NotImplementedError(
             f"{func} on a ShardedPieces (one rank's pieces of a {tuple(args[0].shape)} tensor "
-            "for torch.distributed.checkpoint); use fs.full_state_dict(model) for full tensors")
+            "for torch.distributed.checkpoint); for full tensors call fs.full_state_dict(model) "
+            "on every rank (to export a Hugging Face model, pass it as "
+            "save_pretrained(..., state_dict=full) on rank 0: docs/checkpoints.md)")
 
     # torch.distributed.checkpoint's protocol.
 
@@ -204,6 +217,67 @@ class ShardedPieces(torch.Tensor):
 
 def _chunk(box: Box) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+
+
+class LivePieces(ShardedPieces):
+    """The ShardedPieces that `module.state_dict()` returns: views of the sharded
+    parameters themselves. Pickling one (torch.save) raises: it would write
+    one rank's pieces, which no plain model can load. Its copies are
+    ShardedPieces."""
+
+    def __reduce_ex__(self, protocol):
+        raise not_picklable(self.shape)
+
+
+class LiveDTensor(DTensor):
+    """A state-dict DTensor viewing a sharded parameter. Pickling it raises, as
+    for LivePieces, and so does any op but copies: the state dict is often
+    read on one rank only (rank 0 of torch.save or save_pretrained), where an
+    op that needs the other ranks' pieces (a reshape of a sharded dim) would
+    wait for them forever. DCP, DSD and `full_tensor()` read it through
+    DTensor's own methods; a copy is a plain DTensor."""
+
+    def __reduce_ex__(self, protocol):
+        raise not_picklable(self.shape)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _COPIES:
+            return DTensor.__torch_dispatch__(func, types, args, kwargs)
+        raise NotImplementedError(
+            f"{func} on a value of a flex_shard model's state_dict() (this rank's pieces of a "
+            f"{tuple(args[0].shape)} tensor): it could need the other ranks' pieces, which "
+            "they never send when one rank reads the state dict. For full tensors call "
+            "fs.full_state_dict(model) on every rank (to export a Hugging Face model, pass "
+            "it as save_pretrained(..., state_dict=full) on rank 0: docs/checkpoints.md)")
+
+
+_ATEN = torch.ops.aten
+_COPIES = (_ATEN.detach.default, _ATEN.alias.default, _ATEN._to_copy.default,
+           _ATEN.new_empty.default, _ATEN.clone.default)  # local: no other rank's piece
+
+
+def not_picklable(shape) -> TypeError:
+    """The error for pickling one rank's pieces of a state dict value."""
+    return TypeError(
+        f"cannot pickle a value of a flex_shard model's state_dict() (this rank's pieces of a "
+        f"{tuple(shape)} tensor, not the tensor): torch.save(model.state_dict()) would write "
+        "a file no plain model loads. For a file of full tensors, call "
+        "full = fs.full_state_dict(model) on every rank and torch.save(full, path) on rank 0; "
+        "for a resharding checkpoint, fs.save_checkpoint(directory, model, optimizer, step) "
+        "or torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=directory)")
+
+
+def live_dtensor(local: torch.Tensor, mesh, placements, shape: Sequence[int], stride):
+    """A LiveDTensor of `local` whose wrapper has storage offset 0 (DTensor
+    copies its local's offset, and a wrapper with a nonzero one cannot be
+    pickled by torch.save nor staged by DCP's async_save)."""
+    stand_in = local.new_empty(()).expand(local.shape)  # offset 0, no memory
+    spec = DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
+    out = LiveDTensor(stand_in, dtensor_spec(spec), requires_grad=False)
+    set_dtensor_local(out, local)
+    return out
 
 
 def dtensor_shard(placement: Placement, shape: Sequence[int], world_size: int):

@@ -29,7 +29,7 @@ from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from ..runtime.dtensor_param import shift_boxes
-from .pieces import ShardedPieces, dtensor_shard, piece_boxes
+from .pieces import LivePieces, ShardedPieces, dtensor_shard, live_dtensor, piece_boxes
 
 
 class SlotRef(NamedTuple):
@@ -78,16 +78,14 @@ def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> t
     if bucket.mesh is None:  # world size 1 without a process group: the piece is the tensor
         return local
     if ref.tp is not None:  # the dp pieces of the TP-local tensor, placed in the global one
-        return ShardedPieces(local, ref.shape, slot_boxes(ref))
+        return LivePieces(local, ref.shape, slot_boxes(ref))
     placements = dtensor_placements(bucket, slot)
     if placements is not None:
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local, bucket.mesh, placements, run_check=False,
-                                  shape=slot.shape, stride=_contiguous_stride(slot.shape))
+        return live_dtensor(local, bucket.mesh, placements, slot.shape,
+                            _contiguous_stride(slot.shape))
     # Under HSDP the replicas hold the same boxes; DCP saves each chunk once.
     boxes = piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size)
-    return ShardedPieces(local, slot.shape, boxes)
+    return LivePieces(local, slot.shape, boxes)
 
 
 def slot_boxes(ref: SlotRef) -> tuple:
@@ -333,15 +331,24 @@ class StateDictHooks:
 
 
 def full_state_dict(module: nn.Module) -> dict:
-    """Full parameters on every rank, keyed by the original FQNs (one gather per
-    bucket; under tensor parallelism, then one gather over tp per DTensor param)."""
-    out = {}
+    """The unwrapped model's state_dict() on every rank: every key of it (tied
+    parameters under each of their names, persistent buffers) as a full
+    tensor. Collective: one gather per bucket (under tensor parallelism, then
+    one gather over tp per DTensor param)."""
+    state = get_state(module)
+    fulls = {}
     with torch.no_grad():
-        for bucket in get_state(module).buckets:
-            fulls = bucket.gather_params(bucket.storage.layout)
-            specs = bucket.tp_specs or (None,) * len(fulls)
-            for slot, full, spec in zip(bucket.slots, fulls, specs):
-                out[slot.fqn] = full.clone() if spec is None else spec.full_of(full)
+        for bucket in state.buckets:
+            gathered = bucket.gather_params(bucket.storage.layout)
+            specs = bucket.tp_specs or (None,) * len(gathered)
+            for slot, full, spec in zip(bucket.slots, gathered, specs):
+                fulls[slot.fqn] = full.clone() if spec is None else spec.full_of(full)
+    slots = named_slots(module, state)
+    out = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        ref = slots.get(name)  # a tied name shares its tensor, as in the plain state dict
+        out[name] = fulls[ref.slot.fqn] if ref is not None else param.detach().clone()
+    out.update({fqn: buf.detach().clone() for fqn, buf in persistent_buffers(module).items()})
     return out
 
 

@@ -1,0 +1,20 @@
+"""The README quickstart as written (no destroy_process_group): flexshard."""
+import os
+
+import torch
+import torch.distributed as dist
+
+import flexshard as fs
+
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+model = fs.flex_shard(model, buckets=[fs.BucketSpec(f"{i}.*") for i in range(4)])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(3):
+    loss = model(torch.randn(8, 64)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+print(f"loss {loss.item():.4f}")
