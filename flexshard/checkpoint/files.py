@@ -15,6 +15,7 @@ N ranks with one bucket plan loads on M ranks with another (see state_dict.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime.state import files_group, get_state
+from .async_save import async_saves
 
 _STEP_DIR = "step_{:08d}"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -34,17 +36,24 @@ _METADATA = ".metadata"  # written last by DCP's FileSystemWriter
 
 
 def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int = 0, *,
-                    keep: Optional[int] = None) -> str:
+                    keep: Optional[int] = None, async_: bool = False):
     """Save `model` (and `optimizer`) as `directory/step_<step>`, atomically.
 
     Collective: every rank of the model's mesh calls it. Sharded parameters
     and optimizer state are written by the ranks that hold them. With `keep`,
     only the newest `keep` checkpoints are kept. Returns the checkpoint path.
+
+    With `async_=True` it returns once this rank's pieces are copied to CPU
+    memory, as a `concurrent.futures.Future` of the path: the files are
+    written, and published as atomically, in a background thread while
+    training goes on, and the checkpoint holds the values of the call. The
+    next save or load of this model waits for it (and raises its error).
     """
     import torch.distributed.checkpoint as dcp
 
-    _check_save_args(directory, optimizer, step, keep)
+    _check_save_args(directory, optimizer, step, keep, async_)
     state = get_state(model)
+    async_saves(state).wait()
     _check_bucket_meshes(state, "save_checkpoint")
     _check_writable(directory, state)
     final = os.path.join(directory, _STEP_DIR.format(step))
@@ -52,17 +61,28 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     group, rank, _ = files_group(state)  # under TP: every rank of the (dp, tp) mesh
     if rank == 0:
         _remove_leftovers(directory)
-    _barrier(state)
+    _barrier(group)
     model_sd, optim_sd = _state_dicts(model, optimizer)
+    holder = {"model": model_sd, "optim": optim_sd, "step": step}
+    publish = functools.partial(_publish_step, tmp, final, directory, keep, rank == 0)
+    if async_:
+        with _single_process_quiet(state):
+            return async_saves(state).start(holder, tmp, publish)
     with _single_process_quiet(state):
-        dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
-                 process_group=group)
-    _barrier(state)  # every rank wrote its files and rank 0 the metadata
-    if rank == 0:
+        dcp.save(holder, checkpoint_id=tmp, process_group=group)
+    publish(group)
+    return final
+
+
+def _publish_step(tmp: str, final: str, directory: str, keep, writer: bool, group) -> str:
+    """After every rank of `group` wrote its files into `tmp` (and rank 0 DCP's
+    metadata): rename `tmp` to `final` on rank 0, prune, and let every rank on."""
+    _barrier(group)
+    if writer:
         _publish(tmp, final)
         if keep is not None:
             _prune(directory, keep)
-    _barrier(state)
+    _barrier(group)
     return final
 
 
@@ -79,6 +99,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load_checkpoint: path must be a str or os.PathLike, got {path!r}")
     state = get_state(model)
+    async_saves(state).wait()
     _check_bucket_meshes(state, "load_checkpoint")
     ckpt = find_checkpoint(os.fspath(path))
     metadata = _read_metadata(ckpt)
@@ -163,7 +184,7 @@ def _check_bucket_meshes(state, what: str) -> None:
                 "nn.Parameter(DTensor.from_local(local_experts, mesh['ep'], [Shard(0)]))")
 
 
-def _check_save_args(directory, optimizer, step, keep) -> None:
+def _check_save_args(directory, optimizer, step, keep, async_) -> None:
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"save_checkpoint: directory must be a str or os.PathLike, "
                         f"got {directory!r}")
@@ -174,6 +195,8 @@ def _check_save_args(directory, optimizer, step, keep) -> None:
         raise ValueError(f"save_checkpoint: step must be an int >= 0, got {step!r}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"save_checkpoint: keep must be None or an int >= 1, got {keep!r}")
+    if not isinstance(async_, bool):
+        raise TypeError(f"save_checkpoint: async_ must be True or False, got {async_!r}")
 
 
 def _check_writable(directory, state) -> None:
@@ -256,7 +279,6 @@ def _single_process_quiet(state):
         yield
 
 
-def _barrier(state) -> None:
-    group, _, size = files_group(state)
-    if group is not None and size > 1:
+def _barrier(group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
         dist.barrier(group=group)

@@ -42,6 +42,7 @@ class FlexShardState:
     subgroups: dict = field(default_factory=dict)  # id(shard group) -> mesh.Subgroups
     unset_buffers: Any = None  # checkpoint.unset_buffers.UnsetBuffers: to_empty()'s, until written
     registration: Any = None  # registration.RegistrationGuard: params set after wrapping raise
+    async_saves: Any = None  # checkpoint.async_save.AsyncSaves: the save in flight, its group
 
 
 def files_group(state: FlexShardState) -> tuple:
