@@ -32,8 +32,8 @@ def _value_kinds(model) -> dict:
     for fqn, value in model.state_dict().items():
         if isinstance(value, DTensor):
             out[fqn] = ("DTensor", value.device_mesh.ndim, tuple(map(repr, value.placements)))
-        else:
-            out[fqn] = (type(value).__name__, tuple(value.shape))
+        else:  # state_dict() gives LivePieces, a ShardedPieces
+            out[fqn] = (type(value).__mro__[1].__name__, tuple(value.shape))
     return out
 
 
