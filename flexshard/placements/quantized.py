@@ -93,13 +93,20 @@ class BlockQuantized(WireFormat):
         return (self._quantize(scaled, True), scale), [None] * len(pieces)
 
     def decode_batch(self, formats, fulls, metas, cache) -> list:
-        """decode of every param at once, each a view of one new buffer."""
-        data = joined([parts[0] for parts in fulls], torch.float32)
-        scales = joined([parts[1] for parts in fulls], torch.float32)
-        widths = lambda: _widths(formats, [parts[0].shape for parts in fulls])  # noqa: E731
-        out = data.mul_(spread(scales, cache, "full widths", widths)).to(self.out_dtype)
-        return [piece.view(parts[0].shape) for piece, parts in
-                zip(out.split_with_sizes([parts[0].numel() for parts in fulls]), fulls)]
+        """decode of every param at once, each a view of one new buffer: the
+        params joined in order of their blocks' width, so that one multiply by
+        the scales (broadcast over a block) covers all params of one width."""
+        plan = cache.get("decode")
+        if plan is None:
+            plan = cache["decode"] = _DecodePlan(formats, [parts[0].shape for parts in fulls])
+        data = joined([fulls[i][0] for i in plan.order], torch.float32)
+        scales = joined([fulls[i][1] for i in plan.order], torch.float32)
+        for start, stop, first, last, width in plan.runs:
+            data[start:stop].view(last - first, width).mul_(scales[first:last, None])
+        out = [None] * len(fulls)
+        for i, piece in zip(plan.order, data.to(self.out_dtype).split_with_sizes(plan.numels)):
+            out[i] = piece.view(fulls[i][0].shape)
+        return out
 
     def _width(self, shape: torch.Size) -> int:
         """Elements of one block: `block_rows` rows of every column."""
@@ -113,6 +120,26 @@ class BlockQuantized(WireFormat):
             return rounded.clamp_(-127, 127).to(torch.int8)
         clamped = scaled.clamp_(-448.0, 448.0) if in_place else scaled.clamp(-448.0, 448.0)
         return clamped.to(self.dtype)
+
+
+class _DecodePlan:
+    """A batch's params in order of block width (`order`), their element
+    counts in that order, and one run per width: (first element, past-last
+    element, first block, past-last block, block width) of the joined buffer."""
+
+    def __init__(self, formats: Sequence[BlockQuantized], shapes: Sequence[torch.Size]) -> None:
+        widths = [f._width(shape) for f, shape in zip(formats, shapes)]
+        self.order = sorted(range(len(shapes)), key=lambda i: widths[i])
+        self.numels = [math.prod(shapes[i]) for i in self.order]
+        self.runs, element, block = [], 0, 0
+        for i, numel in zip(self.order, self.numels):
+            blocks = numel // widths[i]
+            if self.runs and self.runs[-1][4] == widths[i]:
+                start, _, first, _, width = self.runs[-1]
+                self.runs[-1] = (start, element + numel, first, block + blocks, width)
+            else:
+                self.runs.append((element, element + numel, block, block + blocks, widths[i]))
+            element, block = element + numel, block + blocks
 
 
 def _widths(formats: Sequence[BlockQuantized], shapes: Sequence[torch.Size]) -> list:
