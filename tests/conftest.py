@@ -20,6 +20,17 @@ def pytest_configure(config):
         "markers",
         "world(n): test runs bodies in the persistent n-rank gloo world (tests/harness.py)",
     )
+    config.addinivalue_line(
+        "markers",
+        "kills_world: test kills a persistent world on purpose; it runs last, so the tests "
+        "before it keep their warm worlds",
+    )
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that kill a persistent world run after every other test: a killed world
+    restarts on next use, paying its processes' imports again (seconds per rank)."""
+    items.sort(key=lambda item: item.get_closest_marker("kills_world") is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -86,6 +86,7 @@ def test_expect_all_ranks_raise():
         expect_all_ranks_raise(2, _raise_everywhere, TypeError, "other", "boom")
 
 
+@pytest.mark.kills_world
 def test_timeout_kills_world_and_next_call_uses_fresh_world():
     before = run_world(2, _pid)
     start = time.monotonic()
@@ -97,6 +98,7 @@ def test_timeout_kills_world_and_next_call_uses_fresh_world():
     assert run_world(2, _sleep, 0) == ["woke", "woke"]
 
 
+@pytest.mark.kills_world
 def test_dead_worker_is_reported():
     with pytest.raises(WorkerDiedError, match="rank 1 exit code 3"):
         run_world(2, _exit_on_rank1, 3, timeout=60)
