@@ -129,6 +129,11 @@ def in_backward() -> bool:
     return current_graph_task_id() != -1
 
 # Tensors.
+# A bucket's fused copies (planning/fused.py, FSDP2's _fsdp_collectives.py): one
+# kernel per bucket and direction. foreach_copy_ copies (and casts) pairs of equal
+# shapes; chunk_cat (below) with n chunks writes chunk k of each tensor's dim 0
+# (torch.chunk sizes, zero-padded) into row k of out, back to back, cast.
+foreach_copy_ = resolve("torch:_foreach_copy_", "to copy a bucket's pieces in one op")
 tree_map = resolve("torch.utils._pytree:tree_map", "to cast forward inputs and outputs")
 make_wrapper_subclass = resolve(  # checkpoint/pieces.py: ShardedPieces holds no full tensor
     "torch:Tensor._make_wrapper_subclass", "to build ShardedPieces for DCP")

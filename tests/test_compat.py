@@ -393,3 +393,21 @@ def test_plain_torch_function_and_foreach_norm():
     assert compat.foreach_norm in Sub.seen
     torch.testing.assert_close(norms, torch.tensor(math.sqrt(4 + 12)))
     assert type(a + 1) is torch.Tensor  # outputs stay plain under the handler
+
+
+def test_chunk_cat_writes_dim0_chunks_back_to_back_with_the_cast():
+    a = torch.arange(1., 13.).view(6, 2).to(torch.bfloat16)  # chunks of 2 rows: 2, 2, 2, 0
+    b = torch.arange(100., 105.).to(torch.bfloat16)  # chunks of 2: 2, 2, 1, 0 (padded)
+    out = torch.full((4, 6), -1.0)
+    compat.chunk_cat([a, b], 0, 4, out=out)
+    want = torch.zeros(4, 6)
+    for r, (pa, pb) in enumerate(zip(a.float().chunk(3), b.float().chunk(3))):
+        want[r, :pa.numel()] = pa.flatten()
+        want[r, 4:4 + pb.numel()] = pb
+    assert torch.equal(out, want)
+
+
+def test_foreach_copy_casts_pairs():
+    dst = [torch.empty(3, dtype=torch.bfloat16), torch.empty(2, dtype=torch.bfloat16)]
+    compat.foreach_copy_(dst, [torch.arange(3.), torch.arange(2.)])
+    assert [d.tolist() for d in dst] == [[0., 1., 2.], [0., 1.]]

@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..compat import current_graph_task_id, in_backward, queue_callback
+from ..compat import chunk_cat, current_graph_task_id, foreach_copy_, in_backward, queue_callback
 from .comm import Comm
 from ..planning.copyplan import plan_copies
+from ..planning.fused import plan_chunk_cat, span_split, split_views
 from .counters import BucketCounters
 from .device import HostContext, on_stream
 from .inflight import PendingReduce, ReduceOp
@@ -85,7 +86,13 @@ class GradReduce:
         # output (as the storage holds the params: see _grad_targets), else None
         grad_bytes = layout.storage_bytes(rank)
         self._grad_bytes = grad_bytes if grad_bytes < layout.segment_bytes else None
-        self._copies = plan_copies(layout, [slots[i] for i in grad_slots])
+        grad_plans = [slots[i] for i in grad_slots]
+        self._copies = plan_copies(layout, grad_plans)
+        # The pack as one op when the layout allows (planning/fused.py): a chunk-cat
+        # (dim-0 chunks back to back), else one foreach copy (every grad one span).
+        self._chunk_cat = plan_chunk_cat(layout, grad_plans)
+        self._spans = None if self._chunk_cat is not None else \
+            span_split(layout, range(len(grad_slots)))
 
     def move(self, fn) -> None:
         """nn.Module._apply's `fn` (to_empty, .to): the unreduced and partial sums follow."""
@@ -102,16 +109,23 @@ class GradReduce:
         returns what `launch` needs, or None under no-sync (the packed grads
         are added to pending_grads instead)."""
         layout, sync = self.layout, self.requires_gradient_sync
+        present = [grads[i] for i in self.grad_slots]
+        complete = all(g is not None for g in present)
+        chunk_cat = self._chunk_cat if self._chunk_cat is not None and complete \
+            and _one_dtype(present) else None
         # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
-        gaps = self._gaps if all(grads[i] is not None for i in self.grad_slots) else None
-        send = (torch.empty if gaps is not None else torch.zeros)(
+        gaps = self._gaps if complete else None
+        send = (torch.empty if gaps is not None or chunk_cat is not None else torch.zeros)(
             layout.wire_bytes, dtype=torch.uint8, device=device)
         op = None
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter_copy_in"):  # after: grads, buffers
-            for start, stop in gaps or ():
-                send[start:stop].zero_()
-            self._pack(send, grads)
+            if chunk_cat is not None:
+                self._chunk_cat_pack(send, present, chunk_cat)
+            else:
+                for start, stop in gaps or ():
+                    send[start:stop].zero_()
+                self._pack(send, present, complete)
             if not sync:
                 self._accumulate_pending(send)
             else:
@@ -124,13 +138,27 @@ class GradReduce:
         ctx.wait(packed)
         return (send, op) if sync else None
 
-    def _pack(self, send: torch.Tensor, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Every unsharded grad into its rank pieces of the reduce input: a few
-        ops per param whatever the world size (see copyplan.py)."""
-        for j, i in enumerate(self.grad_slots):
-            if grads[i] is not None:
-                plan = self._copies[j]
-                plan.pack(send, grads[i])
+    def _chunk_cat_pack(self, send: torch.Tensor, grads: list, plan) -> None:
+        """Every grad's dim-0 chunks into the reduce input, cast, in one op (as FSDP2's
+        foreach_reduce_scatter_copy_in); the columns past them are zeroed."""
+        rows = self.typed(send).view(self.world_size, plan.seg_elems)
+        if plan.width < plan.seg_elems:
+            rows[:, plan.width:].zero_()
+            rows = rows[:, :plan.width]
+        chunk_cat(grads, 0, self.world_size, out=rows)
+        self.counters.copy_in_bytes += sum(g.numel() for g in grads) * rows.element_size()
+
+    def _pack(self, send: torch.Tensor, grads: list, complete: bool) -> None:
+        """Every unsharded grad into its rank pieces of the reduce input: one foreach
+        copy when each is one span of it (Owned, chained pieces), else a few ops per
+        param whatever the world size (see copyplan.py)."""
+        if complete and self._spans is not None:
+            foreach_copy_(split_views(send, self._spans), [g.reshape(-1) for g in grads])
+            self.counters.copy_in_bytes += sum(p.numel * p.dtype.itemsize for p in self._copies)
+            return
+        for plan, grad in zip(self._copies, grads):
+            if grad is not None:
+                plan.pack(send, grad)
                 self.counters.copy_in_bytes += plan.numel * plan.dtype.itemsize
 
     def _accumulate_pending(self, send: torch.Tensor) -> None:
@@ -272,6 +300,11 @@ class GradReduce:
     def typed(self, buf: torch.Tensor) -> torch.Tensor:
         """A reduce buffer's bytes in the reduce dtype."""
         return buf.view(self.layout.regions[0].dtype)
+
+
+def _one_dtype(grads: list) -> bool:
+    first = grads[0].dtype
+    return all(g.dtype == first for g in grads)
 
 
 class ReduceTarget(Protocol):

@@ -1,0 +1,210 @@
+"""A bucket's copies as one fused op each, planned once per layout at wrap time.
+
+FSDP2 copies a group's params with one kernel per direction
+(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): `_foreach_copy_`
+into the all-gather input, `split_with_sizes_copy` out of the output,
+`_chunk_cat` (with the cast) into the reduce-scatter input. A bucket here is a
+flat byte buffer, so each of those is one op over typed views of it, and the
+views themselves come from one `split` per dtype, not one slice per param:
+
+- `TypedSplit`: a byte range of a buffer cut into the pieces of some regions
+  (typed `view` + `split`, the gaps between pieces left out): the copy-in's
+  destinations (and an offloaded storage's staged sources), the reduce input's
+  destinations where every grad is one contiguous span (Owned);
+- `SplitCopyOut`: params whose pieces have one size and one offset on every
+  rank are the columns of the gathered buffer seen as [world, segment]: one
+  `split_with_sizes_copy` per run of such columns copies them all out;
+- `ChunkCatPack`: grads split as torch.chunk splits their dim 0 (Shard(0),
+  an even RaggedShard) laid out back to back in slot order are exactly what
+  `torch._chunk_cat(grads, 0, world)` writes (zero padding included), cast to
+  the reduce dtype on the way.
+
+A layout these do not fit keeps the per-param copy plans (copyplan.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from .layout import BucketLayout, SlotPlan
+
+
+class TypedSplit(NamedTuple):
+    """Pieces of one byte range of a buffer: for each dtype, `torch.split` of the
+    range typed as it (`sizes`, gaps included) and which chunk is which piece."""
+
+    groups: tuple  # (dtype, sizes, picks): picks[k] = (chunk index, piece position)
+    count: int  # pieces in all
+    nbytes: int  # bytes of the range
+
+
+def plan_split(nbytes: int, pieces: Sequence[tuple]) -> TypedSplit:
+    """A split of a range of `nbytes` bytes into `pieces`, each (byte start,
+    dtype, numel); non-empty, non-overlapping, aligned to their itemsize."""
+    groups = []
+    for dtype in dict.fromkeys(p[1] for p in pieces):
+        size = dtype.itemsize
+        mine = sorted((start // size, numel, k) for k, (start, d, numel) in enumerate(pieces)
+                      if d == dtype)
+        sizes, picks, at = [], [], 0
+        for start, numel, k in mine:
+            if start > at:
+                sizes.append(start - at)
+            picks.append((len(sizes), k))
+            sizes.append(numel)
+            at = start + numel
+        if nbytes // size > at:
+            sizes.append(nbytes // size - at)
+        groups.append((dtype, tuple(sizes), tuple(picks)))
+    return TypedSplit(tuple(groups), len(pieces), nbytes)
+
+
+def split_views(buffer: torch.Tensor, split: TypedSplit) -> list:
+    """The flat typed pieces of `buffer` (uint8, `split.nbytes` long), in piece order."""
+    out: list = [None] * split.count
+    for dtype, sizes, picks in split.groups:
+        chunks = buffer.view(dtype).split(sizes)
+        for chunk, k in picks:
+            out[k] = chunks[chunk]
+    return out
+
+
+def segment_split(layout: BucketLayout, rank: int, regions: Sequence[int]) -> TypedSplit:
+    """`rank`'s non-empty pieces of `regions` in its segment of `layout`."""
+    pieces = [(layout.regions[j].offsets[rank], layout.regions[j].dtype,
+               layout.regions[j].nbytes[rank] // layout.regions[j].dtype.itemsize)
+              for j in regions]
+    return plan_split(layout.segment_bytes, pieces)
+
+
+def span_split(layout: BucketLayout, regions: Sequence[int]) -> Optional[TypedSplit]:
+    """The full tensors of `regions` in the gathered buffer when each is one
+    span of it (layout.gathered_range); None when one is not."""
+    pieces = []
+    for j in regions:
+        span = layout.gathered_range(j)
+        if span is None:
+            return None
+        dtype = layout.regions[j].dtype
+        pieces.append((span[0], dtype, (span[1] - span[0]) // dtype.itemsize))
+    return plan_split(layout.wire_bytes, pieces)
+
+
+# Copy-out: columns of [world, segment].
+
+
+class ColumnRun(NamedTuple):
+    """Columns [start, stop) of the gathered buffer typed as `dtype` and seen as
+    [world, segment]: split into `sizes`, chunk picks[k][0] is region picks[k][1]."""
+
+    dtype: torch.dtype
+    start: int
+    stop: int
+    sizes: tuple
+    picks: tuple
+
+
+class SplitCopyOut(NamedTuple):
+    """The copy-out of the `regions` that fit columns (`runs`); the rest copy one by one."""
+
+    runs: tuple
+    columns: frozenset  # regions copied by the runs
+    seg_elems: dict  # dtype -> segment length in elements
+
+
+def _uniform(layout: BucketLayout, j: int) -> bool:
+    """Region j's pieces are rows of [world, n]: equal, non-empty, at one offset, rank-major."""
+    reg = layout.regions[j]
+    return (reg.rank_major and len(set(reg.nbytes)) == 1 and reg.nbytes[0] > 0
+            and len(set(reg.offsets)) == 1)
+
+
+def plan_copy_out(layout: BucketLayout, regions: Sequence[int]) -> SplitCopyOut:
+    """Runs of uniform `regions` with no other region's bytes (on any rank) between them."""
+    uniform = [j for j in regions if _uniform(layout, j)]
+    chosen = set(uniform)
+    foreign = [(reg.offsets[r], reg.offsets[r] + reg.nbytes[r])
+               for j, reg in enumerate(layout.regions) if j not in chosen
+               for r in range(layout.world_size) if reg.nbytes[r]]
+    runs, seg = [], {}
+    for dtype in dict.fromkeys(layout.regions[j].dtype for j in uniform):
+        size = dtype.itemsize
+        seg[dtype] = layout.segment_bytes // size
+        cols = sorted((layout.regions[j].offsets[0], layout.regions[j].nbytes[0], j)
+                      for j in uniform if layout.regions[j].dtype == dtype)
+        current: list = []
+        for start, nbytes, j in cols:
+            if current and any(a < start and b > current[-1][1] for a, b in foreign):
+                runs.append(_run(dtype, current))
+                current = []
+            current.append((start, start + nbytes, j))
+        if current:
+            runs.append(_run(dtype, current))
+    return SplitCopyOut(tuple(runs), frozenset(chosen), seg)
+
+
+def _run(dtype: torch.dtype, cols: list) -> ColumnRun:
+    size = dtype.itemsize
+    sizes, picks, at = [], [], cols[0][0] // size
+    for start, stop, j in cols:
+        if start // size > at:
+            sizes.append(start // size - at)  # padding, copied into a chunk no one keeps
+        picks.append((len(sizes), j))
+        sizes.append((stop - start) // size)
+        at = stop // size
+    return ColumnRun(dtype, cols[0][0] // size, at, tuple(sizes), tuple(picks))
+
+
+def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> dict:
+    """{region: its full tensor, flat} for the regions of `plan`'s runs: one
+    split_with_sizes_copy per run."""
+    out, typed = {}, {}
+    for run in plan.runs:
+        if run.dtype not in typed:
+            typed[run.dtype] = gathered.view(run.dtype).view(world_size, plan.seg_elems[run.dtype])
+        rows = typed[run.dtype]
+        if run.start or run.stop != rows.shape[1]:
+            rows = rows[:, run.start:run.stop]
+        chunks = torch.split_with_sizes_copy(rows, list(run.sizes), dim=1)
+        for chunk, j in run.picks:
+            out[j] = chunks[chunk]
+    return out
+
+
+# Reduce-scatter copy-in.
+
+
+class ChunkCatPack(NamedTuple):
+    """`torch._chunk_cat(grads, 0, world, out=reduce input as [world, segment][:, :width])`
+    writes every grad's pieces where the reduce layout puts them."""
+
+    width: int  # columns (elements) the chunk-cat writes; the rest of each segment is zeroed
+    seg_elems: int
+
+
+def _chunk_rows(rows: int, rank: int, world_size: int) -> int:
+    chunk = -(-rows // world_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def plan_chunk_cat(layout: BucketLayout, slots: Sequence[SlotPlan]) -> Optional[ChunkCatPack]:
+    """The chunk-cat pack of the reduce `layout` over `slots` (the trainable
+    ones), or None where the layout is not what _chunk_cat writes."""
+    if not slots or len({reg.dtype for reg in layout.regions}) != 1:
+        return None
+    size, col = layout.regions[0].dtype.itemsize, 0
+    for j, slot in enumerate(slots):
+        if not len(slot.shape) or not slot.placement.rank_major(slot.shape):
+            return None
+        rows, inner = slot.shape[0], math.prod(slot.shape[1:])
+        for r in range(layout.world_size):
+            expected = torch.Size((_chunk_rows(rows, r, layout.world_size), *slot.shape[1:]))
+            if slot.local_shapes[r] != expected or layout.regions[j].offsets[r] != col * size:
+                return None
+        col += -(-rows // layout.world_size) * inner
+    if col * size > layout.segment_bytes:
+        return None
+    return ChunkCatPack(col, layout.segment_bytes // size)
