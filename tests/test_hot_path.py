@@ -41,7 +41,9 @@ class OpCount(TorchDispatchMode):
 
 def _ops_per_step(world: int, placement, mp=None) -> tuple:
     """(ops, data ops of one step after a warm-up, plan kinds of the gather layout)."""
-    shapes = [(1024, 512), (512, 1024), (2048,), (1024,)]  # dims divide every world here
+    # dims divide every world here, into pieces of whole 16-byte units in bf16 (the layout's
+    # alignment), so every world takes the same fused plans (planning/fused.py)
+    shapes = [(1024, 512), (512, 1024), (4096,), (8192,)]
     bucket = make_bucket(world, placement, shapes, mp=mp)
     grads = [torch.ones(s.shape) for s in bucket.slots]
     step(bucket, grads)

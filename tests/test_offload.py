@@ -288,8 +288,8 @@ def test_staging_runs_on_copy_in_before_the_gather(mp):
     log = ctx.log
     copies = [i for i, x in enumerate(log) if x[:2] == ("op", "copy_in")]
     gather = next(i for i, x in enumerate(log) if x == ("comm", "gather", "all_gather"))
-    # the H2D copy of the whole storage, then (bf16) one cast per param
-    assert len(copies) == (1 if mp is None else 1 + len(bucket.slots))
+    # the H2D copy of the whole storage, then (bf16) one cast of every param (foreach)
+    assert [log[i][2] for i in copies] == ["copy_"] + ([] if mp is None else ["_foreach_copy_"])
     assert all(_waits_before(log, i, "copy_in", "compute") for i in copies)
     assert copies[-1] < gather and _waits_before(log, gather, "gather", "copy_in")
     assert not any(x[0] == "host_wait" for x in log)  # a gather never blocks the host
@@ -305,9 +305,9 @@ def test_grads_come_back_on_the_reduce_stream_and_the_host_waits_only_when_asked
     log = ctx.log
     scatter = next(i for i, x in enumerate(log) if x == ("comm", "reduce", "reduce_scatter"))
     finish = max(i for i, x in enumerate(log) if x[:2] == ("wait", "reduce"))  # finish_reduce's
-    d2h = [i for i, x in enumerate(log) if x == ("op", "reduce", "copy_") and i > finish]
+    d2h = [i for i, x in enumerate(log) if x == ("op", "reduce", "_foreach_copy_") and i > finish]
     assert scatter < finish
-    assert len(d2h) == len(bucket.slots)  # one copy back per sharded grad
+    assert len(d2h) == 1  # every sharded grad copied back in one op
     last = max(i for i, x in enumerate(log) if x[0] == "record" and x[1] == "reduce")
     assert d2h[-1] < last and bucket.offload.grads_copied == log[last][2]
     assert ("wait", "compute", log[last][2]) in log[last:]

@@ -27,6 +27,9 @@ class LayoutPlans(NamedTuple):
     copy_in_bytes: int
     same_bytes: bool  # the layout is the storage's (no cast): a copy-in, where one runs
     #                   (offload, a storage short of the segment), copies the buffer whole
+    copy_in: object = None  # planning/fused.py CopyInPlan: the one foreach copy (cast)
+    copy_out: tuple = ()  # planning/fused.py SplitCopyOut: [0] when views are handed
+    #                       out (the params that are no view), [1] when every param is copied
 
 
 def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:

@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..placements.wire import Cast
 from .layout import BucketLayout, SlotPlan
 
 
@@ -43,12 +44,13 @@ class TypedSplit(NamedTuple):
 
 def plan_split(nbytes: int, pieces: Sequence[tuple]) -> TypedSplit:
     """A split of a range of `nbytes` bytes into `pieces`, each (byte start,
-    dtype, numel); non-empty, non-overlapping, aligned to their itemsize."""
+    dtype, numel); non-overlapping, aligned to their itemsize. An empty piece
+    is an empty chunk at the end."""
     groups = []
     for dtype in dict.fromkeys(p[1] for p in pieces):
         size = dtype.itemsize
         mine = sorted((start // size, numel, k) for k, (start, d, numel) in enumerate(pieces)
-                      if d == dtype)
+                      if d == dtype and numel)
         sizes, picks, at = [], [], 0
         for start, numel, k in mine:
             if start > at:
@@ -58,6 +60,10 @@ def plan_split(nbytes: int, pieces: Sequence[tuple]) -> TypedSplit:
             at = start + numel
         if nbytes // size > at:
             sizes.append(nbytes // size - at)
+        for k, (_, d, numel) in enumerate(pieces):
+            if d == dtype and not numel:
+                picks.append((len(sizes), k))
+                sizes.append(0)
         groups.append((dtype, tuple(sizes), tuple(picks)))
     return TypedSplit(tuple(groups), len(pieces), nbytes)
 
@@ -72,12 +78,14 @@ def split_views(buffer: torch.Tensor, split: TypedSplit) -> list:
     return out
 
 
-def segment_split(layout: BucketLayout, rank: int, regions: Sequence[int]) -> TypedSplit:
-    """`rank`'s non-empty pieces of `regions` in its segment of `layout`."""
+def segment_split(layout: BucketLayout, rank: int, regions: Sequence[int],
+                  nbytes: Optional[int] = None) -> TypedSplit:
+    """`rank`'s pieces of `regions` in its segment of `layout` (or in its first
+    `nbytes` bytes, which hold them: a storage buffer short of the segment)."""
     pieces = [(layout.regions[j].offsets[rank], layout.regions[j].dtype,
                layout.regions[j].nbytes[rank] // layout.regions[j].dtype.itemsize)
               for j in regions]
-    return plan_split(layout.segment_bytes, pieces)
+    return plan_split(layout.segment_bytes if nbytes is None else nbytes, pieces)
 
 
 def span_split(layout: BucketLayout, regions: Sequence[int]) -> Optional[TypedSplit]:
@@ -208,3 +216,25 @@ def plan_chunk_cat(layout: BucketLayout, slots: Sequence[SlotPlan]) -> Optional[
     if col * size > layout.segment_bytes:
         return None
     return ChunkCatPack(col, layout.segment_bytes // size)
+
+
+# All-gather copy-in.
+
+
+class CopyInPlan(NamedTuple):
+    """The copy-in of one rank: one foreach copy (cast) of the `cast` slots'
+    pieces from the storage into the gather input (other wire formats encode
+    their pieces themselves: wire_plan.py)."""
+
+    cast: tuple  # slots sent as they are (placements/wire.py Cast), non-empty here
+    dst: TypedSplit  # their pieces in this rank's segment of the gather layout
+    src: TypedSplit  # their pieces in the storage buffer (or its staged copy)
+
+
+def plan_copy_in(storage: BucketLayout, storage_bytes: int, gather: BucketLayout, wire,
+                 rank: int) -> CopyInPlan:
+    """The copy-in of `rank` from its storage (of `storage_bytes`) into the gather input."""
+    cast = tuple(i for i, f in enumerate(wire.formats)
+                 if isinstance(f, Cast) and storage.regions[i].nbytes[rank])
+    return CopyInPlan(cast, segment_split(gather, rank, [wire.first[i] for i in cast]),
+                      segment_split(storage, rank, cast, storage_bytes))

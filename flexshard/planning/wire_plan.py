@@ -68,6 +68,7 @@ class ParamWire:
     def __init__(self, layout, wire: WirePlan, slot: int, rank: int) -> None:
         self.format = wire.formats[slot]
         regions = wire.regions(slot)
+        self.region = regions[0]  # its first part's region in the layout
         self.copies = tuple(CopyPlan(layout, wire.slots[j], j) for j in regions)
         # (offset, dtype, shape) of this rank's piece of each part in its segment
         self._sends = tuple((layout.regions[j].offsets[rank], layout.regions[j].dtype,
@@ -145,18 +146,29 @@ class BucketWires:
     def __getitem__(self, i: int) -> ParamWire:
         return self.params[i]
 
-    def encode(self, send: torch.Tensor, pieces: Sequence[torch.Tensor], mesh=None) -> None:
-        """Write this rank's sharded `pieces` (one per param) into `send`."""
+    def encode(self, send: torch.Tensor, pieces: Sequence[torch.Tensor], mesh=None,
+               casts: bool = True) -> None:
+        """Write this rank's sharded `pieces` (one per param) into `send`; not the
+        Cast params' unless `casts` (the bucket copies those in one foreach copy:
+        planning/fused.py)."""
         for i in self.alone:
-            self.params[i].encode(send, pieces[i], mesh)
+            if casts or not self.params[i].cast:
+                self.params[i].encode(send, pieces[i], mesh)
         for batch in self.batches:
             batch.encode(self.params, send, pieces, mesh)
 
-    def decode(self, gathered: torch.Tensor, view_ok: bool = True) -> list:
-        """(unsharded param, bytes copied out) per param, in order."""
+    @property
+    def encodes(self) -> bool:
+        """Whether a param's format encodes itself (not a Cast)."""
+        return bool(self.batches) or any(not self.params[i].cast for i in self.alone)
+
+    def decode(self, gathered: torch.Tensor, view_ok: bool = True,
+               done: Optional[dict] = None) -> list:
+        """(unsharded param, bytes copied out) per param, in order; those in
+        `done` (param -> its pair, copied out by the bucket) as given."""
         out: list = [None] * len(self.params)
         for i in self.alone:
-            out[i] = self.params[i].decode(gathered, view_ok)
+            out[i] = done[i] if done and i in done else self.params[i].decode(gathered, view_ok)
         for batch in self.batches:
             for i, done in zip(batch.members, batch.decode(self.params, gathered)):
                 out[i] = done

@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 from torch.profiler import record_function
 
-from ..compat import tensor_version
+from ..compat import foreach_copy_, tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
+from ..planning.fused import copy_out_columns, plan_copy_in, plan_copy_out, split_views
 from ..planning.wire_plan import cast_wire, plan_param_wires
 from .comm import Comm
 from .counters import BucketCounters
@@ -70,8 +71,19 @@ class BucketGather:
         is_storage = same and not self.storage.short
         copy_in = (0 if is_storage else self.storage.buffer.numel() if same
                    else sum(reg.nbytes[self.rank] for reg in layout.regions))
+        fused_in = plan_copy_in(self.storage.layout, self.storage.buffer.numel(), layout, wire,
+                                self.rank)
         return LayoutPlans(layout.keeps_views, layout.pins_padding, wires,
-                           any(w.format.needs_mesh for w in wires), is_storage, copy_in, same)
+                           any(w.format.needs_mesh for w in wires), is_storage, copy_in, same,
+                           fused_in, self._copy_out_plans(layout, wires))
+
+    @staticmethod
+    def _copy_out_plans(layout: BucketLayout, wires) -> tuple:
+        """The fused copy-outs (planning/fused.py) of the cast params that are no
+        view, and of every cast param; keyed by their region in the layout."""
+        cast = [w for w in wires if w.cast]
+        return (plan_copy_out(layout, [w.region for w in cast if w.copies[0].span is None]),
+                plan_copy_out(layout, [w.region for w in cast]))
 
     def shard_mesh(self, device: torch.device):
         """The shard group as a 1-D DeviceMesh (a tensor subclass's gather
@@ -135,13 +147,27 @@ class BucketGather:
         # output's padding as long: its params are copied out when padding is heavy.
         kept = self.reshard_after_forward is False
         view_ok = plans.keeps_views and not (plans.pins_padding and kept)
-        outs = []
         with hidden_from_checkpoint(), record_function("FlexShard::all_gather_copy_out"):
             # hidden: recomputed anyway, skip the per-op Python dispatch
-            # copy-out (decode) on the compute stream
-            for full, copied in plans.wires.decode(pending.gathered, view_ok):
-                self.counters.copy_out_bytes += copied
-                outs.append(full)
+            return self._copy_out(pending.gathered, plans, view_ok)
+
+    def _copy_out(self, gathered: torch.Tensor, plans: LayoutPlans, view_ok: bool) -> list:
+        """The unsharded params from the gather output, on the compute stream: views
+        where `view_ok` and the layout allow, one split-copy per run of uniform
+        columns (planning/fused.py), the wire formats' decode for the rest."""
+        fused = plans.copy_out[0 if view_ok else 1]
+        done = {}
+        if fused.runs:
+            columns = copy_out_columns(gathered, fused, self.world_size)
+            for i, wire in enumerate(plans.wires):
+                column = columns.get(wire.region) if wire.cast else None
+                if column is not None:
+                    done[i] = (column.view(wire.copies[0].shape),
+                               column.numel() * column.element_size())
+        outs = []
+        for full, copied in plans.wires.decode(gathered, view_ok, done):
+            self.counters.copy_out_bytes += copied
+            outs.append(full)
         return outs
 
     def gather_pieces(self, pieces: list, device: torch.device) -> list:
@@ -250,20 +276,30 @@ class BucketGather:
         return send, gathered
 
     def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:
-        """This rank's pieces, cast to the layout's dtypes: one copy per param;
-        without a cast, one copy of the storage buffer (shorter than `send`).
-        An offloaded storage is first staged to the compute device (H2D): into
-        `send` itself when no cast follows, else into a temporary of this stream."""
-        views, used = self.storage.views, self.storage.buffer.numel()
+        """This rank's pieces, cast to the layout's dtypes: one foreach copy of
+        the pieces sent as they are (planning/fused.py), an encode per param of
+        other wire formats; without a cast, one copy of the storage buffer
+        (shorter than `send`). An offloaded storage is first staged to the
+        compute device (H2D): into `send` itself when no cast follows, else
+        into a temporary of this stream."""
+        fused, staged = plans.copy_in, None
         if self.offload is not None:
-            into = send[:used] if plans.same_bytes else None
+            into = send[:self.storage.buffer.numel()] if plans.same_bytes else None
             staged = self.offload.stage(self.storage.buffer, into)
             self.counters.h2d_bytes += staged.numel()
             if plans.same_bytes:
                 return
-            views = segment_views(staged, self.storage.layout, self.slots, self.rank)
-        if plans.same_bytes:  # a storage shorter than the segment: one copy, padded
-            send[:used].copy_(self.storage.buffer[:used])
+        elif plans.same_bytes:  # a storage shorter than the segment: one copy, padded
+            used = self.storage.buffer.numel()
+            send[:used].copy_(self.storage.buffer)
             return
-        mesh = self.shard_mesh(send.device) if plans.needs_mesh else None
-        plans.wires.encode(send, views, mesh)  # batched where formats batch (wire_plan.py)
+        if fused.cast:
+            flat = self.storage.flat
+            srcs = ([flat[i] for i in fused.cast] if staged is None
+                    else split_views(staged, fused.src))
+            foreach_copy_(split_views(send, fused.dst), srcs)
+        if plans.wires.encodes:  # the other formats, batched where they batch (wire_plan.py)
+            views = (self.storage.views if staged is None
+                     else segment_views(staged, self.storage.layout, self.slots, self.rank))
+            mesh = self.shard_mesh(send.device) if plans.needs_mesh else None
+            plans.wires.encode(send, views, mesh, casts=False)

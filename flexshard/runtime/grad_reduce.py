@@ -46,12 +46,11 @@ from torch.profiler import record_function
 from ..compat import chunk_cat, current_graph_task_id, foreach_copy_, in_backward, queue_callback
 from .comm import Comm
 from ..planning.copyplan import plan_copies
-from ..planning.fused import plan_chunk_cat, span_split, split_views
+from ..planning.fused import plan_chunk_cat, segment_split, span_split, split_views
 from .counters import BucketCounters
 from .device import HostContext, on_stream
 from .inflight import PendingReduce, ReduceOp
 from ..planning.layout import BucketLayout, SlotPlan
-from .storage import typed_view
 
 # Up to this many unwritten ranges of a reduce input are zeroed one by one each
 # step (Owned's segment tails: one per rank); more, and one memset of the
@@ -86,13 +85,19 @@ class GradReduce:
         # output (as the storage holds the params: see _grad_targets), else None
         grad_bytes = layout.storage_bytes(rank)
         self._grad_bytes = grad_bytes if grad_bytes < layout.segment_bytes else None
+        pieces = range(len(grad_slots))
+        self._out_split = segment_split(layout, rank, pieces)  # the sharded grads' views
+        self._own_split = None if self._grad_bytes is None else \
+            segment_split(layout, rank, pieces, self._grad_bytes)
         grad_plans = [slots[i] for i in grad_slots]
         self._copies = plan_copies(layout, grad_plans)
         # The pack as one op when the layout allows (planning/fused.py): a chunk-cat
         # (dim-0 chunks back to back), else one foreach copy (every grad one span).
         self._chunk_cat = plan_chunk_cat(layout, grad_plans)
-        self._spans = None if self._chunk_cat is not None else \
-            span_split(layout, range(len(grad_slots)))
+        # the grads that are one span each (one foreach copy), the rest one by one
+        self._spanned = tuple(j for j, p in enumerate(self._copies) if p.kind == "view")
+        self._spans = span_split(layout, self._spanned)
+        self._single = tuple(j for j, p in enumerate(self._copies) if p.kind != "view")
 
     def move(self, fn) -> None:
         """nn.Module._apply's `fn` (to_empty, .to): the unreduced and partial sums follow."""
@@ -125,7 +130,7 @@ class GradReduce:
             else:
                 for start, stop in gaps or ():
                     send[start:stop].zero_()
-                self._pack(send, present, complete)
+                self._pack(send, present)
             if not sync:
                 self._accumulate_pending(send)
             else:
@@ -148,18 +153,23 @@ class GradReduce:
         chunk_cat(grads, 0, self.world_size, out=rows)
         self.counters.copy_in_bytes += sum(g.numel() for g in grads) * rows.element_size()
 
-    def _pack(self, send: torch.Tensor, grads: list, complete: bool) -> None:
+    def _pack(self, send: torch.Tensor, grads: list) -> None:
         """Every unsharded grad into its rank pieces of the reduce input: one foreach
-        copy when each is one span of it (Owned, chained pieces), else a few ops per
-        param whatever the world size (see copyplan.py)."""
-        if complete and self._spans is not None:
-            foreach_copy_(split_views(send, self._spans), [g.reshape(-1) for g in grads])
-            self.counters.copy_in_bytes += sum(p.numel * p.dtype.itemsize for p in self._copies)
-            return
-        for plan, grad in zip(self._copies, grads):
-            if grad is not None:
-                plan.pack(send, grad)
-                self.counters.copy_in_bytes += plan.numel * plan.dtype.itemsize
+        copy of those that are one span of it (Owned, chained pieces), a few ops per
+        other param whatever the world size (see copyplan.py)."""
+        spanned = [(j, grads[j]) for j in self._spanned if grads[j] is not None]
+        if len(spanned) == len(self._spanned) and spanned:
+            foreach_copy_([v for v, _ in zip(split_views(send, self._spans), spanned)],
+                          [g.reshape(-1) for _, g in spanned])
+        else:
+            self._single_copies(send, spanned)
+        self._single_copies(send, [(j, grads[j]) for j in self._single if grads[j] is not None])
+        self.counters.copy_in_bytes += sum(self._copies[j].numel * self._copies[j].dtype.itemsize
+                                           for j, g in enumerate(grads) if g is not None)
+
+    def _single_copies(self, send: torch.Tensor, grads: list) -> None:
+        for j, grad in grads:
+            self._copies[j].pack(send, grad)
 
     def _accumulate_pending(self, send: torch.Tensor) -> None:
         if self.pending_grads is None:
@@ -237,9 +247,10 @@ class GradReduce:
                 self._all_reduce(pending.output)
             if pending.post_divide is not None and not deferred:
                 self.typed(pending.output).div_(pending.post_divide)
-            for view, target in targets:
-                if target is not view:  # a cast, or offload's D2H (async into pinned memory)
-                    target.copy_(view, non_blocking=self.offload is not None)
+            copies = [(t, v) for v, t in targets if t is not v]  # casts, offload's D2H
+            if copies:  # one op (async into pinned memory when offloaded)
+                foreach_copy_([t for t, _ in copies], [v for _, v in copies],
+                              non_blocking=self.offload is not None)
             done = ctx.record(ctx.reduce)
         ctx.wait(done)  # now `pending` (its input, the grads) may die: see PendingReduce.held
         if self.offload is not None and not deferred:  # the host reads the grads after host_wait()
@@ -276,25 +287,26 @@ class GradReduce:
         (allocated here, on the compute stream); offloaded: a host tensor. Where
         over 1/16 of this rank's reduce segment is padding (an Owned bucket's light
         rank) the grads are views of one buffer of their own bytes instead, so they
-        do not pin the padding until the optimizer is done with them."""
+        do not pin the padding until the optimizer is done with them. The views
+        come from one split of each buffer (planning/fused.py)."""
         targets, offload = [], self.offload
-        own = None if self._grad_bytes is None or offload is not None else torch.empty(
-            self._grad_bytes, dtype=torch.uint8, device=out.device)
+        views = split_views(out, self._out_split)
+        owned = None if self._grad_bytes is None or offload is not None else split_views(
+            torch.empty(self._grad_bytes, dtype=torch.uint8, device=out.device), self._own_split)
         for j, i in enumerate(self.grad_slots):
-            reg, slot = self.layout.regions[j], self.slots[i]
+            slot = self.slots[i]
             shape = slot.local_shapes[self.rank]
             if math.prod(shape) == 0:  # a view would pin the whole reduce output
                 empty = torch.zeros(shape, dtype=slot.dtype, device=storage_device)
                 targets.append((empty, empty))
                 continue
-            view = typed_view(out, reg.offsets[self.rank], reg.dtype, shape)
+            view = views[j].view(shape)
             if offload is not None:
                 targets.append((view, offload.host_empty(shape, slot.dtype)))
-            elif reg.dtype != slot.dtype:
+            elif view.dtype != slot.dtype:
                 targets.append((view, torch.empty(shape, dtype=slot.dtype, device=out.device)))
             else:
-                targets.append((view, view if own is None else
-                                typed_view(own, reg.offsets[self.rank], reg.dtype, shape)))
+                targets.append((view, view if owned is None else owned[j].view(shape)))
         return targets
 
     def typed(self, buf: torch.Tensor) -> torch.Tensor:

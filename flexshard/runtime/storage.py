@@ -31,6 +31,7 @@ class BucketStorage:
         self.slots = slots
         self.buffer = torch.zeros(layout.storage_bytes(rank), dtype=torch.uint8, device=device)
         self.views = segment_views(self.buffer, layout, slots, rank)
+        self.flat = [v.view(-1) for v in self.views]  # the copy-in's sources
 
     def replace_buffer(self, buffer: torch.Tensor) -> None:
         """Hold `buffer` (same size, e.g. on another device) and view it afresh."""
@@ -39,6 +40,7 @@ class BucketStorage:
                                  f"{tuple(self.buffer.shape)}, got {buffer.dtype} {tuple(buffer.shape)}")
         self.buffer = buffer
         self.views = segment_views(buffer, self.layout, self.slots, self.rank)
+        self.flat = [v.view(-1) for v in self.views]
 
     @property
     def short(self) -> bool:
