@@ -1,0 +1,136 @@
+"""A bucket's copies are one fused op per bucket and direction where the layout
+allows (planning/fused.py), counted on the user's path: flex_shard, a forward and
+a backward at 4 ranks, bf16 params and fp32 reduce, every copy-family op
+dispatched inside each copy label (FlexShard::all_gather_copy_in, ...) counted
+per occurrence. Counts, not timings: on a GPU each op is a kernel launch."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flexshard as fs
+from harness import run_world
+
+pytestmark = pytest.mark.world
+
+WORLD = 4
+COPIES = {"copy_", "_to_copy", "clone", "_foreach_copy_", "split_with_sizes_copy", "_chunk_cat",
+          "cat", "index", "index_copy_", "index_select", "index_put_", "stack"}
+LABELS = {"FlexShard::all_gather_copy_in": "in", "FlexShard::all_gather_copy_out": "out",
+          "FlexShard::reduce_scatter_copy_in": "pack"}
+
+
+class CopyCount(TorchDispatchMode):
+    """Copy-family ops dispatched inside each copy label, one list entry per
+    occurrence of the label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: list = []
+        self.counts = collections.defaultdict(list)  # direction -> [ops per occurrence]
+        self.names = collections.defaultdict(collections.Counter)  # direction -> op names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "profiler":
+            if name == "_record_function_enter_new":
+                self.labels.append(LABELS.get(args[0]))
+                if self.labels[-1] is not None:
+                    self.counts[self.labels[-1]].append(0)
+            elif name == "_record_function_exit" and self.labels:
+                self.labels.pop()
+        elif name in COPIES and self.labels and self.labels[-1] is not None:
+            self.counts[self.labels[-1]][-1] += 1
+            self.names[self.labels[-1]][name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+PLACEMENTS = {
+    "shard0": lambda fqn, p: fs.Shard(0),
+    "ragged": lambda fqn, p: fs.RaggedShard(),
+    "owned": lambda fqn, p: fs.Owned(),
+    "shard1": lambda fqn, p: fs.Shard(1) if p.dim() == 2 else fs.Shard(0),
+    "mixed_even": lambda fqn, p: fs.RaggedShard() if p.dim() == 1 else fs.Shard(0),
+    "mixed_owned": lambda fqn, p: fs.Owned() if p.dim() == 1 else fs.Shard(0),
+}
+
+
+def _counted_steps() -> dict:
+    """{(kind, cast): counts} of every case, on every rank (one world call)."""
+    return {(kind, cast): _counted_step(kind, cast)
+            for kind in PLACEMENTS for cast in (True, False) if cast or kind == "shard0"}
+
+
+def _counted_step(kind: str, cast: bool) -> dict:
+    """The copy counts of one forward + backward (after a warm-up one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cast else fs.MixedPrecisionPolicy()
+    fs.flex_shard(model, buckets=[fs.BucketSpec("0.*"), fs.BucketSpec("2.*")],
+                  placement=PLACEMENTS[kind], mp_policy=mp)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).float().sum().backward()
+    with CopyCount() as mode:
+        model(x).float().sum().backward()
+    return {"counts": dict(mode.counts), "names": {k: dict(v) for k, v in mode.names.items()}}
+
+
+# (copy-in, copy-out, reduce-scatter copy-in) ops per bucket and occurrence
+FUSED = {
+    "shard0": (1, 1, 1),  # _foreach_copy_, split_with_sizes_copy, _chunk_cat
+    "ragged": (1, 1, 1),  # balanced units over rows the world divides: as Shard(0)
+    "owned": (1, 0, 1),  # the params are views of the gathered buffer; one foreach pack
+    "mixed_even": (1, 1, 1),  # Shard(0) and even RaggedShard columns side by side
+    # the Owned bias is copied out too (the Shard(0) weight's copy makes views not
+    # worth their pinned buffer: BucketLayout.keeps_views), and its grad packed by a
+    # foreach beside the weight's one strided copy
+    "mixed_owned": (1, 2, 2),
+    # Shard(1)'s pieces are columns of the full weight: one index op per weight out,
+    # a cast and an index_copy_ per weight in; the bias (Shard(0)) is one split
+    "shard1": (1, 2, 3),
+}
+
+
+@pytest.fixture(scope="module")
+def counted() -> list:
+    return run_world(WORLD, _counted_steps, timeout=300.0)
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED))
+def test_one_fused_copy_per_bucket_and_direction(counted, kind):
+    """At most the planned ops per occurrence on every rank (a rank that holds none
+    of a bucket's pieces, Owned, copies none in), and exactly that many on some."""
+    want = dict(zip(("in", "out", "pack"), FUSED[kind]))
+    seen = collections.defaultdict(set)
+    for by_case in counted:
+        counts = by_case[(kind, True)]["counts"]
+        # each gather (forward, backward's regather) and each reduction: 2 buckets
+        assert len(counts["in"]) >= 2 and len(counts["out"]) == len(counts["in"]), counts
+        assert len(counts["pack"]) == 2, counts
+        for direction, n in want.items():
+            assert max(counts[direction]) <= n, (direction, by_case[(kind, True)])
+            seen[direction] |= set(counts[direction])
+    assert all(n in seen[direction] for direction, n in want.items()), seen
+
+
+def test_shard0_copies_are_the_fused_ops(counted):
+    result = counted[0][("shard0", True)]
+    gathers = len(result["counts"]["in"])
+    assert result["names"] == {"in": {"_foreach_copy_": gathers},
+                               "out": {"split_with_sizes_copy": gathers},
+                               "pack": {"_chunk_cat": 2}}
+
+
+def test_without_a_cast_the_storage_is_the_gather_input(counted):
+    """fp32 params gathered as fp32: no copy-in at all (no label, no op)."""
+    for by_case in counted:
+        counts = by_case[("shard0", False)]["counts"]
+        assert "in" not in counts, counts
+        assert set(counts["out"]) == {1} and counts["pack"] == [1] * 2
