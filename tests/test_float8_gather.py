@@ -52,7 +52,7 @@ def data(step: int, rank: int) -> tuple:
     return torch.randn(16, 64, generator=g), torch.randn(16, 32, generator=g)
 
 
-def _wrap(kind: str, model: nn.Module, param_dtype) -> nn.Module:
+def _wrap(kind: str, model: nn.Module, param_dtype, offload: bool = False) -> nn.Module:
     if kind == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -63,14 +63,15 @@ def _wrap(kind: str, model: nn.Module, param_dtype) -> nn.Module:
     buckets = [fs.BucketSpec("layers.0.*"), fs.BucketSpec("layers.1.*"),
                fs.BucketSpec(["norm.*", "head.*"], name="root")]
     return fs.flex_shard(model, buckets=buckets,
-                         mp_policy=fs.MixedPrecisionPolicy(param_dtype=param_dtype))
+                         mp_policy=fs.MixedPrecisionPolicy(param_dtype=param_dtype),
+                         offload_policy=fs.OffloadPolicy() if offload else None)
 
 
 def _gathered_bytes(meter) -> int:
     return sum(n for kind, n in meter.events if "gather" in kind or "broadcast" in kind)
 
 
-def _train(kind: str, param_dtype, fp8_gather: bool = True) -> tuple:
+def _train(kind: str, param_dtype, fp8_gather: bool = True, offload: bool = False) -> tuple:
     """Rank body: SGD steps; (losses, full first-step grads, full params, gathered bytes per step)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict)
@@ -78,7 +79,7 @@ def _train(kind: str, param_dtype, fp8_gather: bool = True) -> tuple:
     from benchmarks.meters import TrafficMeter
 
     rank = dist.get_rank()
-    model = _wrap(kind, float8_model(fp8_gather), param_dtype)
+    model = _wrap(kind, float8_model(fp8_gather), param_dtype, offload)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads, gathered = [], None, []
     full = StateDictOptions(full_state_dict=True)
@@ -125,13 +126,17 @@ def _grads(model) -> dict:
     return out
 
 
-def _both(param_dtype) -> dict:
-    return {kind: _train(kind, param_dtype) for kind in ("fsdp2", "flexshard")}
+def _both(param_dtype, offload: bool = False) -> dict:
+    return {kind: _train(kind, param_dtype, offload=offload and kind == "flexshard")
+            for kind in ("fsdp2", "flexshard")}
 
 
-@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matches_fsdp2_with_torchao_and_gathers_as_many_bytes(param_dtype):
-    results = run_world(2, _both, param_dtype)[0]
+@pytest.mark.parametrize("param_dtype,offload", [(None, False), (torch.bfloat16, False),
+                                                 (None, True)],
+                         ids=["fp32", "bf16", "fp32-offload"])
+def test_matches_fsdp2_with_torchao_and_gathers_as_many_bytes(param_dtype, offload):
+    # offloaded, each gather casts the shards' staged copy (FSDP2 runs without offload)
+    results = run_world(2, _both, param_dtype, offload)[0]
     ref, got = results["fsdp2"], results["flexshard"]
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-6, atol=1e-6)
     for k, g in ref[1].items():

@@ -136,11 +136,13 @@ def quantized_reference(world: int, policy) -> tuple:
 
 
 @pytest.mark.parametrize("world,placement", [(2, None), (3, fs.RaggedShard()),
-                                             (2, "owned_matrices")])
+                                             (2, "owned_matrices"), (2, "offload")])
 def test_training_matches_one_process_quantizing_its_weights(world, placement):
     config = {"mp_policy": fs.MixedPrecisionPolicy(gather_format=POLICY)}
     if placement == "owned_matrices":
         config["placement"] = owned_matrices
+    elif placement == "offload":  # the batch quantizes the staged copy of the shards
+        config["offload_policy"] = fs.OffloadPolicy()
     elif placement is not None:
         config["placement"] = placement
     results = run_world(world, train_sharded, STEPS, config)
