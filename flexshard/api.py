@@ -26,6 +26,7 @@ from .planning.tensor_parallel import (check_dtensor_params, restore_params, slo
                                        to_local_params)
 from .runtime.bucket import Bucket, BucketState
 from .runtime.comm import Comm
+from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
 from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
 from .runtime.device import DeviceContexts
@@ -388,8 +389,9 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     # when a backward ends, the new sharded grads take full norms (sharded_grad.py)
     reduce_queue.listeners.append(functools.partial(_wrap_grads, state.buckets))
     saved = SavedParams(state.prefetcher, reduce_queue, state.buckets)
+    eager_compiled = EagerCompiledBlocks()  # one warning per model
     for runner, buckets in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, saved))
+        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, saved, eager_compiled))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
 

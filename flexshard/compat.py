@@ -219,6 +219,18 @@ def inductor_cpp_compilers() -> tuple:
     return tuple(cxx) if isinstance(cxx, (list, tuple)) else (cxx,)
 
 
+# nn.Module.compile() (runtime/compiled.py): the compiled call it stores on the module
+# (None until compiled), and the autograd node a compiled graph's forward records
+# (AOTAutograd's CompiledFunction), to tell a compiled run from an eager one.
+COMPILED_CALL_IMPL = "_compiled_call_impl"
+COMPILED_GRAPH_NODE = "CompiledFunctionBackward"
+
+
+def module_compiled(module) -> bool:
+    """Whether `module.compile()` was called on `module`."""
+    return getattr(module, COMPILED_CALL_IMPL, None) is not None
+
+
 # The in-graph gather (experimental/ingraph.py, experimental): an all-gather that dynamo
 # traces into the graph (the _c10d_functional ops) and whose backward is a
 # reduce-scatter summing over the group. torch 2.13 renamed all_gather_tensor_autograd

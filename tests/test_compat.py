@@ -411,3 +411,17 @@ def test_foreach_copy_casts_pairs():
     dst = [torch.empty(3, dtype=torch.bfloat16), torch.empty(2, dtype=torch.bfloat16)]
     compat.foreach_copy_(dst, [torch.arange(3.), torch.arange(2.)])
     assert [d.tolist() for d in dst] == [[0., 1., 2.], [0., 1.]]
+
+
+def test_module_compile_and_the_compiled_graphs_autograd_node():
+    """runtime/compiled.py tells a compiled forward from an eager one by these."""
+    module = nn.Linear(2, 2)
+    assert not compat.module_compiled(module)
+    module.compile(backend="aot_eager")
+    assert compat.module_compiled(module)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: t.sin() * 2, backend="aot_eager")
+    out = compiled(torch.randn(3, requires_grad=True))
+    assert out.grad_fn.name() == compat.COMPILED_GRAPH_NODE
+    eager = torch.randn(3, requires_grad=True).sin() * 2
+    assert eager.grad_fn.name() != compat.COMPILED_GRAPH_NODE

@@ -8,6 +8,7 @@ reuse the compiled code), and inductor's on-disk cache serves the rest.
 
 from __future__ import annotations
 
+import warnings
 from unittest import mock
 
 import pytest
@@ -17,6 +18,7 @@ from torch._dynamo.utils import counters
 
 import flexshard as fs
 from flexshard.runtime.state import get_state
+from compile_check import compiled_graph_calls
 from harness import run_world
 from models import batch, loss_fn
 from reference import assemble_grads, assert_rel_close, make_model, sharded_grads
@@ -61,12 +63,13 @@ def _count_gathers(model) -> list:
 def _train_steps(model, step_fn, rank: int, grads_of) -> tuple:
     """STEPS AdamW steps of `model` through `step_fn`: (losses, dynamo counts after each
     step, `grads_of()` after step 0's backward: this rank's sharded grads, which AdamW's
-    steps are blind to the scale of)."""
+    steps are blind to the scale of; compiled graphs each step ran)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, seen, grads = [], {}, None
+    losses, seen, grads, graph_calls = [], {}, None, []
     for step in range(STEPS):
         x, y = batch(step, rank)
         loss = loss_fn(step_fn(x), y)
+        graph_calls.append(compiled_graph_calls(loss))
         loss.backward()
         if step == 0:
             grads = grads_of()
@@ -74,7 +77,7 @@ def _train_steps(model, step_fn, rank: int, grads_of) -> tuple:
         opt.zero_grad()
         losses.append(loss.item())
         seen[step + 1] = _snapshot()
-    return losses, seen, grads
+    return losses, seen, grads, graph_calls
 
 
 def train(config: dict, compiled: str = "", order: str = "after", bf16: bool = False) -> dict:
@@ -93,11 +96,14 @@ def train(config: dict, compiled: str = "", order: str = "after", bf16: bool = F
         _compile_blocks(model, compiled)
     step_fn = torch.compile(model) if compiled == "whole" else model
     gathers = _count_gathers(model)
-    losses, seen, grads = _train_steps(model, step_fn, rank, lambda: {
-        k.replace("._orig_mod", ""): p.grad.clone() for k, p in model.named_parameters()})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        losses, seen, grads, graph_calls = _train_steps(model, step_fn, rank, lambda: {
+            k.replace("._orig_mod", ""): p.grad.clone() for k, p in model.named_parameters()})
     full = {k.replace("._orig_mod", ""): v for k, v in fs.full_state_dict(model).items()}
     return {"losses": losses, "full": full, "grads": grads, "gathers": gathers[0],
-            "counters": seen}
+            "counters": seen, "graph_calls": graph_calls,
+            "said": [str(w.message) for w in said if "flexshard" in str(w.message)]}
 
 
 def compiled_and_eager(config: dict, compiled: str, order: str = "after",
@@ -117,6 +123,10 @@ def check_matches_eager(world: int, config: dict, compiled: str = "module",
     # params are compared in fp32 only.
     rel = 1e-5 if not bf16 else 2 ** -6
     for eager, comp in results:  # each rank's own batches, loss and sharded grads
+        # Each step ran both blocks' compiled graphs (a block dynamo skipped would run
+        # eagerly and still match), and flexshard said nothing of an eager block.
+        assert comp["graph_calls"] == [2] * STEPS and eager["graph_calls"] == [0] * STEPS
+        assert comp["counters"][1]["graphs"] >= 1 and not comp["said"], comp["said"]
         # The same gathers (forward and backward regathers): reshard works under compile.
         assert comp["gathers"] == eager["gathers"]
         torch.testing.assert_close(torch.tensor(comp["losses"]), torch.tensor(eager["losses"]),
@@ -163,16 +173,45 @@ def no_recompiles() -> dict:
     """Rank body: a fresh dynamo, per-block compile after flex_shard at reshard."""
     torch._dynamo.reset()
     counters.clear()
-    return train({}, "module")["counters"]
+    return train({}, "module")
 
 
 def test_nothing_recompiles_after_the_first_step():
-    seen = run_world(2, no_recompiles, timeout=300)[0]
+    out = run_world(2, no_recompiles, timeout=300)[0]
+    seen = out["counters"]
     assert seen[1]["graphs"] == 1  # both blocks share Block.forward's one graph
+    assert out["graph_calls"] == [2] * STEPS  # and every step ran it, for each block
     assert seen[2] == seen[STEPS], seen
     # nn.Module.compile starts dynamo at Block.forward: flexshard's hooks, which
     # _call_impl runs around it, are not traced, so there is no graph break at all.
     assert seen[STEPS]["breaks"] == 0 and seen[STEPS]["recompiles"] == 0
+
+
+def eager_compiled_blocks() -> tuple:
+    """Rank body: TinyGPT's blocks compiled with .compile(), two steps under dynamo's
+    "force_eager" stance (every compiled frame runs eagerly, as one dynamo skips):
+    (compiled graphs each step ran, flexshard's warnings)."""
+    model = fs.flex_shard(make_model())
+    for block in model.layers:
+        block.compile(backend="aot_eager")
+    calls = []
+    with warnings.catch_warnings(record=True) as said, torch.compiler.set_stance("force_eager"):
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step, 0)
+            loss = loss_fn(model(x), y)
+            calls.append(compiled_graph_calls(loss))
+            loss.backward()
+    return calls, [str(w.message) for w in said if "flexshard" in str(w.message)]
+
+
+def test_a_compiled_block_that_ran_eagerly_is_said_once():
+    for calls, said in run_world(2, eager_compiled_blocks, timeout=300):
+        assert calls == [0, 0]  # both blocks ran eagerly, both steps
+        assert len(said) == 1, said  # once per model, not per block or step
+        assert said[0].startswith("flexshard: the block running bucket(s) 'layers.0' was "
+                                  "compiled with .compile() but ran its forward eagerly")
+        assert "Compile it with `parent.name = torch.compile(block)`" in said[0]
 
 
 def whole_model() -> dict:
@@ -196,6 +235,7 @@ def test_whole_model_compile_breaks_at_the_hooks_and_matches_eager():
         assert_rel_close(comp["full"][k], ref, 1e-5, k)
     assert comp["counters"][2] == comp["counters"][STEPS]
     assert comp["counters"][STEPS]["graphs"] == 1
+    assert comp["graph_calls"] == [2] * STEPS  # each block's forward, every step
     reasons = comp["break_reasons"]
     # TinyGPT's forward breaks at the first block's pre-forward hook, inside its loop
     # over blocks: dynamo skips that frame (runs it eagerly) and compiles each
@@ -282,13 +322,14 @@ def gather_in_graph(reshard: bool, backend: str = "inductor") -> dict:
     model = fs.flex_shard(make_model(), reshard_after_forward=reshard)
     for block in model.layers:
         compile_gather_in_graph(model, block, backend=backend)
-    losses, seen, grads = _train_steps(model, model, rank, lambda: sharded_grads(model))
+    losses, seen, grads, graph_calls = _train_steps(model, model, rank,
+                                                    lambda: sharded_grads(model))
     # what the compiled blocks keep for backward: an unsharded weight, or the gather output?
     unsharded = {p.numel() for p in make_model().layers[0].parameters() if p.dim() == 2}
     unsharded |= {b.gather_layout.wire_bytes // 4 for b in get_state(model).buckets}
     kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
     return {"losses": losses, "full": fs.full_state_dict(model), "counters": seen,
-            "kept": kept, "grads": grads}
+            "kept": kept, "grads": grads, "graph_calls": graph_calls}
 
 
 def test_gather_in_graph_matches_the_reference_and_recomputes_the_gather():
@@ -307,6 +348,7 @@ def test_gather_in_graph_matches_the_reference_and_recomputes_the_gather():
     for out in results:
         assert out["counters"][2] == out["counters"][STEPS], out["counters"]
         assert out["counters"][STEPS]["breaks"] == 0  # the gather is traced, not run eagerly
+        assert out["graph_calls"] == [2] * STEPS  # both blocks' graphs ran every step
         assert not out["kept"], f"saved for backward: {out['kept']}"
     for k, ref in ref_params.items():
         assert_rel_close(results[0]["full"][k], ref, 1e-5, k)

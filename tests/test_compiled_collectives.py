@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import flexshard as fs
 from flexshard.collectives import HaloPlan, halo_exchange
+from compile_check import compiled_graph_calls
 from harness import run_world
 
 C = fs.collectives
@@ -49,13 +50,15 @@ def compiled_against_eager() -> dict:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(rank), requires_grad=True)
         compiled = torch.compile(lambda t: fn(t * 2.0).sin(), backend="aot_eager", fullgraph=True)
         got = compiled(x)
+        ran = compiled_graph_calls(got)  # the call ran its graph
         got.sum().backward()
         got_grad, x.grad = x.grad, None
         compiled(x)  # a second call: no recompile
         want = fn(x * 2.0).sin()
         want.sum().backward()
         out[name] = (torch.equal(got, want), torch.equal(got_grad, x.grad),
-                     sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+                     sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                     ran)
     return out
 
 
@@ -63,8 +66,9 @@ def test_every_collective_compiles_without_a_graph_break_and_matches_eager():
     # 3 ranks: uneven sizes with an empty rank (2 ranks compile the same graphs)
     for results in run_world(3, compiled_against_eager, timeout=300):
         assert len(results) == 9
-        for name, (values, grads, breaks, graphs) in results.items():
+        for name, (values, grads, breaks, graphs, ran) in results.items():
             assert values and grads, f"{name}: compiled differs from eager"
+            assert ran == 1, f"{name}: the call ran {ran} compiled graphs"
             assert breaks == 0, f"{name}: {breaks} graph break(s)"
             assert graphs == 1, f"{name}: {graphs} graphs compiled over two calls"
 
@@ -89,15 +93,16 @@ def block_under_inductor() -> tuple:
     x = torch.randn(sizes[rank], 2 * world, generator=torch.Generator().manual_seed(rank),
                     requires_grad=True)
     got = torch.compile(block, fullgraph=True)(x)
+    ran = compiled_graph_calls(got)
     got.sum().backward()
     got_grad, x.grad = x.grad, None
     want = block(x)
     want.sum().backward()
     return (torch.allclose(got, want, rtol=1e-6, atol=1e-6),
             torch.allclose(got_grad, x.grad, rtol=1e-6, atol=1e-6),
-            sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+            sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], ran)
 
 
 def test_a_block_of_collectives_compiles_with_inductor_and_matches_eager():
-    for values, grads, breaks, graphs in run_world(3, block_under_inductor, timeout=300):
-        assert values and grads and breaks == 0 and graphs == 1
+    for values, grads, breaks, graphs, ran in run_world(3, block_under_inductor, timeout=300):
+        assert values and grads and breaks == 0 and graphs == 1 and ran == 1

@@ -244,7 +244,10 @@ def test_checkpoints_hold_the_high_precision_weights(tmp_path):
 
 def _compiled_vs_eager() -> tuple:
     """Rank body: the same SGD steps with each block compiled (block.compile(), the
-    gather staying in flexshard's hooks) and eager: (losses, params) of each."""
+    gather staying in flexshard's hooks) and eager: (losses, params, compiled graphs
+    each step ran) of each."""
+    from compile_check import compiled_graph_calls
+
     out = []
     for compiled in (False, True):
         model = _wrap("flexshard", float8_model(), None)
@@ -252,21 +255,25 @@ def _compiled_vs_eager() -> tuple:
             for layer in model.layers:
                 layer.compile()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        losses = []
+        losses, graph_calls = [], []
         for step in range(2):
             x, y = data(step, torch.distributed.get_rank())
             loss = (model(x) - y).square().mean()
+            graph_calls.append(compiled_graph_calls(loss))
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        out.append((losses, fs.full_state_dict(model)))
+        out.append((losses, fs.full_state_dict(model), graph_calls,
+                    len(model.layers) if compiled else 0))
     return out
 
 
 def test_compiled_blocks_with_fp8_gathers_match_eager():
-    for (eager_losses, eager), (comp_losses, comp) in run_world(2, _compiled_vs_eager,
-                                                                timeout=300):
+    for eager_run, comp_run in run_world(2, _compiled_vs_eager, timeout=300):
+        (eager_losses, eager), (comp_losses, comp) = eager_run[:2], comp_run[:2]
+        for _, _, graph_calls, blocks in (eager_run, comp_run):  # each block's graph ran
+            assert graph_calls == [blocks] * 2, graph_calls
         torch.testing.assert_close(torch.tensor(comp_losses), torch.tensor(eager_losses),
                                    rtol=1e-5, atol=1e-6)
         for k, v in eager.items():

@@ -93,6 +93,7 @@ def parallelize(model, world: int, placement: str = "shard", param: str = "float
 
 def _train_sharded(placement: str, ac: str = "none", compile_model: bool = False) -> tuple:
     import torch.distributed as dist
+    from compile_check import compiled_graph_calls
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = parallelize(debugmodel(), world, placement, ac=ac,
@@ -105,6 +106,8 @@ def _train_sharded(placement: str, ac: str = "none", compile_model: bool = False
     losses = []
     for step in range(STEPS):
         loss = titan_loss(model, tokens(step, rank), world * BATCH * SEQ)
+        # every compiled block ran its graph this step (one dynamo skipped would not)
+        assert compiled_graph_calls(loss) == (len(compiled) if compile_model else 0)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable
+import warnings
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..compat import inductor_cpp_compilers
+from ..compat import COMPILED_GRAPH_NODE, inductor_cpp_compilers, tree_map
 
 _HOOK_REASON = (
     "flexshard's forward hooks gather and reshard parameters through process groups "
@@ -39,6 +40,65 @@ _HOOK_REASON = (
 def run_eagerly(hook: Callable) -> Callable:
     """`hook`, never traced by dynamo (a graph break where a traced frame calls it)."""
     return torch.compiler.disable(hook, recursive=True, reason=_HOOK_REASON)
+
+
+def _grad_fns(tree) -> list:
+    fns = []
+    tree_map(lambda t: fns.append(t.grad_fn) if isinstance(t, torch.Tensor)
+             and t.grad_fn is not None else None, tree)
+    return fns
+
+
+def ran_compiled(inputs, output) -> Optional[bool]:
+    """Whether a compiled graph ran between `inputs` and `output`: a compiled graph's
+    node in the autograd graph from `output` back to `inputs` (not past them).
+    None when autograd recorded nothing to tell by (no grad)."""
+    todo = _grad_fns(output)
+    if not todo:
+        return None
+    stop = {id(fn) for fn in _grad_fns(inputs)}
+    seen = {}  # id -> node: holding the nodes keeps their ids unique while walking
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen[id(node)] = node
+        if node.name() == COMPILED_GRAPH_NODE:
+            return True
+        todo.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+class EagerCompiledBlocks:
+    """Says once per model when a block the user compiled with nn.Module.compile()
+    ran its forward eagerly. dynamo may skip such a block's frame without a word: torch
+    2.11 skips the forward of torch.nn's own modules (nn.Linear,
+    nn.TransformerEncoderLayer; measured, CPU) under .compile() even with flexshard's
+    hooks on them (2.13 and 2.14 compile it); a block that silently runs eagerly
+    trains correctly, only slower. Each block is checked once, at its first forward
+    under grad after it was compiled, by walking the autograd graph it recorded back
+    to its inputs (a few hundred nodes, once)."""
+
+    def __init__(self) -> None:
+        self.warned = False
+
+    def check(self, names: Sequence[str], inputs, output) -> bool:
+        """Check one forward of a compiled block running buckets `names`; False when
+        it could not tell (no grad recorded), so the next forward checks again."""
+        compiled = ran_compiled(inputs, output)
+        if compiled is None:
+            return False
+        if not compiled and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"flexshard: the block running bucket(s) {', '.join(map(repr, names))} was "
+                "compiled with .compile() but ran its forward eagerly: dynamo compiled no "
+                "graph for it (torch 2.11, for one, skips the forward of torch.nn's own "
+                "modules, such as nn.Linear, under .compile()). Compile it with "
+                "`parent.name = torch.compile(block)`, or compile a block class of your "
+                "own with .compile(); TORCH_LOGS=graph_breaks says why dynamo skipped it. "
+                "(Said once per model.)", stacklevel=2)
+        return True
 
 
 def check_cpp_compiler(device: torch.device, backend: str = "inductor") -> None:

@@ -7,9 +7,9 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from ..compat import tree_map
+from ..compat import module_compiled, tree_map
 from .bucket import Bucket, BucketState
-from .compiled import run_eagerly
+from .compiled import EagerCompiledBlocks, run_eagerly
 from .prefetch import Prefetcher
 from ..compat import in_backward
 from .reshard import SavedParams
@@ -31,7 +31,8 @@ class ModuleHooks:
     """Unshard `buckets` before `module`'s forward and reshard them after."""
 
     def __init__(self, module: nn.Module, buckets: Sequence[Bucket],
-                 prefetcher: Prefetcher, saved: SavedParams) -> None:
+                 prefetcher: Prefetcher, saved: SavedParams,
+                 eager_compiled: EagerCompiledBlocks) -> None:
         self.module, self.buckets = module, list(buckets)
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
@@ -39,6 +40,8 @@ class ModuleHooks:
         self.saved = saved  # the model's registry of unsharded storages and its hooks
         self._pushed = False  # this forward pushed the saved-tensor hooks
         self._post_ran = True  # post_forward ran since the last pre_forward
+        self.eager_compiled = eager_compiled  # says once when a .compile()d block ran eagerly
+        self._compile_checked = False  # a forward of the compiled module was checked
         self.handles = [
             # eager even inside a compiled module: a graph break at each (runtime/compiled.py)
             module.register_forward_pre_hook(run_eagerly(self.pre_forward), with_kwargs=True),
@@ -103,6 +106,9 @@ class ModuleHooks:
             bucket.mark_resharded()
             self.saved.forget(bucket)
         self._pop()
+        if keep and not self._compile_checked and module_compiled(module):
+            self._compile_checked = self.eager_compiled.check(
+                [b.name for b in self.buckets], (args, kwargs), output)
         return _cast_floating(output, self.mp.output_dtype)
 
     def _pop(self) -> None:
