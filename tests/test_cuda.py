@@ -1,10 +1,13 @@
-"""flexshard on a CUDA GPU, at world size 1 with NCCL (issue 16).
+"""flexshard on a CUDA GPU, at world size 1 with NCCL (issue 16), and at 2 ranks
+on one GPU over gloo (issue 33).
 
 Runs only where CUDA is present: the GPU machine, one GPU. There the parity
 suite's single-rank cases run on CUDA with a bf16 cast (so the hooks, the casts
 on the copy-in stream, the side streams and their events, and the reshard
 engine all run), for every placement with reshard after forward on and off;
 CPU offload with pinned host memory; and the training example with --mp bf16.
+Two spawned ranks sharing the GPU over gloo (CUDA tensors) add what one rank
+never runs: asynchronous collectives that the side streams wait for.
 
     python -m pytest -q tests/test_cuda.py        # on the GPU machine
 
@@ -26,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
+from harness import run_world
 from models import TinyGPT, batch, loss_fn
+from reference import assemble_grads, assert_rel_close, average_grads, sharded_grads
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -74,28 +79,38 @@ def cuda_batch(step: int, device) -> tuple:
     return x.to(device), y.to(device)
 
 
-def reference(device, steps: int, param_dtype=None) -> tuple:
+def reference(device, steps: int, param_dtype=None, offloaded=None) -> tuple:
     """One process, no flexshard: fp32 master weights; with `param_dtype`, each
     step's forward and backward run on a `param_dtype` copy and the grads are
-    cast to fp32, as flexshard's bf16 gather and fp32 reduce do.
+    cast to fp32, as flexshard's bf16 gather and fp32 reduce do. The params whose
+    name `offloaded(name)` accepts keep their master weights, grads and AdamW step in
+    host memory, as an offloaded bucket does (AdamW's CPU kernels round otherwise
+    than its CUDA ones); forward and backward run on `device` from a copy.
     (losses, step-0 grads, final params)."""
     model = make_model(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    names = [k for k, _ in model.named_parameters()]
+    masters = [torch.nn.Parameter(p.detach().to("cpu" if offloaded and offloaded(k) else
+                                                 device, copy=True))
+               for k, p in model.named_parameters()]
+    opt = torch.optim.AdamW(masters, lr=LR)  # over the same devices as flexshard's params
     losses, first = [], None
     for step in range(steps):
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)  # the gather: host or device master -> device compute weights
         x, y = cuda_batch(step, device)
         low = copy.deepcopy(model).to(param_dtype) if param_dtype else model
         loss = loss_fn(low(x), y)
         loss.backward()
-        if low is not model:
-            for p, q in zip(model.parameters(), low.parameters()):
-                p.grad = q.grad.float()
+        for m, q in zip(masters, low.parameters()):
+            m.grad = q.grad.float().to(m.device)
+        model.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step == 0:
-            first = {k: p.grad.clone() for k, p in model.named_parameters()}
+            first = {k: m.grad.clone() for k, m in zip(names, masters)}
         opt.step()
         opt.zero_grad()
-    return losses, first, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, first, {k: m.detach().clone() for k, m in zip(names, masters)}
 
 
 def train_wrapped(device, steps: int, **config) -> tuple:
@@ -117,8 +132,10 @@ def train_wrapped(device, steps: int, **config) -> tuple:
     return losses, first, fs.full_state_dict(model), model
 
 
-def check_parity(device, param_dtype, rtol=1e-5, atol=1e-6, **config):
-    ref_losses, ref_grads, ref_params = reference(device, STEPS, param_dtype)
+def check_parity(device, param_dtype, rtol=1e-5, atol=1e-6, offloaded=None, **config):
+    """flex_shard(**config) against `reference`; `offloaded(name)`: the params whose
+    bucket offloads (the reference steps those on the CPU, as flexshard does)."""
+    ref_losses, ref_grads, ref_params = reference(device, STEPS, param_dtype, offloaded)
     losses, grads, full, model = train_wrapped(device, STEPS, **config)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol)
     for k, g in ref_grads.items():
@@ -154,7 +171,7 @@ def test_offload_parity(nccl, mp, reshard):
 
     model = check_parity(nccl, torch.bfloat16 if mp == "bf16" else None, offload_policy=OFF,
                          mp_policy=BF16 if mp == "bf16" else fs.MixedPrecisionPolicy(),
-                         reshard_after_forward=reshard)
+                         reshard_after_forward=reshard, offloaded=lambda name: True)
     for b in get_state(model).buckets:
         assert b.compute_device.type == "cuda" and b.storage.buffer.is_pinned()
         for p in b.params:
@@ -166,7 +183,8 @@ def test_offload_mixed_buckets_parity(nccl):
     buckets = [fs.BucketSpec("layers.0.*"),
                fs.BucketSpec("layers.1.*", offload_policy=False, name="kept"),
                fs.BucketSpec(["tok.*", "pos", "norm.*", "head.*"], name="root")]
-    check_parity(nccl, torch.bfloat16, offload_policy=OFF, mp_policy=BF16, buckets=buckets)
+    check_parity(nccl, torch.bfloat16, offload_policy=OFF, mp_policy=BF16, buckets=buckets,
+                 offloaded=lambda name: not name.startswith("layers.1."))
 
 
 def test_offload_keeps_params_off_the_gpu(nccl):
@@ -221,6 +239,76 @@ def test_forward_on_a_side_stream_after_async_unshard(nccl):
     side.synchronize()
     model.reshard()
     assert loss.item() == expected
+
+
+def two_ranks_on_one_gpu(placement: str, bf16: bool) -> tuple:
+    """Rank body (a 2-rank gloo world, tests/harness.py): flex_shard(TinyGPT) on cuda:0,
+    STEPS AdamW steps on this rank's batches: (mean losses, full params on rank 0,
+    step-0 sharded grads, the buckets' device contexts), all on the CPU."""
+    from flexshard.runtime.state import get_state
+
+    rank, device = dist.get_rank(), torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    model = fs.flex_shard(make_model(device), placement=PLACEMENTS[placement],
+                          mp_policy=BF16 if bf16 else fs.MixedPrecisionPolicy(),
+                          reshard_after_forward=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, first = [], None
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in batch(step, rank))
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if step == 0:
+            first = {k: (pl, shape, None if g is None else g.cpu())
+                     for k, (pl, shape, g) in sharded_grads(model).items()}
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float().cpu()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / 2)
+    torch.cuda.synchronize()
+    full = {k: v.cpu() for k, v in fs.full_state_dict(model).items()}
+    contexts = {type(b.device_ctx).__name__ for b in get_state(model).buckets}
+    return losses, full if rank == 0 else None, first, contexts
+
+
+def two_rank_reference(device, param_dtype) -> tuple:
+    """One process on `device`: both ranks' grads averaged in rank order (as a bucket's
+    reduce does), AdamW: (mean losses, step-0 grads, final params), on the CPU."""
+    model = make_model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, first = [], None
+    for step in range(STEPS):
+        losses.append(average_grads(model, step, 2, param_dtype, batch_fn=lambda s, r: tuple(
+            t.to(device) for t in batch(s, r))))
+        if step == 0:
+            first = {k: p.grad.cpu() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, first, {k: v.detach().cpu() for k, v in model.named_parameters()}
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("placement", ["shard0", "ragged", "owned"])
+def test_two_ranks_on_one_gpu_match_one_process(placement, bf16):
+    """Two processes share the GPU over gloo with CUDA tensors: the gathers and
+    reduce-scatters are asynchronous, and the side streams wait for them."""
+    results = run_world(2, two_ranks_on_one_gpu, placement, bf16, timeout=300)
+    ref_losses, ref_grads, ref_params = two_rank_reference(torch.device("cuda", 0),
+                                                           torch.bfloat16 if bf16 else None)
+    losses, full = results[0][0], results[0][1]
+    assert all(r[0] == losses for r in results), "ranks disagree on the loss"
+    assert all(r[3] == {"CudaContext"} for r in results)  # side streams and events ran
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=1e-6)
+    grads = assemble_grads(results)
+    assert grads.keys() == ref_grads.keys(), "a trained param got no grad"
+    for k, ref in ref_grads.items():
+        torch.testing.assert_close(grads[k], ref, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, k=k: f"grad of {k}: {m}")
+    for k, ref in ref_params.items():
+        assert_rel_close(full[k], ref, 1e-5, k)
 
 
 def _run(cmd: list, timeout: float = 300) -> str:
