@@ -101,3 +101,32 @@ def test_format_trains_bitwise_like_a_cast(world, config):
 def test_a_policy_that_is_not_a_wire_policy_is_refused():
     with pytest.raises(TypeError, match="gather_format must be a fs.WirePolicy"):
         fs.MixedPrecisionPolicy(gather_format=SignSplit(torch.float32))
+
+
+class _KeyOnly(fs.WireFormat):
+    """A format that asks to be batched but cannot encode a batch."""
+
+    def parts(self, shape, placement, world_size):
+        return (fs.WirePart(torch.Size(shape), torch.float32, placement),)
+
+    def encode(self, piece, outs, mesh=None):
+        outs[0].copy_(piece)
+
+    def decode(self, fulls, meta=None):
+        return fulls[0]
+
+    def batch_key(self):
+        return "mine"
+
+
+class _KeyOnlyPolicy(fs.WirePolicy):
+    def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
+        return _KeyOnly()
+
+
+def test_a_batch_key_without_encode_batch_is_refused_at_wrap():
+    mp = fs.MixedPrecisionPolicy(gather_format=_KeyOnlyPolicy())
+    with pytest.raises(NotImplementedError, match=r"parameter '0\.weight': its wire format "
+                                                  r"_KeyOnly returns a batch_key but defines no "
+                                                  r"encode_batch; define encode_batch"):
+        fs.flex_shard(torch.nn.Sequential(torch.nn.Linear(4, 4)), mp_policy=mp)

@@ -112,7 +112,8 @@ class WireFormat(abc.ABC):
         joined in order (part k's dtype), metas what each decode needs. `cache`
         lives as long as the batch (for index tensors made on first use).
         A param whose piece is empty on this rank is left out (its meta is None)."""
-        raise NotImplementedError(f"{type(self).__name__} has a batch_key but no encode_batch")
+        raise AssertionError(f"{type(self).__name__} has a batch_key but no encode_batch "
+                             "(refused at wrap time: planning/wire_plan.py)")
 
     def decode_batch(self, formats: Sequence["WireFormat"], fulls: Sequence[Sequence[torch.Tensor]],
                      metas: Sequence[Any], cache: dict) -> list:

@@ -121,6 +121,12 @@ def plan_param_wires(layout, wire: WirePlan, rank: int) -> "BucketWires":
     groups: dict = {}
     for i, fmt in enumerate(wire.formats):
         key = fmt.batch_key()
+        if key is not None and type(fmt).encode_batch is WireFormat.encode_batch:
+            raise NotImplementedError(
+                f"parameter {wire.slots[wire.first[i]].fqn!r}: its wire format "
+                f"{type(fmt).__name__} returns a batch_key but defines no encode_batch; "
+                "define encode_batch (see fs.WireFormat), or return None from batch_key "
+                "to encode each param alone")
         if key is not None:  # pieces of one dtype: a batch joins them in one op
             groups.setdefault((key, wire.dtypes[i] if wire.dtypes else None), []).append(i)
     batches = tuple(WireBatch(layout, wire, members, rank) for members in groups.values())
