@@ -28,7 +28,8 @@ from .runtime.bucket import Bucket, BucketState
 from .runtime.comm import Comm
 from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
-from .runtime.hooks import ModuleHooks, RootHooks, reshard_explicitly, unshard_explicitly
+from .runtime.hooks import (ModuleHooks, RootHooks, StrayCallHooks, reshard_explicitly,
+                            unshard_explicitly)
 from .runtime.device import DeviceContexts
 from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.prefetch import Prefetcher
@@ -394,6 +395,9 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, saved, eager_compiled))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
+    if id(module) in by_runner:
+        names = {id(sub): name for name, sub in module.named_modules()}
+        state.stray_hooks = StrayCallHooks(module, by_runner[id(module)][1], names)
 
 
 def _wrap_grads(buckets) -> None:

@@ -28,13 +28,14 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR)
 
 
-def sgd_train(model, opt, steps: int = STEPS, step_fn=None) -> list:
-    """SGD steps on this rank's batches; the per-step losses averaged over ranks."""
+def sgd_train(model, opt, steps: int = STEPS, step_fn=None, logits=None) -> list:
+    """SGD steps on this rank's batches; the per-step losses averaged over ranks.
+    `logits(model, x)`: how the loss gets logits (default: model(x))."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in range(steps):
         x, y = batch(step, rank)
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x) if logits is None else logits(model, x), y)
         loss.backward()
         if step_fn is not None:
             step_fn(model)
@@ -46,14 +47,15 @@ def sgd_train(model, opt, steps: int = STEPS, step_fn=None) -> list:
     return losses
 
 
-def reference(step_fn=None, model=None, steps: int = STEPS) -> tuple:
+def reference(step_fn=None, model=None, steps: int = STEPS, logits=None) -> tuple:
     """The one-process SGD run on every rank's batch: (losses, params)."""
     model = model if model is not None else make_model()
     opt = sgd(model.parameters())
     losses = []
     for step in range(steps):
         xs, ys = zip(*(batch(step, r) for r in range(WORLD)))
-        loss = loss_fn(model(torch.cat(xs)), torch.cat(ys))
+        x = torch.cat(xs)
+        loss = loss_fn(model(x) if logits is None else logits(model, x), torch.cat(ys))
         loss.backward()
         if step_fn is not None:
             step_fn(model)
@@ -63,9 +65,9 @@ def reference(step_fn=None, model=None, steps: int = STEPS) -> tuple:
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def assert_matches_reference(result, step_fn=None, model=None) -> None:
+def assert_matches_reference(result, step_fn=None, model=None, logits=None) -> None:
     losses, full = result
-    ref_losses, ref_params = reference(step_fn, model)
+    ref_losses, ref_params = reference(step_fn, model, logits=logits)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert full.keys() == ref_params.keys()
     for k, v in ref_params.items():
@@ -384,3 +386,66 @@ def test_torch_clip_refuses_a_bucket_on_a_smaller_mesh():
     expect_all_ranks_raise(WORLD, sub_mesh_clip, NotImplementedError,
                            r"bucket 'expert' runs on its own mesh, smaller than the model's.*"
                            r"fs.clip_grad_norm_\(model, max_norm\)")
+
+
+# A module of the root's bucket (here the output head) called outside the model's
+# forward raises; with a bucket of its own it gathers by itself and trains.
+
+
+class HiddenGPT(TinyGPT):
+    """TinyGPT whose forward stops before the head: the loss applies it."""
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def hidden_model() -> HiddenGPT:
+    torch.manual_seed(0)
+    return HiddenGPT()
+
+
+def head_outside(model, x):
+    return model.head(model(x))
+
+
+def stray_head():
+    model = fs.flex_shard(hidden_model())
+    head_outside(model, batch(0, dist.get_rank())[0])
+
+
+def own_head_bucket():
+    specs = [fs.BucketSpec("layers.0.*"), fs.BucketSpec("layers.1.*"), fs.BucketSpec("head.*"),
+             fs.BucketSpec(["tok.*", "pos", "norm.*"])]
+    model = fs.flex_shard(hidden_model(), buckets=specs)
+    return sgd_train(model, sgd(model.parameters()), logits=head_outside), fs.full_state_dict(model)
+
+
+def test_root_module_called_outside_forward():
+    expect_all_ranks_raise(WORLD, stray_head, RuntimeError,
+                           r"module 'head' ran outside the model's forward, which gathers its "
+                           r"bucket .*fs.BucketSpec\('head.\*'\)")
+    assert_matches_reference(run_world(WORLD, own_head_bucket)[0], model=hidden_model(),
+                             logits=head_outside)
+
+
+# An optimizer built between flex_shard on the meta device and to_empty(): the
+# Parameter objects survive the move, so it trains.
+
+
+def optimizer_before_to_empty():
+    with torch.device("meta"):
+        model = make_model()
+    fs.flex_shard(model)
+    opt = sgd(model.parameters())
+    before = list(model.parameters())
+    model.to_empty(device="cpu")
+    assert all(a is b for a, b in zip(before, model.parameters()))
+    fs.load_full_state_dict(model, make_model().state_dict())
+    return sgd_train(model, opt), fs.full_state_dict(model)
+
+
+def test_optimizer_built_before_to_empty_trains():
+    assert_matches_reference(run_world(WORLD, optimizer_before_to_empty)[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -169,6 +170,33 @@ class RootHooks:
 
     def post_forward(self, module, args, output):
         self.prefetcher.end_forward()
+
+
+class StrayCallHooks:
+    """A forward pre-hook on each module (the root's own excepted) holding params
+    of a bucket the root's forward gathers: an embedding, the final norm, an
+    output head called outside the model's forward (a loss that applies the
+    head itself) would compute with this rank's shards, so it raises instead."""
+
+    def __init__(self, root: nn.Module, buckets: Sequence[Bucket], names: dict) -> None:
+        self.handles = []
+        for bucket in buckets:
+            modules = {id(m): m for aliases in bucket.aliases for m, _ in aliases}
+            for module in modules.values():
+                if module is not root:
+                    check = functools.partial(_check_gathered, bucket, names[id(module)])
+                    self.handles.append(module.register_forward_pre_hook(check))
+
+
+def _check_gathered(bucket: Bucket, name: str, module, args) -> None:
+    if torch.compiler.is_compiling():  # traced inside a compiled model's forward: gathered
+        return
+    if bucket.state is BucketState.SHARDED and bucket.held is None:
+        raise RuntimeError(
+            f"module {name!r} ran outside the model's forward, which gathers its bucket "
+            f"{bucket.name!r}: its parameters are this rank's shards there. Call it inside the "
+            f"forward, give it a bucket of its own (fs.BucketSpec('{name}.*') in flex_shard's "
+            "buckets: it then gathers by itself), or call model.unshard() first")
 
 
 class UnshardHandle:
