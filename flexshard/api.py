@@ -397,7 +397,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
-        state.stray_hooks = StrayCallHooks(module, by_runner[id(module)][1], names)
+        state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)
 
 
 def _wrap_grads(buckets) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -151,6 +151,7 @@ class RootHooks:
 
     def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets) -> None:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
+        self.stray: Optional[StrayCallHooks] = None  # armed between forwards
         self.buckets = [b for b in buckets if b.needs_hooks]
         self.handles = [
             # prepend: before the ModuleHooks of the root's own bucket, which must
@@ -160,6 +161,8 @@ class RootHooks:
         ]
 
     def pre_forward(self, module, args):
+        if self.stray is not None:
+            self.stray.disarm()
         if not in_backward():
             self.queue.abandon_backward()
             # Made before anything else of this forward, the routes' _Deliver nodes
@@ -170,27 +173,38 @@ class RootHooks:
 
     def post_forward(self, module, args, output):
         self.prefetcher.end_forward()
+        if self.stray is not None:
+            self.stray.arm()
 
 
 class StrayCallHooks:
     """A forward pre-hook on each module (the root's own excepted) holding params
     of a bucket the root's forward gathers: an embedding, the final norm, an
     output head called outside the model's forward (a loss that applies the
-    head itself) would compute with this rank's shards, so it raises instead."""
+    head itself) would compute with this rank's shards, so it raises instead.
+    Armed between the root's forwards only (RootHooks disarms them at its
+    pre-forward): a compiled model's forward never sees them."""
 
     def __init__(self, root: nn.Module, buckets: Sequence[Bucket], names: dict) -> None:
-        self.handles = []
+        self.checks = []  # (module, hook)
         for bucket in buckets:
             modules = {id(m): m for aliases in bucket.aliases for m, _ in aliases}
-            for module in modules.values():
-                if module is not root:
-                    check = functools.partial(_check_gathered, bucket, names[id(module)])
-                    self.handles.append(module.register_forward_pre_hook(check))
+            self.checks += [(m, functools.partial(_check_gathered, bucket, names[id(m)]))
+                            for m in modules.values() if m is not root]
+        self.handles: list = []
+        self.arm()
+
+    def arm(self) -> None:
+        if not self.handles:
+            self.handles = [m.register_forward_pre_hook(check) for m, check in self.checks]
+
+    def disarm(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def _check_gathered(bucket: Bucket, name: str, module, args) -> None:
-    if torch.compiler.is_compiling():  # traced inside a compiled model's forward: gathered
-        return
     if bucket.state is BucketState.SHARDED and bucket.held is None:
         raise RuntimeError(
             f"module {name!r} ran outside the model's forward, which gathers its bucket "

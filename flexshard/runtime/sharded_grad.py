@@ -16,7 +16,7 @@ collective, as a DTensor's is: every rank must take it.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ class NormGroups(NamedTuple):
 
     groups: tuple  # the bucket's shard group (if > 1 rank), then TP groups it is split over
     comm: Comm
-    device: torch.device  # the collective's device (the compute device; grads may be on host)
+    device: Callable[[], torch.device]  # the collective's device: the bucket's compute
+    #                                     device now (grads may be on host; meta at wrap time)
     refusal: Optional[str] = None  # why its norm cannot be completed here (raised instead)
 
     def __deepcopy__(self, memo):
@@ -118,13 +119,15 @@ def complete_norms(local: list, specs: Sequence[Optional[NormGroups]], ord_: flo
     by_key: dict = {}
     for i, spec in enumerate(specs):
         if spec is not None and spec.groups:
-            by_key.setdefault((tuple(id(g) for g in spec.groups), spec.device), []).append(i)
+            by_key.setdefault((tuple(id(g) for g in spec.groups), spec.device()), []).append(i)
     op = _reduce_op(ord_)
     out = list(local)
     with record_function("FlexShard::grad_norm_all_reduce"):
-        for indices in by_key.values():
+        for (_, device), indices in by_key.items():
             spec = specs[indices[0]]
-            values = torch.stack([local[i].to(spec.device, torch.float32) for i in indices])
+            dtype = torch.float64 if any(local[i].dtype == torch.float64 for i in indices) \
+                else torch.float32  # at least fp32; a float64 norm keeps its precision
+            values = torch.stack([local[i].to(device, dtype) for i in indices])
             values = values if op != dist.ReduceOp.SUM or ord_ == 0 else values.pow(ord_)
             for group in spec.groups:
                 spec.comm.all_reduce(values, group, op=op)
@@ -157,4 +160,4 @@ def norm_groups(bucket, tp_spec) -> NormGroups:
                    "(other experts) under the same names, so a per-rank total of torch's "
                    "norms would differ across ranks. Use fs.clip_grad_norm_(model, max_norm) "
                    "for clipping, fs.grad_norms(model) for logging")
-    return NormGroups(groups, bucket.comm, bucket.compute_device, refusal)
+    return NormGroups(groups, bucket.comm, lambda: bucket.compute_device, refusal)

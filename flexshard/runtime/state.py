@@ -41,7 +41,6 @@ class FlexShardState:
     #                                                   own meshes (BucketSpec.mesh)
     subgroups: dict = field(default_factory=dict)  # id(shard group) -> mesh.Subgroups
     unset_buffers: Any = None  # checkpoint.unset_buffers.UnsetBuffers: to_empty()'s, until written
-    stray_hooks: Any = None  # hooks.StrayCallHooks: the root bucket's modules called outside forward
     registration: Any = None  # registration.RegistrationGuard: params set after wrapping raise
     async_saves: Any = None  # checkpoint.async_save.AsyncSaves: the save in flight, its group
 
