@@ -156,8 +156,10 @@ def new_values_the_documented_way():
                                                 strict=False)
     assert not unexpected and "layers.0.up.weight" not in missing
     model.head.weight = model.head.weight
-    model.layers[0] = nn.Sequential(model.layers[0])  # full_state_dict keeps the wrap's names
-    return sgd_train(model, sgd(model.parameters())), fs.full_state_dict(model)
+    model.layers[0] = nn.Sequential(model.layers[0])
+    losses = sgd_train(model, sgd(model.parameters()))
+    full = {k.replace("layers.0.0.", "layers.0."): v for k, v in fs.full_state_dict(model).items()}
+    return losses, full
 
 
 def replaced_up() -> torch.Tensor:
