@@ -150,6 +150,8 @@ class GradReduce:
         if plan.width < plan.seg_elems:
             rows[:, plan.width:].zero_()
             rows = rows[:, :plan.width]
+        # With a cast, torch's CPU kernel copies each grad to a temporary first (one at a
+        # time: +1 grad at the peak, FSDP2's the same); CUDA's kernel casts in place.
         chunk_cat(grads, 0, self.world_size, out=rows)
         self.counters.copy_in_bytes += sum(g.numel() for g in grads) * rows.element_size()
 
