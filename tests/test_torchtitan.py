@@ -77,27 +77,32 @@ def titan_loss(model, rows: torch.Tensor, global_tokens: int) -> torch.Tensor:
 
 
 def parallelize(model, world: int, placement: str = "shard", param: str = "float32",
-                reshard: str = "default", ac: str = "none", compile_config=None):
+                reshard: str = "default", ac: str = "none", compile_config=None,
+                offload: bool = False):
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
                         world_size=world, spmd_backend="partial_dtensor")
     # torchtitan builds its meshes for an accelerator ("cuda" when none is found); this
     # CPU test needs CPU meshes over the gloo group.
     with mock.patch.object(torchtitan_parallel_dims, "device_type", "cpu"):
         return parallelize_llama(
-            model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param),
+            model, parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param=param, enable_cpu_offload=offload),
             parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
                                           fsdp_reshard_after_forward=reshard),
             compile_config=compile_config or CompileConfig(), ac_config=AC_CONFIGS[ac](),
             dump_folder="", flex_shard=FlexShardConfig(placement=placement))
 
 
-def _train_sharded(placement: str, ac: str = "none", compile_model: bool = False) -> tuple:
+def _train_sharded(placement: str, ac: str = "none", compile_model: bool = False,
+                   offload: bool = False) -> tuple:
     import torch.distributed as dist
     from compile_check import compiled_graph_calls
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = parallelize(debugmodel(), world, placement, ac=ac,
+    model = parallelize(debugmodel(), world, placement, ac=ac, offload=offload,
                         compile_config=CompileConfig(enable=compile_model, components=["model"]))
+    if offload:  # --training.enable_cpu_offload: every bucket offloaded (fs.OffloadPolicy)
+        assert all(b.offload is not None for b in get_state(model).buckets)
     # torchtitan's compile of each block, inside its AC wrapper; none without --compile.enable
     compiled = [_compiled_inside(b, ac) for b in model.layers.children()]
     assert all(compiled) if compile_model else not any(
@@ -156,6 +161,14 @@ def test_parallelize_llama_matches_single_process_training(placement, ac):
     """Also with torchtitan's activation checkpointing (its AC wrappers sit inside
     the flex_shard buckets, as inside FSDP2's)."""
     results = run_world(2, _train_sharded, placement, ac, timeout=240)
+    check_matches_reference(results, *_train_reference(2))
+
+
+@pytest.mark.world(2)
+def test_cpu_offload_flag_matches_single_process_training():
+    """--training.enable_cpu_offload: fs.OffloadPolicy() on every bucket (torchtitan's
+    FSDP2 path passes CPUOffloadPolicy()); on CPU its staging copies run CPU to CPU."""
+    results = run_world(2, _train_sharded, "shard", "none", False, True, timeout=240)
     check_matches_reference(results, *_train_reference(2))
 
 
@@ -256,7 +269,8 @@ def test_other_parallelisms_are_refused(field, value, flag):
     degrees = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
     degrees[field] = value
     dims = ParallelDims(**degrees, world_size=2, spmd_backend="partial_dtensor")
-    pattern = rf"data parallelism .*, tensor and expert parallelism only; drop {flag.replace('>', '.')}"
+    pattern = (r"data parallelism .*, tensor, expert and pipeline parallelism only; drop "
+               + flag.replace(">", "."))
     with pytest.raises(NotImplementedError, match=pattern):
         parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
                           parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
@@ -265,12 +279,28 @@ def test_other_parallelisms_are_refused(field, value, flag):
 
 def test_spmd_backend_is_refused():
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-    with pytest.raises(NotImplementedError, match=r"drop --parallelism.spmd_backend spmd_types "
-                                                  r"\(use partial_dtensor\)$"):
+    with pytest.raises(NotImplementedError, match=r"--parallelism.spmd_backend spmd_types: .*; "
+                       r"pass --parallelism.spmd_backend partial_dtensor \(the flexshard_\* "):
         parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
                           parallelism=ParallelismConfig(spmd_backend="spmd_types"),
                           compile_config=CompileConfig(enable=True), ac_config=None,
                           dump_folder="")
+
+
+def test_parallelize_without_the_flex_shard_section_is_refused():
+    """A hand-written loop calling the config's parallelize_fn without flex_shard=
+    would drop --flex_shard.placement; it is refused, naming the fix."""
+    config = ConfigManager().parse_args([
+        "--module", "flexshard.integrations.torchtitan", "--config", "flexshard_llama3_debugmodel",
+        "--flex_shard.placement", "owned"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"flex_shard is None, so the job config's --flex_shard "
+                       r"section \(its placement\) would be dropped; pass flex_shard=config"):
+        config.model_spec.parallelize_fn(
+            model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
+            compile_config=config.compile, ac_config=None, dump_folder="")
+    assert not isinstance(model, fs.FlexShardModule)
 
 
 def test_experiment_config_is_selected_like_torchtitans_own():

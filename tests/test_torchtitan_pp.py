@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from unittest import mock
 
 import pytest
@@ -20,8 +21,9 @@ from torchtitan.distributed import pipeline_parallel as titan_pp
 from torchtitan.models.llama3 import config_registry as llama3_configs
 
 import flexshard as fs
-from flexshard.integrations.torchtitan import parallelize_decoder
+from flexshard.integrations.torchtitan import FlexShardConfig, parallelize_decoder
 from flexshard.integrations.torchtitan.pipeline import pipeline_decoder
+from flexshard.integrations.torchtitan.trainer import clip_grad_norm_over_parts_
 from flexshard.runtime.state import get_state
 from harness import run_world
 from test_torchtitan import VOCAB, debugmodel_config
@@ -114,8 +116,8 @@ def train_pipelined(schedule: str, reshard: str, flexshard: bool) -> dict:
                   device=torch.device("cpu"), model_config=model_config(), loss_fn=loss_fn)
     with mock.patch.object(torchtitan_parallel_dims, "device_type", "cpu"):  # CPU meshes
         if flexshard:
-            out = pipeline_decoder(copy.deepcopy(_pristine()), parallelize_fn=parallelize_decoder,
-                                   **kwargs)
+            out = pipeline_decoder(copy.deepcopy(_pristine()), **kwargs, parallelize_fn=(
+                functools.partial(parallelize_decoder, flex_shard=FlexShardConfig())))
         else:
             out = titan_pp.pipeline_llm(copy.deepcopy(_pristine()),
                                         parallelize_fn=_fsdp2_parallelize, **kwargs)
@@ -133,6 +135,9 @@ def train_pipelined(schedule: str, reshard: str, flexshard: bool) -> dict:
         if step == 0:
             first = _full(parts, grads=True, flexshard=flexshard)
             _reset_counters(parts, flexshard)  # after the stages' shape inference
+            if flexshard:  # FlexShardTrainer's clip: the norm over every stage and dp rank
+                norm = clip_grad_norm_over_parts_(parts, math.inf,
+                                                  dims.get_mesh("pp").get_group()).item()
         opt.step()
         opt.zero_grad()
         total = torch.stack(mb_losses).sum() if has_last else torch.zeros(())
@@ -140,7 +145,8 @@ def train_pipelined(schedule: str, reshard: str, flexshard: bool) -> dict:
         losses.append(total.item())
     counts = _counts(parts) if flexshard else None  # before the state dict's gathers
     return {"losses": losses, "first": first, "params": _full(parts, flexshard=flexshard),
-            "stages": [type(s).__name__ for s in _stages(schedule_obj)], "counts": counts}
+            "stages": [type(s).__name__ for s in _stages(schedule_obj)], "counts": counts,
+            "norm": norm if flexshard else None}
 
 
 def _reset_counters(parts, flexshard: bool) -> None:
@@ -194,6 +200,11 @@ def test_pipeline_matches_one_process_and_fsdp2(schedule, reshard):
     ours = run_world(PP * DP, train_pipelined, schedule, reshard, True, timeout=300)
     theirs = _merged(run_world(PP * DP, train_pipelined, schedule, reshard, False, timeout=300))
     assert {s for r in ours for s in r["stages"]} == {"FlexShardStage"}
+    got = _merged(ours)
+    # the clip's norm: over every stage's full grads (checked against the reference below);
+    # fs.clip_grad_norm_ sums each shard's squares in float32, lm_head's ~3e-5 off on CPU
+    norm = torch.stack([g.double().norm() for g in got["first"].values()]).norm().item()
+    assert [r["norm"] for r in ours] == [pytest.approx(norm, rel=1e-4)] * PP * DP
     microbatches, later_steps = ROWS, STEPS - 1
     for r in ours:
         for name, (gathers, reduces) in r["counts"].items():
@@ -202,7 +213,6 @@ def test_pipeline_matches_one_process_and_fsdp2(schedule, reshard):
                 assert gathers == later_steps, name
             else:  # gathered for each microbatch's forward
                 assert gathers >= microbatches * later_steps, name
-    got = _merged(ours)
     for want in ({"losses": ref_losses, "first": ref_first, "params": ref_params}, theirs):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
                                    rtol=1e-5, atol=1e-6)

@@ -18,6 +18,7 @@ import torch
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import parallel_dims as torchtitan_parallel_dims
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.trainer import Trainer
 
@@ -64,6 +65,17 @@ def _titan_init(self, config) -> None:
     model.train()
     self.model_parts = [model]
     self.optimizers = config.optimizer.build(model_parts=self.model_parts)
+    self.metrics_processor = _LoggedMetrics()
+
+
+class _LoggedMetrics:
+    """torchtitan's MetricsProcessor.log signature; remembers what it was given."""
+
+    def __init__(self) -> None:
+        self.logged = []
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        self.logged.append(grad_norm)
 
 
 def _full(model) -> dict:
@@ -86,12 +98,17 @@ def train_one_step(placement: str) -> dict:
     loss.backward()
     loss = loss.detach().clone()
     dist.all_reduce(loss)  # per-rank sums over the global count add up to the mean
-    norm = _global_norm(model)
-    trainer.optimizers.step()  # torchtitan's train_step: clip (switched off), then step
+    norm, norm32 = _global_norm(model), _global_norm(model, torch.float32)
+    # torchtitan's train_step: its clip (switched off: this rank's shards), the step, the log
+    local = dist_utils.clip_grad_norm_(list(model.parameters()), trainer.config.training.max_norm,
+                                       foreach=True, pp_mesh=None)
+    trainer.optimizers.step()
+    trainer.metrics_processor.log(1, loss.item(), loss.item(), local.item())
     placements = {type(s.placement).__name__ for b in get_state(model).buckets for s in b.slots}
     return {"max_norm": trainer.config.training.max_norm, "placements": placements,
             "wrapped": isinstance(model, fs.FlexShardModule), "norm": norm, "clipped": _global_norm(model, torch.float32), "loss": loss.item(),
-            "mp": trainer.config.training.mixed_precision_param,
+            "mp": trainer.config.training.mixed_precision_param, "local_norm": local.item(), "norm32": norm32,
+            "logged": trainer.metrics_processor.logged,
             "before": before, "buffers": buffers, "after": _full(model)}
 
 
@@ -151,6 +168,9 @@ def test_trainer_applies_its_section_and_clips_by_the_global_norm(placement, kin
     assert first["loss"] == pytest.approx(loss, rel=1e-6)
     assert first["mp"] == "float32"
     assert first["norm"] == pytest.approx(norm, rel=1e-6)
+    # torchtitan's logged grad_norm is the global one (as under FSDP2), not this rank's
+    assert first["local_norm"] < norm * (1 - 1e-3)
+    assert first["logged"] == [pytest.approx(first["norm32"], rel=1e-6)]  # summed in float32
     # Clipped before the step (summed in float32, as fs.clip_grad_norm_ sums).
     assert first["clipped"] == pytest.approx(MAX_NORM, rel=1e-5)
     for k, ref in want.items():

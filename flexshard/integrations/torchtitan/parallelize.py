@@ -65,17 +65,37 @@ def llama_buckets(model: nn.Module, reshard_after_forward: bool, expert_mesh=Non
     return specs
 
 
-def _unsupported(parallel_dims: ParallelDims, training: TrainingConfig,
-                 parallelism: ParallelismConfig) -> list:
+def _unsupported(parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> list:
     """The torchtitan options flex_shard does not compose with, as CLI flags."""
     checks = [
         (parallel_dims.cp_enabled, "--parallelism.context_parallel_degree > 1"),
-        (parallelism.spmd_backend != "partial_dtensor",
-         f"--parallelism.spmd_backend {parallelism.spmd_backend} (use partial_dtensor)"),
-        (training.enable_cpu_offload, "--training.enable_cpu_offload"),
         (parallelism.enable_fsdp_symm_mem, "--parallelism.enable_fsdp_symm_mem"),
     ]
     return [flag for bad, flag in checks if bad]
+
+
+def check_job(parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> None:
+    """Refuse, before the model is touched, what parallelize_decoder cannot honour."""
+    unsupported = _unsupported(parallel_dims, parallelism)
+    if unsupported:
+        raise NotImplementedError(
+            "flexshard's torchtitan parallelize supports data parallelism (fsdp, and "
+            "dp_replicate as HSDP), tensor, expert and pipeline parallelism only; drop "
+            f"{', '.join(unsupported)}")
+    if parallelism.spmd_backend != "partial_dtensor":
+        raise NotImplementedError(
+            f"--parallelism.spmd_backend {parallelism.spmd_backend}: flex_shard's sharded "
+            "parameters are plain tensors, which only torchtitan's partial_dtensor backend "
+            "accepts; pass --parallelism.spmd_backend partial_dtensor (the flexshard_* "
+            "experiment configs set it)")
+
+
+def _check_flex_shard(flex_shard: Optional[FlexShardConfig]) -> None:
+    if flex_shard is None:
+        raise ValueError(
+            "parallelize_decoder: flex_shard is None, so the job config's --flex_shard "
+            "section (its placement) would be dropped; pass flex_shard=config.flex_shard "
+            "(FlexShardTrainer does), or flex_shard=FlexShardConfig() for Shard(0)")
 
 
 def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
@@ -84,21 +104,19 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
                         flex_shard: Optional[FlexShardConfig] = None) -> nn.Module:
     """Apply tensor and expert parallelism and activation checkpointing (if
     configured), then flex_shard over the fsdp mesh (routed experts over efsdp),
-    to a torchtitan decoder.
+    to a torchtitan decoder (or one pipeline stage of it). `flex_shard` is the job
+    config's `--flex_shard` section (required: a placement flag is never dropped).
+    `--training.enable_cpu_offload` becomes `fs.OffloadPolicy()`.
 
     Gradients are summed over ranks, not averaged: torchtitan's loss is already
     divided by the global token count (FSDP2 there runs with divide factor 1 too).
     """
-    unsupported = _unsupported(parallel_dims, training, parallelism)
-    if unsupported:
-        raise NotImplementedError(
-            "flexshard's torchtitan parallelize supports data parallelism (fsdp, and "
-            f"dp_replicate as HSDP), tensor and expert parallelism only; drop "
-            f"{', '.join(unsupported)}")
-    placement = (flex_shard or FlexShardConfig()).build_placement()
+    check_job(parallel_dims, parallelism)
     compiled = compile_config.enable and "model" in compile_config.components
     if compiled:  # before touching the model; the device is the one torchtitan trains on
         check_cpp_compiler(titan_parallel_dims.device_type, compile_config.backend)
+    _check_flex_shard(flex_shard)
+    placement = flex_shard.build_placement()
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)  # torchtitan's plans: DTensor params on "tp" / "ep"
     if ac_config is not None:
@@ -116,15 +134,16 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
     mesh = _dp_mesh(parallel_dims)
     on_meta = any(p.is_meta for p in model.parameters())
     buckets = llama_buckets(model, reshard, _edp_mesh(parallel_dims))
-    model = fs.flex_shard(model, mesh, buckets=buckets,
-                          placement=placement, mp_policy=mp, reshard_after_forward=reshard)
+    offload = fs.OffloadPolicy() if training.enable_cpu_offload else None  # FSDP2's CPUOffloadPolicy()
+    model = fs.flex_shard(model, mesh, buckets=buckets, placement=placement, mp_policy=mp,
+                          reshard_after_forward=reshard, offload_policy=offload)
     model.set_gradient_divide_factor(1.0)
     if on_meta:
         # torchtitan's Trainer calls model.to_empty(...) and then model.init_weights(...).
         # Its own init_weights would initialise each rank's shard with the same RNG
         # stream; this one initialises each module's parameters at full size and keeps
         # this rank's piece, as the unsharded model would be initialised.
-        model.init_weights = functools.partial(init_weights, model)
+        model.init_weights = functools.partial(init_weights, model, offloaded=offload is not None)
     return model
 
 
@@ -186,11 +205,16 @@ def _init_own_parameters(module: nn.Module) -> None:
         module.reset_parameters()
 
 
-def init_weights(model: nn.Module, *, buffer_device=None, **_) -> None:
+def init_weights(model: nn.Module, *, buffer_device=None, offloaded: bool = False, **_) -> None:
     """torchtitan's `init_weights` for a flex-sharded model (after `to_empty`): every
     module's own parameters by its `param_init`, at full size, one module at a time
     (flex_shard's `init_parameters`); then every module's buffers (RoPE caches) as
     torchtitan initialises them."""
+    if offloaded and buffer_device is not None:
+        # torchtitan's CPU offload calls to_empty(device="cpu") and names the compute
+        # device as buffer_device: .to() moves flex_shard's compute device (and the
+        # buffers) there; the offloaded storage stays in host memory
+        model.to(buffer_device)
     model.init_parameters(_init_own_parameters)
     for module in model.modules():
         if isinstance(module, TitanModule):

@@ -1,4 +1,5 @@
-"""torchtitan's Trainer with flex_shard: a `--flex_shard.*` section, global-norm clipping."""
+"""torchtitan's Trainer with flex_shard: a `--flex_shard.*` section, global-norm clipping
+and the global norm logged."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
 
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.trainer import Trainer
@@ -29,23 +35,63 @@ def check_trainer_config(config) -> None:
                          "config_registry")
 
 
-def clip_before_step(optimizer, models, max_norm: float):
-    """Register a step pre-hook on `optimizer` that clips the gradients of every
-    flex-sharded model in `models` to a global norm of `max_norm` (one all-reduce
-    each). Returns the hook's handle."""
-    def clip(*_) -> None:
-        for model in models:
-            fs.clip_grad_norm_(model, max_norm)
-    return optimizer.register_step_pre_hook(clip)
+def clip_grad_norm_over_parts_(models, max_norm: float, pp_group=None) -> torch.Tensor:
+    """`fs.clip_grad_norm_` over several flex-sharded models (the pipeline stages
+    on this rank) and, with `pp_group`, over every pipeline rank's stages: the
+    gradients are scaled so their global 2-norm is at most `max_norm`; returns that
+    norm (before clipping), the same on every rank, as torchtitan's clip under FSDP2."""
+    models = list(models)
+    if len(models) == 1 and pp_group is None:
+        return fs.clip_grad_norm_(models[0], max_norm)
+    # each part's norm over its data-parallel mesh (max_norm inf: nothing clipped yet)
+    total = torch.stack([fs.clip_grad_norm_(m, math.inf) for m in models]).square().sum()
+    if pp_group is not None:
+        with record_function("FlexShard::clip_grad_norm_pp_all_reduce"):
+            dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in (p.grad for m in models for p in m.parameters() if p.grad is not None):
+        grad.mul_(coef.to(grad.device, grad.dtype))  # offloaded grads live in host memory
+    return total
+
+
+class GlobalGradNorm:
+    """An optimizer step pre-hook: clip every model part's gradients to a global norm
+    of `max_norm` (inf: measure only) and keep that norm (`last`) for the log."""
+
+    def __init__(self, models, max_norm: float, pp_group=None) -> None:
+        self.models, self.max_norm, self.pp_group = list(models), max_norm, pp_group
+        self.last: Optional[float] = None
+
+    def __call__(self, *_) -> None:
+        self.last = clip_grad_norm_over_parts_(self.models, self.max_norm, self.pp_group).item()
+
+    def log_with_global_norm(self, log):
+        """MetricsProcessor.log, logging this global norm as grad_norm in place of
+        the one torchtitan measured (each rank's own shards)."""
+        def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            norm = grad_norm if self.last is None else self.last
+            return log(step, global_avg_loss, global_max_loss, norm, extra_metrics=extra_metrics)
+        return logged
+
+
+def clip_before_step(optimizer, models, max_norm: float, pp_group=None) -> GlobalGradNorm:
+    """Register a step pre-hook on `optimizer` that clips the gradients of the
+    flex-sharded `models` (over `pp_group`'s pipeline ranks too) to a global norm of
+    `max_norm`; returns the hook, which keeps the last norm."""
+    hook = GlobalGradNorm(models, max_norm, pp_group)
+    optimizer.register_step_pre_hook(hook)
+    return hook
 
 
 class FlexShardTrainer(Trainer):
-    """Trainer whose parallelize function is flexshard's, configured by `--flex_shard.*`.
+    """Trainer whose parallelize and pipelining functions are flexshard's,
+    configured by `--flex_shard.*`.
 
     Gradient clipping: torchtitan's own clip sees only this rank's sharded
-    gradients, so it is switched off (max_norm = inf; its logged grad_norm is this
-    rank's) and `fs.clip_grad_norm_` clips by the global norm right before each
-    optimizer step, with `--training.max_norm`.
+    gradients, so it is switched off (max_norm = inf) and the global norm over
+    every rank and pipeline stage clips right before each optimizer step, with
+    `--training.max_norm`; that global norm is the grad_norm torchtitan logs.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -60,5 +106,9 @@ class FlexShardTrainer(Trainer):
             config.model_spec,
             parallelize_fn=functools.partial(parallelize_llama, flex_shard=config.flex_shard))
         super().__init__(config)
-        if 0 < max_norm < math.inf:  # the first optimizer steps first: clip before it
-            clip_before_step(next(iter(self.optimizers)), list(self.model_parts), max_norm)
+        pp_mesh = self.parallel_dims.get_optional_mesh("pp")
+        # the first optimizer steps first: clip before it
+        self.grad_norm = clip_before_step(
+            next(iter(self.optimizers)), self.model_parts, max_norm if max_norm > 0 else math.inf,
+            None if pp_mesh is None else pp_mesh.get_group())
+        self.metrics_processor.log = self.grad_norm.log_with_global_norm(self.metrics_processor.log)
