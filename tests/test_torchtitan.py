@@ -27,6 +27,7 @@ from flexshard.integrations.torchtitan import FlexShardConfig, llama_buckets, pa
 from flexshard.integrations.torchtitan.pipeline import pipeline_decoder
 from flexshard.integrations.torchtitan.trainer import (FlexShardTrainer, check_trainer_config,
                                                        clip_before_step)
+from flexshard.runtime.sharded_grad import plain
 from flexshard.runtime.state import get_state
 from harness import run_world
 
@@ -347,7 +348,7 @@ def _clipped_step() -> tuple:
     titan_loss(model, tokens(0, dist.get_rank()), 2 * BATCH * SEQ).backward()
 
     def global_norm() -> float:  # summed as clip_grad_norm_ sums, to compare like with like
-        sq = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+        sq = sum(torch.linalg.vector_norm(plain(p.grad), dtype=torch.float32).square()
                  for p in model.parameters()).reshape(1)
         dist.all_reduce(sq)
         return sq.sqrt().item()
