@@ -43,6 +43,10 @@ from .wire import WirePolicy
 # Largest magnitude each wire dtype holds: int8 symmetric (-127..127), e4m3's max.
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 _UP_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32
+# The dtype a batch's gathered data is joined in before its multiply promotes it to
+# float32: int8 itself; float8 types do not promote, so e4m3 is joined as bf16
+# (exact: every e4m3 value is a bf16), half the bytes of a float32 copy.
+_JOIN_AS = {torch.int8: torch.int8, torch.float8_e4m3fn: torch.bfloat16}
 _EPS = 1e-12  # an all-zero block keeps a finite scale (and decodes to zeros)
 
 
@@ -99,14 +103,18 @@ class BlockQuantized(WireFormat):
         plan = cache.get("decode")
         if plan is None:
             plan = cache["decode"] = _DecodePlan(formats, [parts[0].shape for parts in fulls])
-        data = joined([fulls[i][0] for i in plan.order], torch.float32)
+        data = joined([fulls[i][0] for i in plan.order], _JOIN_AS[self.dtype])
         scales = joined([fulls[i][1] for i in plan.order], torch.float32)
+        out = torch.empty(data.numel(), dtype=self.out_dtype, device=data.device)
         for start, stop, first, last, width in plan.runs:
-            data[start:stop].view(last - first, width).mul_(scales[first:last, None])
-        out = [None] * len(fulls)
-        for i, piece in zip(plan.order, data.to(self.out_dtype).split_with_sizes(plan.numels)):
-            out[i] = piece.view(fulls[i][0].shape)
-        return out
+            # computed in float32 (type promotion), rounded once into `out`: as
+            # decode's float(), multiply and cast, without a float32 copy of the bucket
+            torch.mul(data[start:stop].view(last - first, width), scales[first:last, None],
+                      out=out[start:stop].view(last - first, width))
+        params = [None] * len(fulls)
+        for i, piece in zip(plan.order, out.split_with_sizes(plan.numels)):
+            params[i] = piece.view(fulls[i][0].shape)
+        return params
 
     def _width(self, shape: torch.Size) -> int:
         """Elements of one block: `block_rows` rows of every column."""
