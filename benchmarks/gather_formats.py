@@ -8,10 +8,12 @@ goal 5).
 One process: each row makes its own fake world (benchmarks/fake_world.py: torch's
 "fake" backend, collectives move nothing) over the same HF Llama (bf16 params,
 fp32 reduce, reshard after forward) and counts one forward+backward after a
-warm-up step with fake_world's OpCounter. "per param" rows build the same model
-with batching turned off (each format's `batch_key` returning None while
-flex_shard plans): the encode and decode one param at a time, as before batched
-gathers; "batched" rows are what flexshard runs. Ops on a GPU are kernel
+warm-up step with fake_world's OpCounter, and the peak of live bytes over a
+third step (meters.MemoryMeter: params, grads, temporaries; CPU allocator
+blocks). "per param" rows build the same model with batching turned off (each
+format's `batch_key` returning None while flex_shard plans): the encode and
+decode one param at a time, as before batched gathers; "batched" rows are what
+flexshard runs. Ops on a GPU are kernel
 launches; this counts them on a CPU (no timings: see benchmarks/gpu.py).
 """
 
@@ -30,6 +32,7 @@ from flexshard.placements.quantized import BlockQuantized
 from flexshard.placements.subclass import SubclassGather
 
 from .fake_world import PRESETS, Counts, OpCounter, fake_world, hf_llama, to_float8, wrap
+from .meters import MemoryMeter
 
 
 class Row(NamedTuple):
@@ -79,8 +82,9 @@ def build(row: Row, shape, mesh) -> torch.nn.Module:
     return fs.flex_shard(model, mesh, mp_policy=mp)
 
 
-def count(row: Row, world: int, shape) -> Counts:
-    """One forward+backward of `row` after one warm-up step (SGD)."""
+def count(row: Row, world: int, shape) -> tuple:
+    """(Counts of one forward+backward, peak bytes of one step) of `row`, after a
+    warm-up step (SGD)."""
     with fake_world(world) as mesh:
         with unbatched(not row.batched):
             model = build(row, shape, mesh)
@@ -88,10 +92,11 @@ def count(row: Row, world: int, shape) -> Counts:
         tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq),
                                generator=torch.Generator().manual_seed(0))
 
-        def step(counter=None) -> None:
+        def step(counter=None, meter=None) -> None:
             with counter or contextlib.nullcontext():
                 model(input_ids=tokens, labels=tokens).loss.backward()
-            opt.step()
+            with meter or contextlib.nullcontext():
+                opt.step()
             opt.zero_grad(set_to_none=True)
             if row.side == "fsdp2" and row.float8:
                 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -101,20 +106,24 @@ def count(row: Row, world: int, shape) -> Counts:
         step()
         counter = OpCounter()
         step(counter)
+        meter = MemoryMeter()  # last: a dispatch mode over the whole step
+        meter.register(model.parameters(), "param")
+        with meter:
+            step()
         del model, opt
         gc.collect()
-    return Counts.of(counter)
+    return Counts.of(counter), meter.peak
 
 
 def table(counts: dict) -> str:
-    """Markdown: each row's counts and its ratios to the bf16 rows."""
-    flex, fsdp = counts[ROWS[1]], counts[ROWS[0]]
+    """Markdown: each row's counts, its peak and its ratios to the bf16 rows."""
+    flex, fsdp = counts[ROWS[1]][0], counts[ROWS[0]][0]
     lines = ["| configuration | aten ops | non-view ops | collectives | copy-family ops "
-             "| copy MiB | non-view / flexshard bf16 | non-view / FSDP2 bf16 |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row, c in counts.items():
+             "| copy MiB | peak MiB | non-view / flexshard bf16 | non-view / FSDP2 bf16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row, (c, peak) in counts.items():
         lines.append(f"| {row.label} | {c.ops} | {c.non_view_ops} | {c.collectives} | "
-                     f"{c.copy_ops} | {c.copy_bytes / 2**20:.1f} | "
+                     f"{c.copy_ops} | {c.copy_bytes / 2**20:.1f} | {peak / 2**20:.1f} | "
                      f"{c.non_view_ops / flex.non_view_ops:.2f}x | "
                      f"{c.non_view_ops / fsdp.non_view_ops:.2f}x |")
     return "\n".join(lines)
