@@ -1,7 +1,9 @@
 """Clean exits under torchrun: N runs of each script, flexshard and FSDP2 interleaved.
 
 A finished run must exit 0; a run that prints "terminate called" (SIGABRT at
-interpreter exit) or exits non-zero counts as an abort. `--load K` starts K
+interpreter exit) or exits non-zero counts as an abort. The "+300" cases end the
+quickstart with 300 all-reduces, which makes an abort at exit likely when the
+process group is left to interpreter finalization (flexshard/runtime/teardown.py). `--load K` starts K
 busy-looping processes for the duration, to reproduce a loaded machine.
 
     PYTHONPATH=$PWD python -m benchmarks.exit_stress --runs 12 --load 2
@@ -26,6 +28,8 @@ SCRIPTS = os.path.join(HERE, "exit_scripts")
 CASES = {  # name -> argv after torchrun's own (a "{dir}" is replaced by a fresh directory)
     "quickstart flexshard": ["quickstart_flexshard.py"],
     "quickstart fsdp2": ["quickstart_fsdp2.py"],
+    "quickstart+300 flexshard": ["quickstart_flexshard.py", "300"],
+    "quickstart+300 fsdp2": ["quickstart_fsdp2.py", "300"],
     "dcp save/load flexshard": ["dcp_roundtrip.py", "flexshard", "{dir}"],
     "dcp save/load fsdp2": ["dcp_roundtrip.py", "fsdp2", "{dir}"],
 }
@@ -86,7 +90,7 @@ def main(argv=None) -> dict:
     print(f"{args.runs} runs per case, {args.nproc} ranks, {args.load} busy processes, "
           f"{time.time() - start:.0f} s")
     for case in args.cases:
-        print(f"{case:<26} aborts {aborts[case]}/{args.runs}")
+        print(f"{case:<28} aborts {aborts[case]}/{args.runs}")
     return aborts
 
 

@@ -38,6 +38,7 @@ from .runtime.registration import RegistrationGuard
 from .runtime.reshard import SavedParams
 from .runtime.sharded_grad import norm_groups, wrap_grads
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
+from .runtime.teardown import destroy_gloo_group_at_exit
 
 
 class FlexShardModule:
@@ -189,6 +190,8 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     _check_args(module, mesh, placement, mp_policy, reshard_after_forward, offload_policy)
     if mesh is None:
         _init_from_launcher(module)
+    if dist.is_available() and dist.is_initialized():
+        destroy_gloo_group_at_exit()  # a clean exit without destroy_process_group (teardown.py)
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
     _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())

@@ -211,7 +211,8 @@ def test_checkpoint_of_another_model_names_the_key(tmp_path):
                            r"'model\.pos' has shape \(11, 30\) but the model's is \(11, 33\)",
                            str(tmp_path), {"dim": 33}, False)
     expect_all_ranks_raise(2, _load_into, ValueError,
-                           r"has no 'optim\.state\.pos\.step'.*without this optimizer",
+                           r"holds the model under 'model\.' but not this optimizer's state: it "
+                           r"needs e\.g\. \['optim\.state\.pos\.step'\]",
                            str(tmp_path))
 
 

@@ -1,5 +1,6 @@
-"""The README quickstart with FSDP2's fully_shard per layer plus root (no destroy_process_group)."""
+"""The README quickstart with FSDP2's fully_shard per layer plus root (no destroy_process_group); argv[1]: all-reduces at the end."""
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,3 +20,5 @@ for step in range(3):
     opt.step()
     opt.zero_grad()
 print(f"loss {loss.item():.4f}")
+for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 0):  # collectives right before exit
+    dist.all_reduce(torch.ones(1000))

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime.state import files_group, get_state
+from . import layouts
 from .async_save import async_saves
 
 _STEP_DIR = "step_{:08d}"
@@ -90,6 +91,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     """Load the newest complete checkpoint under `path` (or the checkpoint
     `path` itself) into `model` (and `optimizer`), in place. Returns its step.
 
+    Reads flexshard's checkpoints and the DCP checkpoints FSDP2 users write
+    from DSD's state dicts: `{"model", "optim" or "optimizer"}`, `{"app":
+    {...}}`, or the model's keys at the top level (checkpoint/layouts.py).
+
     Collective. The checkpoint may come from any world size and placements;
     keys and shapes are checked on every rank before any collective.
     """
@@ -104,15 +109,17 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     ckpt = find_checkpoint(os.fspath(path))
     metadata = _read_metadata(ckpt)
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    _check_compatible(ckpt, metadata.state_dict_metadata, model_sd, optim_sd)
-    holder = {"model": model_sd, "optim": optim_sd, "step": -1}
+    saved = metadata.state_dict_metadata
+    layout = layouts.find_layout(ckpt, saved, model_sd, optim_sd)  # flexshard's, or FSDP2 users'
+    layouts.check_shapes(ckpt, saved, layout, model_sd, optim_sd)
+    holder = layouts.holder(layout, saved, model_sd, optim_sd)
     with _single_process_quiet(state):
         dcp.load(holder, checkpoint_id=ckpt, process_group=files_group(state)[0])
     if optimizer is None:
         set_model_state_dict(model, model_sd)
     else:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return int(holder["step"])
+    return layouts.loaded_step(ckpt, saved, holder)
 
 
 def _read_metadata(ckpt: str):
@@ -217,21 +224,6 @@ def _check_writable(directory, state) -> None:
         raise ValueError(f"save_checkpoint: cannot write checkpoints to {os.fspath(directory)!r} "
                          f"({problem or 'another rank could not write it'}); pass a directory "
                          "every rank can write")
-
-
-def _check_compatible(ckpt: str, saved: dict, model_sd: dict, optim_sd: dict) -> None:
-    """ValueError naming the first key the checkpoint lacks or holds in another shape."""
-    wanted = {f"model.{k}": v for k, v in model_sd.items()}
-    for fqn, entries in optim_sd.get("state", {}).items():
-        wanted.update({f"optim.state.{fqn}.{name}": v for name, v in entries.items()})
-    for key, value in wanted.items():
-        if key not in saved:
-            raise ValueError(f"checkpoint {ckpt!r} has no {key!r}; it was saved from another "
-                             "model or without this optimizer")
-        size = getattr(saved[key], "size", None)
-        if size is not None and isinstance(value, torch.Tensor) and tuple(size) != value.shape:
-            raise ValueError(f"checkpoint {ckpt!r}: {key!r} has shape {tuple(size)} but the "
-                             f"model's is {tuple(value.shape)}; load it into the same model")
 
 
 def _publish(tmp: str, final: str) -> None:
