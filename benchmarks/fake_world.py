@@ -26,7 +26,7 @@ call (its own fake world):
 
     from benchmarks.gpu import count_step
     c = count_step("flexshard", world=8)      # HF Llama hidden 384, 4 layers, seq 256
-    c.ops, c.copy_bytes, c.by_op["aten::copy_"]
+    c.ops, c.copy_bytes, c.by_op.get("aten::copy_", (0, 0))
 """
 
 from __future__ import annotations
