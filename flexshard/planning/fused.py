@@ -167,8 +167,9 @@ def _run(dtype: torch.dtype, cols: list) -> ColumnRun:
 
 
 def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> dict:
-    """{region: its full tensor, flat} for the regions of `plan`'s runs: one
-    split_with_sizes_copy per run."""
+    """{region: its full tensor as [world, n]} for the regions of `plan`'s runs:
+    per run one buffer of their own and one split_with_sizes_copy into it (the out=
+    form: CUDA's one fused kernel, where the functional form clones chunk by chunk)."""
     out, typed = {}, {}
     for run in plan.runs:
         if run.dtype not in typed:
@@ -176,7 +177,11 @@ def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int
         rows = typed[run.dtype]
         if run.start or run.stop != rows.shape[1]:
             rows = rows[:, run.start:run.stop]
-        chunks = torch.split_with_sizes_copy(rows, list(run.sizes), dim=1)
+        flat = torch.empty(world_size * (run.stop - run.start), dtype=run.dtype,
+                           device=gathered.device)
+        chunks = [c.view(world_size, n) for c, n in
+                  zip(flat.split([world_size * n for n in run.sizes]), run.sizes)]
+        torch.split_with_sizes_copy(rows, list(run.sizes), dim=1, out=chunks)
         for chunk, j in run.picks:
             out[j] = chunks[chunk]
     return out
