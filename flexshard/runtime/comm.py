@@ -19,6 +19,11 @@ import torch.distributed as dist
 from ..compat import all_gather_single, reduce_scatter_single  # named by torch release
 
 
+def _op(op: Optional[dist.ReduceOp]) -> dict:
+    """The `op` keyword for a c10d collective: none for SUM, torch's default."""
+    return {} if op is None else {"op": op}
+
+
 class Comm:
     """The collectives flexshard issues, each over a whole flat buffer."""
 
@@ -29,22 +34,23 @@ class Comm:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
-                       op: dist.ReduceOp = dist.ReduceOp.SUM) -> Optional[dist.Work]:
-        """Reduce rank-major `input`s by `op` (SUM, or AVG where `averages`)
+                       op: Optional[dist.ReduceOp] = None) -> Optional[dist.Work]:
+        """Reduce rank-major `input`s by `op` (None: SUM; AVG where `averages`)
         and give rank r segment r in `output`. `input` may be used as scratch."""
-        return reduce_scatter_single(output, input, op=op, group=group,
-                                     async_op=async_op)
+        # SUM is torch's default, left unnamed: torch 2.11's dynamo cannot trace a
+        # ReduceOp default (the activation collectives trace this call)
+        return reduce_scatter_single(output, input, group=group, async_op=async_op,
+                                     **_op(op))
 
     def averages(self, group) -> bool:
         """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;
         gloo does not, so a bucket pre-divides and sums there)."""
         return group is not None and dist.get_backend(group) == dist.Backend.NCCL
 
-    def all_reduce(self, tensor: torch.Tensor, group,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
-        """In-place all-reduce: norms, plan fingerprints, and under HSDP the
-        reduced gradient shards across the replicate group."""
-        dist.all_reduce(tensor, op=op, group=group)
+    def all_reduce(self, tensor: torch.Tensor, group, op: Optional[dist.ReduceOp] = None) -> None:
+        """In-place all-reduce by `op` (None: SUM): norms, plan fingerprints, and
+        under HSDP the reduced gradient shards across the replicate group."""
+        dist.all_reduce(tensor, group=group, **_op(op))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list,
                    input_split_sizes: list, group) -> None:

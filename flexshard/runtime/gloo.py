@@ -56,10 +56,11 @@ class GlooComm(Comm):
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
-                       op: dist.ReduceOp = dist.ReduceOp.SUM) -> Optional["Works"]:
+                       op: Optional[dist.ReduceOp] = None) -> Optional["Works"]:
         if not self._rooted(output, group):
             return super().reduce_scatter(output, input, group, async_op, op)
-        return reduce_to_roots(output, input, group, async_op, op)
+        return reduce_to_roots(output, input, group, async_op,
+                               dist.ReduceOp.SUM if op is None else op)
 
     def _rooted(self, segment: torch.Tensor, group) -> bool:
         """Whether a collective whose per-rank segment is `segment` goes rooted:
