@@ -134,3 +134,71 @@ def test_without_a_cast_the_storage_is_the_gather_input(counted):
         counts = by_case[("shard0", False)]["counts"]
         assert "in" not in counts, counts
         assert set(counts["out"]) == {1} and counts["pack"] == [1] * 2
+
+
+# The fused plans against the per-param copy plans they replace, layout by layout
+# (planning/fused.py; one process): where a fused plan applies it writes the same
+# bytes, and where a layout does not fit it the plan says so.
+
+SPECS = {
+    # pieces of whole 16-byte units at 4 and 8 ranks (the layout's alignment)
+    "even shard0": [((8, 4), fs.Shard(0)), ((32,), fs.Shard(0)), ((8, 2, 4), fs.Shard(0))],
+    "uneven shard0": [((7, 3), fs.Shard(0)), ((16,), fs.Shard(0))],
+    "ragged": [((8, 4), fs.RaggedShard()), ((11, 2), fs.RaggedShard())],
+    "owned": [((3, 4), fs.Owned()), ((5,), fs.Owned()), ((2, 8), fs.Owned())],
+    "shard1": [((6, 8), fs.Shard(1)), ((8,), fs.Shard(0))],
+    "mixed": [((8, 4), fs.Shard(0)), ((3, 4), fs.Owned()), ((6, 8), fs.Shard(1)),
+              ((9, 2), fs.RaggedShard())],
+}
+
+
+def _layout(name: str, world: int, dtype=torch.float32):
+    from flexshard.planning.layout import plan_layout
+    from test_hot_path import _slots
+
+    slots = _slots(SPECS[name], world, dtype)
+    return slots, plan_layout(slots, [s.dtype for s in slots], world)
+
+
+def _packed(layout, slots, fulls) -> torch.Tensor:
+    from flexshard.planning.copyplan import CopyPlan
+
+    ref = torch.zeros(layout.wire_bytes, dtype=torch.uint8)
+    for i, (slot, full) in enumerate(zip(slots, fulls)):
+        CopyPlan(layout, slot, i).pack(ref, full)
+    return ref
+
+
+@pytest.mark.parametrize("world", [1, 3, 4, 8])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_fused_plans_write_what_the_per_param_plans_write(name, world):
+    from flexshard.planning.fused import (copy_out_columns, plan_chunk_cat, plan_copy_out,
+                                          span_split, split_views)
+
+    slots, layout = _layout(name, world)
+    fulls = [torch.randn(s.shape, generator=torch.Generator().manual_seed(i)).bfloat16()
+             for i, s in enumerate(slots)]
+    ref = _packed(layout, slots, fulls)  # the reduce input, cast to fp32 on the way
+    chunk = plan_chunk_cat(layout, slots)
+    if chunk is not None:
+        got = torch.full((layout.wire_bytes,), 7, dtype=torch.uint8)  # garbage, as torch.empty
+        rows = got.view(torch.float32).view(world, chunk.seg_elems)
+        rows[:, chunk.width:].zero_()
+        torch._chunk_cat(fulls, 0, world, out=rows[:, :chunk.width])
+        assert torch.equal(got, ref)
+    spans = span_split(layout, range(len(slots)))
+    if spans is not None:
+        got = torch.zeros(layout.wire_bytes, dtype=torch.uint8)
+        torch._foreach_copy_(split_views(got, spans), [f.reshape(-1) for f in fulls])
+        assert torch.equal(got, ref)
+    columns = copy_out_columns(ref, plan_copy_out(layout, range(len(slots))), world)
+    for j, full in columns.items():
+        assert torch.equal(full.view(slots[j].shape), fulls[j].float())
+    # which layouts fit which fused plan (world 1: every piece is the full tensor)
+    fits = {("even shard0", 4), ("even shard0", 8), ("ragged", 4)}
+    if (name, world) in fits or name in {"uneven shard0", "owned", "shard1", "mixed"} and world > 1:
+        assert (chunk is not None) == ((name, world) in fits), (name, world)
+    if world > 1:
+        assert (spans is not None) == (name == "owned"), name
+    if world in (4, 8):  # a param split evenly is a column of [world, segment]
+        assert bool(columns) == (name not in {"owned", "uneven shard0"}), (name, world)
