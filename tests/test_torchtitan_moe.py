@@ -48,9 +48,9 @@ def _fp32_experts(self, x_RD, num_tokens_per_expert_E):
     return torch.cat(out) if out else x_RD[:0]
 
 
-def moe_config(ep: int):
+def moe_config(ep: int, tp: int = 1):
     """torchtitan's qwen3 debugmodel_moe, 2 layers of 8 experts (top 2, hidden 64),
-    SDPA attention, set up for expert parallel degree `ep`."""
+    SDPA attention, set up for expert parallel degree `ep` (and tensor parallel `tp`)."""
     cfg = model_registry("debugmodel_moe").model
     cfg.layers = cfg.layers[:LAYERS]
     for layer in cfg.layers:
@@ -63,7 +63,7 @@ def moe_config(ep: int):
         moe.routed_experts.inner_experts.hidden_dim = HIDDEN
 
     class _Job:
-        parallelism = ParallelismConfig(expert_parallel_degree=ep,
+        parallelism = ParallelismConfig(expert_parallel_degree=ep, tensor_parallel_degree=tp,
                                         spmd_backend="partial_dtensor")
 
     cfg.update_from_config(config=_Job())
@@ -93,23 +93,25 @@ CONFIGS = {"qwen3": moe_config, "deepseek_v3": deepseek_config}
 
 
 @functools.lru_cache(maxsize=4)
-def _pristine(ep: int, family: str = "qwen3") -> torch.nn.Module:
+def _pristine(ep: int, family: str = "qwen3", tp: int = 1) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = CONFIGS[family](ep).build()
+    model = (CONFIGS[family](ep) if tp == 1 else moe_config(ep, tp)).build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
 
 
-def reference(family: str = "qwen3") -> tuple:
-    """One process, every expert, every rank's tokens: (losses, step-0 grads, params)."""
+@functools.lru_cache(maxsize=2)
+def reference(family: str = "qwen3", dp: int = WORLD) -> tuple:
+    """One process, every expert, the tokens of `dp` data-parallel ranks: (losses,
+    step-0 grads, params). Cached per arguments, shared read-only by the tests."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with mock.patch.object(GroupedExperts, "forward", _fp32_experts):
             model = copy.deepcopy(_pristine(1, family))
             opt = torch.optim.SGD(model.parameters(), lr=LR)
-            rows = torch.cat([tokens(0, r) for r in range(WORLD)])
+            rows = torch.cat([tokens(0, r) for r in range(dp)])
             losses, first = [], None
             for step in range(STEPS):
                 loss = titan_loss(model, rows, rows[:, 1:].numel())

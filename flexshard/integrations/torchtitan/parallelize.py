@@ -45,16 +45,17 @@ def llama_buckets(model: nn.Module, reshard_after_forward: bool, expert_mesh=Non
     bucket of their own on it, named `layers.<i>.experts`.
     """
     specs = []
-    for name, block in model.layers.named_children():
+    named = list(model.named_parameters())  # as flex_shard names them (AC wrappers included:
+    for name, block in model.layers.named_children():  # theirs drop the wrapper's prefix)
         experts = _routed_experts(block) if expert_mesh is not None else None
         if experts is None:
             specs.append(fs.BucketSpec(f"layers.{name}.*", name=f"layers.{name}",
                                        reshard_after_forward=reshard_after_forward))
             continue
-        inner = {f"layers.{name}.{fqn}" for fqn, p in block.named_parameters()
-                 if any(p is q for q in experts.parameters())}
-        dense = [f"layers.{name}.{fqn}" for fqn, _ in block.named_parameters()
-                 if f"layers.{name}.{fqn}" not in inner]
+        expert_ids = {id(q) for q in experts.parameters()}
+        own = [(fqn, p) for fqn, p in named if fqn.startswith(f"layers.{name}.")]
+        inner = {fqn for fqn, p in own if id(p) in expert_ids}
+        dense = [fqn for fqn, _ in own if fqn not in inner]
         specs += [fs.BucketSpec(dense, name=f"layers.{name}",
                                 reshard_after_forward=reshard_after_forward),
                   fs.BucketSpec(sorted(inner), name=f"layers.{name}.experts",
@@ -90,6 +91,15 @@ def check_job(parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> No
             "experiment configs set it)")
 
 
+def _check_compile(parallel_dims: ParallelDims) -> None:
+    if parallel_dims.ep_enabled:
+        raise NotImplementedError(
+            "--compile.enable with --parallelism.expert_parallel_degree > 1: the routed "
+            "experts' own bucket runs its (eager) gather hooks inside each MoE block, which "
+            "torchtitan compiles whole with fullgraph=True; drop one of the two (compiled "
+            "MoE blocks run at --parallelism.expert_parallel_degree 1)")
+
+
 def _check_flex_shard(flex_shard: Optional[FlexShardConfig]) -> None:
     if flex_shard is None:
         raise ValueError(
@@ -114,6 +124,7 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
     check_job(parallel_dims, parallelism)
     compiled = compile_config.enable and "model" in compile_config.components
     if compiled:  # before touching the model; the device is the one torchtitan trains on
+        _check_compile(parallel_dims)
         check_cpp_compiler(titan_parallel_dims.device_type, compile_config.backend)
     _check_flex_shard(flex_shard)
     placement = flex_shard.build_placement()
