@@ -202,3 +202,17 @@ def test_fused_plans_write_what_the_per_param_plans_write(name, world):
         assert (spans is not None) == (name == "owned"), name
     if world in (4, 8):  # a param split evenly is a column of [world, segment]
         assert bool(columns) == (name not in {"owned", "uneven shard0"}), (name, world)
+
+
+def test_a_bucket_with_an_empty_param_packs_its_reduce_input_per_param():
+    # torch._chunk_cat refuses an empty tensor in its list: such a bucket's reduce
+    # input is packed by the per-param plans (hypothesis found it in test_properties)
+    from flexshard.planning.fused import plan_chunk_cat
+    from flexshard.planning.layout import plan_layout
+    from test_hot_path import _slots
+
+    for world in (1, 4):
+        slots = _slots([((8, 4), fs.Shard(0)), ((0, 4), fs.Shard(0))], world, torch.float32)
+        layout = plan_layout(slots, [s.dtype for s in slots], world)
+        assert plan_chunk_cat(layout, slots) is None
+        assert plan_chunk_cat(layout, slots[:1]) is not None  # without it, one chunk-cat

@@ -210,8 +210,9 @@ def plan_chunk_cat(layout: BucketLayout, slots: Sequence[SlotPlan]) -> Optional[
         return None
     size, col = layout.regions[0].dtype.itemsize, 0
     for j, slot in enumerate(slots):
-        if not len(slot.shape) or not slot.placement.rank_major(slot.shape):
-            return None
+        if not len(slot.shape) or not math.prod(slot.shape) or \
+                not slot.placement.rank_major(slot.shape):
+            return None  # torch._chunk_cat refuses an empty tensor in its list
         rows, inner = slot.shape[0], math.prod(slot.shape[1:])
         for r in range(layout.world_size):
             expected = torch.Size((_chunk_rows(rows, r, layout.world_size), *slot.shape[1:]))
