@@ -263,21 +263,6 @@ def test_mixed_precision_and_reshard_come_from_torchtitan_config(policy, blocks_
                    for p in model.parameters())
 
 
-@pytest.mark.parametrize("field, value, flag", [
-    ("cp", 2, "--parallelism.context_parallel_degree > 1"),
-])
-def test_other_parallelisms_are_refused(field, value, flag):
-    degrees = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
-    degrees[field] = value
-    dims = ParallelDims(**degrees, world_size=2, spmd_backend="partial_dtensor")
-    pattern = (r"data parallelism .*, tensor, expert and pipeline parallelism only; drop "
-               + flag.replace(">", "."))
-    with pytest.raises(NotImplementedError, match=pattern):
-        parallelize_llama(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
-                          parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-                          compile_config=CompileConfig(), ac_config=None, dump_folder="")
-
-
 def test_spmd_backend_is_refused():
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     with pytest.raises(NotImplementedError, match=r"--parallelism.spmd_backend spmd_types: .*; "
