@@ -280,6 +280,23 @@ def live_dtensor(local: torch.Tensor, mesh, placements, shape: Sequence[int], st
     return out
 
 
+def copy_value(value):
+    """A CPU copy of a state-dict value that holds only this rank's bytes: a
+    ShardedPieces or DTensor of a copy of the local piece (metadata shared,
+    not deep-copied), a copy of a plain tensor, anything else as it is."""
+    if isinstance(value, ShardedPieces):
+        return ShardedPieces(_cpu_copy(value.local), value.shape, value.boxes)
+    if isinstance(value, DTensor):
+        return DTensor(_cpu_copy(value.to_local()), dtensor_spec(value), requires_grad=False)
+    if isinstance(value, torch.Tensor):
+        return _cpu_copy(value.detach())
+    return value
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu", copy=True)
+
+
 def dtensor_shard(placement: Placement, shape: Sequence[int], world_size: int):
     """DTensor's Shard(dim) when it gives every rank exactly this placement's
     piece (flexshard's Shard follows torch.chunk, as DTensor does), else None."""
