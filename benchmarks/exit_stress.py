@@ -41,7 +41,7 @@ def _spin(stop) -> None:
 
 
 def run_once(argv: list, nproc: int, timeout: float) -> tuple:
-    """(ok, output) of one torchrun of `argv`."""
+    """(ok, output) of one torchrun of `argv` (a timeout is not ok, and says so)."""
     directory = tempfile.mkdtemp(prefix="exit-stress-")
     argv = [a.replace("{dir}", directory) for a in argv]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -70,6 +70,7 @@ def main(argv=None) -> dict:
     for p in spinners:
         p.start()
     aborts = {case: 0 for case in args.cases}
+    timeouts = {case: 0 for case in args.cases}
     os.makedirs(args.log_dir, exist_ok=True)
     start = time.time()
     try:
@@ -77,7 +78,8 @@ def main(argv=None) -> dict:
             for case in args.cases:  # interleaved: both libraries see the same load
                 ok, out = run_once(CASES[case], args.nproc, args.timeout)
                 if not ok:
-                    aborts[case] += 1
+                    bucket = timeouts if out.startswith("timeout after") else aborts
+                    bucket[case] += 1
                     name = case.replace(" ", "_").replace("/", "-")
                     with open(os.path.join(args.log_dir, f"{name}-{i}.log"), "w") as f:
                         f.write(out)
@@ -90,7 +92,7 @@ def main(argv=None) -> dict:
     print(f"{args.runs} runs per case, {args.nproc} ranks, {args.load} busy processes, "
           f"{time.time() - start:.0f} s")
     for case in args.cases:
-        print(f"{case:<28} aborts {aborts[case]}/{args.runs}")
+        print(f"{case:<28} aborts {aborts[case]}/{args.runs}, timeouts {timeouts[case]}")
     return aborts
 
 
