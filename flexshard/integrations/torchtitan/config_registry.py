@@ -1,5 +1,5 @@
 """Experiment configs: torchtitan's decoder configs (Llama 3, Qwen3 dense and MoE,
-DeepSeek-V3), sharded by flex_shard.
+DeepSeek-V3, gpt-oss), sharded by flex_shard.
 
 `--module flexshard.integrations.torchtitan --config <function>` selects one.
 Each starts from torchtitan's own config of the same model and changes only
@@ -16,6 +16,7 @@ import dataclasses
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.deepseek_v3 import config_registry as deepseek_v3
+from torchtitan.models.gpt_oss import config_registry as gpt_oss
 from torchtitan.models.llama3 import config_registry as llama3
 from torchtitan.models.qwen3 import config_registry as qwen3
 from torchtitan.trainer import Trainer
@@ -64,3 +65,9 @@ def flexshard_qwen3_moe_debugmodel() -> FlexShardTrainer.Config:
 def flexshard_deepseek_v3_debugmodel() -> FlexShardTrainer.Config:
     """torchtitan's deepseek_v3_debugmodel (MLA attention, MoE) with flex_shard."""
     return flexshard_config(deepseek_v3.deepseek_v3_debugmodel())
+
+
+def flexshard_gpt_oss_debugmodel() -> FlexShardTrainer.Config:
+    """torchtitan's gpt_oss_debugmodel (4 layers, 8 experts, attention sinks, varlen
+    attention) with flex_shard; the routed experts shard as Qwen3's do."""
+    return flexshard_config(gpt_oss.gpt_oss_debugmodel())
