@@ -231,6 +231,13 @@ def module_compiled(module) -> bool:
     return getattr(module, COMPILED_CALL_IMPL, None) is not None
 
 
+# torch.compile of the activation collectives (collectives/): torch 2.11's dynamo traces
+# their autograd Functions (in-place c10d collectives inside) into graphs whose backward
+# gives zero gradients (measured on CPU: shard_tensor, reduce_scatter_tensor); 2.13 traces
+# them right. Before 2.13 they run eagerly inside a compiled region (a graph break).
+TRACES_COLLECTIVE_FUNCTIONS = _release(torch.__version__) >= (2, 13)
+
+
 # The in-graph gather (experimental/ingraph.py, experimental): an all-gather that dynamo
 # traces into the graph (the _c10d_functional ops) and whose backward is a
 # reduce-scatter summing over the group. torch 2.13 renamed all_gather_tensor_autograd

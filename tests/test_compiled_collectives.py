@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
+from flexshard.compat import TRACES_COLLECTIVE_FUNCTIONS
 from flexshard.collectives import HaloPlan, halo_exchange
 from compile_check import compiled_graph_calls
 from harness import run_world
@@ -48,7 +49,8 @@ def compiled_against_eager() -> dict:
         torch._dynamo.reset()
         counters.clear()
         x = torch.randn(shape, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-        compiled = torch.compile(lambda t: fn(t * 2.0).sin(), backend="aot_eager", fullgraph=True)
+        compiled = torch.compile(lambda t: fn(t * 2.0).sin(), backend="aot_eager",
+                                 fullgraph=TRACES_COLLECTIVE_FUNCTIONS)
         got = compiled(x)
         ran = compiled_graph_calls(got)  # the call ran its graph
         got.sum().backward()
@@ -68,6 +70,9 @@ def test_every_collective_compiles_without_a_graph_break_and_matches_eager():
         assert len(results) == 9
         for name, (values, grads, breaks, graphs, ran) in results.items():
             assert values and grads, f"{name}: compiled differs from eager"
+            if not TRACES_COLLECTIVE_FUNCTIONS:  # torch < 2.13: the collective runs eagerly
+                assert breaks >= 1 and ran >= 1, f"{name}: {breaks} breaks, {ran} graphs ran"
+                continue
             assert ran == 1, f"{name}: the call ran {ran} compiled graphs"
             assert breaks == 0, f"{name}: {breaks} graph break(s)"
             assert graphs == 1, f"{name}: {graphs} graphs compiled over two calls"
@@ -92,7 +97,7 @@ def block_under_inductor() -> tuple:
     counters.clear()
     x = torch.randn(sizes[rank], 2 * world, generator=torch.Generator().manual_seed(rank),
                     requires_grad=True)
-    got = torch.compile(block, fullgraph=True)(x)
+    got = torch.compile(block, fullgraph=TRACES_COLLECTIVE_FUNCTIONS)(x)
     ran = compiled_graph_calls(got)
     got.sum().backward()
     got_grad, x.grad = x.grad, None
@@ -105,4 +110,6 @@ def block_under_inductor() -> tuple:
 
 def test_a_block_of_collectives_compiles_with_inductor_and_matches_eager():
     for values, grads, breaks, graphs, ran in run_world(3, block_under_inductor, timeout=300):
-        assert values and grads and breaks == 0 and graphs == 1 and ran == 1
+        assert values and grads and ran >= 1
+        if TRACES_COLLECTIVE_FUNCTIONS:  # before torch 2.13 each collective runs eagerly
+            assert breaks == 0 and graphs == 1 and ran == 1

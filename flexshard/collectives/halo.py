@@ -22,7 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from ..runtime.comm import Comm
-from .uneven import _agree, _group, _Group, _offsets
+from .uneven import _agree, _group, _Group, _offsets, traced_from_2_13
 
 
 class HaloPlan(NamedTuple):
@@ -97,6 +97,7 @@ class HaloPlan(NamedTuple):
         return rows
 
 
+@traced_from_2_13
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *,
                   comm: Optional[Comm] = None, include_local: bool = False) -> torch.Tensor:
     """The halo rows `plan` says this rank receives (rank by rank), from each

@@ -48,7 +48,18 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from ..compat import TRACES_COLLECTIVE_FUNCTIONS
 from ..runtime.comm import Comm
+
+
+def traced_from_2_13(fn):
+    """`fn` (a public collective); on torch before 2.13, `fn` run eagerly under
+    torch.compile (a graph break there): that dynamo traces its autograd Function
+    into a graph whose backward gives zero gradients (compat.TRACES_COLLECTIVE_FUNCTIONS)."""
+    if TRACES_COLLECTIVE_FUNCTIONS:
+        return fn
+    return torch.compiler.disable(fn, reason="torch before 2.13 traces flexshard's activation "
+                                             "collectives into graphs with zero gradients")
 
 
 class FullGrad(enum.Enum):
@@ -347,6 +358,7 @@ def _prepare(name, tensor, sizes, dim, group, full_grad, comm, whole, check_size
     return sizes, dim, g
 
 
+@traced_from_2_13
 def shard_tensor(full: torch.Tensor, sizes: Optional[Sequence[int]], dim: int = 0,
                  group=None, *, full_grad: FullGrad = FullGrad.REPLICATE,
                  comm: Optional[Comm] = None, check_sizes: bool = True) -> torch.Tensor:
@@ -360,6 +372,7 @@ def shard_tensor(full: torch.Tensor, sizes: Optional[Sequence[int]], dim: int = 
     return _Shard.apply(full, sizes, dim, g, full_grad)
 
 
+@traced_from_2_13
 def gather_tensor(piece: torch.Tensor, sizes: Optional[Sequence[int]], dim: int = 0,
                   group=None, *, full_grad: FullGrad = FullGrad.REPLICATE,
                   comm: Optional[Comm] = None, check_sizes: bool = True) -> torch.Tensor:
@@ -373,6 +386,7 @@ def gather_tensor(piece: torch.Tensor, sizes: Optional[Sequence[int]], dim: int 
     return _Gather.apply(piece, sizes, dim, g, full_grad)
 
 
+@traced_from_2_13
 def reduce_scatter_tensor(tensor: torch.Tensor, sizes: Optional[Sequence[int]], dim: int = 0,
                           group=None, *, full_grad: FullGrad = FullGrad.REPLICATE,
                           comm: Optional[Comm] = None, check_sizes: bool = True) -> torch.Tensor:
@@ -387,6 +401,7 @@ def reduce_scatter_tensor(tensor: torch.Tensor, sizes: Optional[Sequence[int]], 
     return _ReduceScatter.apply(tensor, sizes, dim, g)
 
 
+@traced_from_2_13
 def all_reduce_grad(tensor: torch.Tensor, group=None, *, comm: Optional[Comm] = None,
                     check_sizes: bool = True) -> torch.Tensor:
     """The identity forward; backward all-reduces the gradient.
@@ -405,6 +420,7 @@ def all_reduce_grad(tensor: torch.Tensor, group=None, *, comm: Optional[Comm] = 
     return _AllReduceGrad.apply(tensor, g)
 
 
+@traced_from_2_13
 def all_to_all(tensor: torch.Tensor, split_sizes: Sequence[int], split_dim: int,
                concat_sizes: Sequence[int], concat_dim: int, group=None, *,
                comm: Optional[Comm] = None, check_sizes: bool = True) -> torch.Tensor:
