@@ -32,7 +32,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, functional_all_gather_autograd
+from ..compat import (FUNCTIONAL_COLLECTIVES_NAMESPACE, TRACES_COLLECTIVE_FUNCTIONS,
+                      functional_all_gather_autograd)
 from ..runtime.bucket import Bucket
 from ..planning.wire_plan import plan_param_wires
 from ..runtime.state import get_state
@@ -109,6 +110,8 @@ def _check_supported(bucket: Bucket) -> None:
     """NotImplementedError for what the experimental in-graph gather leaves out."""
     layout = bucket.gather_layout
     missing = [what for what, bad in (
+        # 2.11's compiled training through it differs from eager (measured, CPU)
+        ("torch before 2.13", not TRACES_COLLECTIVE_FUNCTIONS),
         ("world size 1", bucket.world_size == 1),
         ("CPU offload", bucket.offload is not None),
         ("HSDP (a replicate group)", bucket.replicate_size > 1),
