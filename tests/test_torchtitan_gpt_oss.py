@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 from unittest import mock
 
+import pytest
 import torch
 from torchtitan.config import CompileConfig, ConfigManager, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
@@ -27,6 +28,7 @@ from torchtitan.protocols.module import Module
 
 from flexshard.integrations.torchtitan import FlexShardConfig, parallelize_decoder
 from flexshard.integrations.torchtitan.config_registry import flexshard_gpt_oss_debugmodel
+from flexshard.runtime.state import get_state
 from harness import run_world
 from test_torchtitan import titan_loss, tokens  # one fixed batch per rank, torchtitan's loss
 from test_torchtitan_moe import _full_grads
@@ -48,8 +50,9 @@ class SinkAttention(Module):
         super().__init__()
         self.window = config.window
 
-    def forward(self, q, k, v, *, scale=None, enable_gqa=False, out_transform=None, **_):
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, L, H)
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, enable_gqa=False,
+                out_transform=None, **_):  # the argument names torchtitan's sharding configs use
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
         if enable_gqa:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         scores = (q @ k.transpose(-2, -1)) * scale
@@ -65,20 +68,23 @@ class SinkAttention(Module):
 
 
 def _fp32_experts(self, x_RD, num_tokens_per_expert_E):
-    """GptOssGroupedExperts.forward in fp32, one matmul per expert (no TP here)."""
+    """GptOssGroupedExperts.forward in fp32, one matmul per expert (this rank's experts
+    under EP; no TP here)."""
+    w1, b1, w2, b2 = (w.to_local() if hasattr(w, "to_local") else w for w in (
+        self.mlp1_weight_EGD, self.mlp1_bias_EG, self.mlp2_weight_EDF, self.mlp2_bias_ED))
     assert int(num_tokens_per_expert_E.sum()) == x_RD.shape[0]
     out, start = [], 0
     for e, n in enumerate(num_tokens_per_expert_E.tolist()):
         x = x_RD[start:start + n]
-        h = swiglu(x @ self.mlp1_weight_EGD[e].T + self.mlp1_bias_EG[e], limit=self.swiglu_limit)
-        out.append(h @ self.mlp2_weight_EDF[e].T + self.mlp2_bias_ED[e])
+        out.append(swiglu(x @ w1[e].T + b1[e], limit=self.swiglu_limit) @ w2[e].T + b2[e])
         start += n
-    return torch.cat(out)
+    return torch.cat(out) if out else x_RD[:0]
 
 
-def gpt_oss_config():
+def gpt_oss_config(ep: int):
     """torchtitan's gpt-oss debugmodel (dim 256, sinks, sliding window on even layers)
-    cut to 2 layers of 4 experts (top 2, hidden 64), with SinkAttention."""
+    cut to 2 layers of 4 experts (top 2, hidden 64), with SinkAttention, set up for
+    expert parallel degree `ep`."""
     cfg = model_registry("debugmodel").model
     cfg.layers = cfg.layers[:LAYERS]
     for layer in cfg.layers:
@@ -92,16 +98,16 @@ def gpt_oss_config():
         moe.routed_experts.inner_experts.hidden_dim = HIDDEN
 
     class _Job:  # as torchtitan's trainer: the model's sharding configs from the job's
-        parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
+        parallelism = ParallelismConfig(expert_parallel_degree=ep, spmd_backend="partial_dtensor")
 
     cfg.update_from_config(config=_Job())
     return cfg
 
 
-@functools.lru_cache(maxsize=1)
-def _pristine() -> torch.nn.Module:
+@functools.lru_cache(maxsize=2)
+def _pristine(ep: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = gpt_oss_config().build()
+    model = gpt_oss_config(ep).build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
@@ -131,7 +137,7 @@ def reference() -> tuple:
     torch.set_num_threads(1)
     try:
         with mock.patch.object(GptOssGroupedExperts, "forward", _fp32_experts):
-            model = copy.deepcopy(_pristine())
+            model = copy.deepcopy(_pristine(1))
             rows = torch.cat([tokens(0, r) for r in range(WORLD)])
             losses, first = _train(model, rows, rows[:, 1:].numel(), lambda m: {
                 k: p.grad.clone() for k, p in m.named_parameters()})
@@ -140,32 +146,42 @@ def reference() -> tuple:
         torch.set_num_threads(threads)
 
 
-def train_sharded(placement: str) -> tuple:
+def train_sharded(ep: int, placement: str) -> tuple:
     """Rank body: (losses, full step-0 grads, full params)."""
     import torch.distributed as dist
+    from torchtitan.distributed import utils as dist_utils
 
     import flexshard as fs
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=WORLD, cp=1, tp=1, pp=1, ep=1,
+    dims = ParallelDims(dp_replicate=1, dp_shard=WORLD, cp=1, tp=1, pp=1, ep=ep,
                         world_size=WORLD, spmd_backend="partial_dtensor")
     with mock.patch.object(torchtitan_parallel_dims, "device_type", "cpu"), \
             mock.patch.object(GptOssGroupedExperts, "forward", _fp32_experts):
+        dist_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's Trainer does, then
+        dims.build_mesh()  # the meshes, before parallelizing
         model = parallelize_decoder(
-            copy.deepcopy(_pristine()), parallel_dims=dims,
+            copy.deepcopy(_pristine(ep)), parallel_dims=dims,
             training=TrainingConfig(mixed_precision_param="float32"),
-            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+            parallelism=ParallelismConfig(expert_parallel_degree=ep,
+                                          spmd_backend="partial_dtensor"),
             compile_config=CompileConfig(), ac_config=None, dump_folder="",
             flex_shard=FlexShardConfig(placement=placement))
         rows = tokens(0, dist.get_rank())
         losses, first = _train(model, rows, rows[:, 1:].numel() * WORLD, _full_grads,
                                dist.all_reduce)
-        return losses, first, fs.full_state_dict(model)
+        names = [b.name for b in get_state(model).buckets]
+        return losses, first, fs.full_state_dict(model), names
 
 
-def test_gpt_oss_matches_one_process():
+@pytest.mark.parametrize("ep, placement", [(1, "shard"), (2, "shard")])
+def test_gpt_oss_matches_one_process(ep, placement):
+    """EP 1: the experts shard over fsdp with their block; EP 2: torchtitan's EP plan and
+    all-to-all dispatch, the experts in a bucket of their own over efsdp."""
     ref_losses, ref_first, ref_params = reference()
     assert any(k.endswith("attention.sinks") for k in ref_first)  # the sinks train too
-    for losses, first, params in run_world(WORLD, train_sharded, "shard", timeout=300):
+    for losses, first, params, names in run_world(WORLD, train_sharded, ep, placement,
+                                                  timeout=300):
+        assert ("layers.0.experts" in names) == (ep > 1), names
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=1e-6)
         for k, want in ref_first.items():
