@@ -44,10 +44,16 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _live_tensors() -> tuple:
-    """(count, bytes of distinct storages) of the tensors Python can reach."""
+def _reachable_tensors() -> list:
     gc.collect()
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
+def _live_tensors(earlier: dict) -> tuple:
+    """(count, bytes of distinct storages) of the tensors Python can reach, less
+    those alive before this test began (`earlier`, id -> tensor, held so their ids
+    stay theirs: an earlier test's leftovers in this reused world)."""
+    tensors = [t for t in _reachable_tensors() if id(t) not in earlier]
     storages = {}
     for t in tensors:
         try:
@@ -77,6 +83,7 @@ def _moved_bytes(model) -> int:
 
 
 def _train_and_measure():
+    earlier = {id(t): t for t in _reachable_tensors()}
     torch.manual_seed(0)
     comm = TrackingComm()
     model = fs.flex_shard(TinyGPT(), comm=comm)
@@ -92,7 +99,7 @@ def _train_and_measure():
         outlived += sum(r() is not None for r in comm.refs)
         comm.refs.clear()
         if step + 1 in (FIRST, STEPS):
-            samples[step + 1] = _live_tensors()
+            samples[step + 1] = _live_tensors(earlier)
         if step + 1 in (RSS_FROM, STEPS):
             samples[f"rss{step + 1}"] = (_rss(), _moved_bytes(model))
     return outlived, samples
