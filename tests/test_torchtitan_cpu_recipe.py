@@ -1,0 +1,46 @@
+"""examples/torchtitan_cpu.py, the CPU recipe of docs/torchtitan.md, run as users run it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "examples" / "torchtitan_cpu.py"
+STEPS = 4
+
+
+def test_two_ranks_match_one_process_on_the_global_batch():
+    """2 ranks under torchrun (gloo) against the script's one-process run on both
+    ranks' batches: torchtitan's loss convention (summed grads, global token count)
+    gives the same losses; they fall."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", str(SCRIPT), "--steps", str(STEPS)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:  # the reference runs in this process while the ranks train
+        spec = importlib.util.spec_from_file_location("torchtitan_cpu_example", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        reference = module.main(["--reference", "2", "--steps", str(STEPS)])
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{err[-4000:]}"
+    lines = out.strip().splitlines()
+    steps = [re.fullmatch(r"step (\d+) loss (\S+)", line) for line in lines[:-1]]
+    assert all(steps) and [int(m.group(1)) for m in steps] == list(range(1, STEPS + 1)), out
+    final = re.fullmatch(r"final loss (\S+)", lines[-1])
+    assert final, f"last line is {lines[-1]!r}, not 'final loss <value>'"
+    losses = [float(m.group(2)) for m in steps]
+    assert float(final.group(1)) == losses[-1]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
+    assert all(b < a for a, b in zip(losses, losses[1:])), f"loss did not fall: {losses}"
