@@ -224,14 +224,6 @@ def _check_benchmark(module: str, argv: list) -> None:
     assert failure is None, f"{module} {argv}: {failure}"
 
 
-def _load_train_module():
-    spec = importlib.util.spec_from_file_location("train_example_readme",
-                                                  REPO / "examples" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _check_torchrun(argv: list) -> None:
     from torch.distributed.run import get_args_parser
 
@@ -245,8 +237,16 @@ def _check_torchrun(argv: list) -> None:
 
         ConfigManager().parse_args(args.training_script_args)
     else:
-        assert (REPO / script).is_file(), f"{script} does not exist"
-        _load_train_module().parse_args(args.training_script_args)
+        _check_example(["python", script, *args.training_script_args])
+
+
+def _load_example(path: Path):
+    assert path.is_file(), f"{path.relative_to(REPO)} does not exist"
+    spec = importlib.util.spec_from_file_location(f"readme_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def _check_pip(argv: list) -> None:
@@ -265,13 +265,13 @@ def _check_pip(argv: list) -> None:
 
 
 def _check_example(argv: list) -> None:
-    """`python examples/NAME.py ARGS`: the file exists and its parse_args takes ARGS."""
-    path = REPO / argv[1]
-    assert path.is_file(), f"{argv[1]} does not exist"
-    spec = importlib.util.spec_from_file_location(f"readme_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.parse_args(argv[2:])
+    """`python examples/NAME.py ARGS` (or under torchrun): the file exists and its
+    parse_args takes ARGS (one without parse_args is given none)."""
+    module = _load_example(REPO / argv[1])
+    if hasattr(module, "parse_args"):
+        module.parse_args(argv[2:])
+    else:
+        assert not argv[2:], f"{argv[1]} takes no arguments, the page passes {argv[2:]}"
 
 
 @pytest.mark.parametrize("block", BASH, ids=[b.where for b in BASH])
