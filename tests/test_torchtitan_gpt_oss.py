@@ -31,7 +31,7 @@ from flexshard.integrations.torchtitan.config_registry import flexshard_gpt_oss_
 from flexshard.runtime.state import get_state
 from harness import run_world
 from test_torchtitan import titan_loss, tokens  # one fixed batch per rank, torchtitan's loss
-from test_torchtitan_moe import _full_grads
+from test_torchtitan_moe import _full_grads, assert_matches_one_process
 
 WORLD, STEPS, LR = 2, 3, 0.05
 LAYERS, EXPERTS, TOP_K, HIDDEN = 2, 4, 2, 64
@@ -182,14 +182,7 @@ def test_gpt_oss_matches_one_process(ep, placement):
     for losses, first, params, names in run_world(WORLD, train_sharded, ep, placement,
                                                   timeout=300):
         assert ("layers.0.experts" in names) == (ep > 1), names
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
-                                   rtol=1e-5, atol=1e-6)
-        for k, want in ref_first.items():
-            torch.testing.assert_close(first[k], want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, k=k: f"grad of {k}: {m}")
-        for k, want in ref_params.items():
-            torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, k=k: f"{k}: {m}")
+        assert_matches_one_process(losses, first, params, ref_losses, ref_first, ref_params)
 
 
 def test_gpt_oss_debug_config_is_registered():

@@ -179,6 +179,18 @@ def _full_grads(model) -> dict:
     return grads
 
 
+def assert_matches_one_process(losses, first, params, ref_losses, ref_first, ref_params):
+    """A rank's losses, first-step grads and params against the one-process run's."""
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=1e-6)
+    for k, want in ref_first.items():
+        torch.testing.assert_close(first[k], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, k=k: f"grad of {k}: {m}")
+    for k, want in ref_params.items():
+        torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
 @pytest.mark.parametrize("family,ep,placement", [
     ("qwen3", 2, "shard"), ("qwen3", 2, "owned"), ("qwen3", 1, "ragged"),
     ("qwen3", 4, "shard"),  # efsdp of 1 rank: the experts' bucket only re-wraps DTensors
@@ -187,14 +199,7 @@ def test_moe_decoder_matches_one_process(family, ep, placement):
     ref_losses, ref_first, ref_params = reference(family)
     results = run_world(WORLD, train_sharded, ep, placement, family, timeout=300)
     for losses, first, params, buckets in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
-                                   rtol=1e-5, atol=1e-6)
-        for k, want in ref_first.items():
-            torch.testing.assert_close(first[k], want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, k=k: f"grad of {k}: {m}")
-        for k, want in ref_params.items():
-            torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, k=k: f"{k}: {m}")
+        assert_matches_one_process(losses, first, params, ref_losses, ref_first, ref_params)
         sizes = dict(buckets)
         moe = "layers.1" if family == "deepseek_v3" else "layers.0"  # its layer 0 is dense
         if ep > 1:  # experts in buckets of their own over efsdp (2 ranks)
