@@ -26,10 +26,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "exit_scripts")
 CASES = {  # name -> argv after torchrun's own (a "{dir}" is replaced by a fresh directory)
-    "quickstart flexshard": ["quickstart_flexshard.py"],
-    "quickstart fsdp2": ["quickstart_fsdp2.py"],
-    "quickstart+300 flexshard": ["quickstart_flexshard.py", "300"],
-    "quickstart+300 fsdp2": ["quickstart_fsdp2.py", "300"],
+    "quickstart flexshard": ["quickstart.py", "flexshard"],
+    "quickstart fsdp2": ["quickstart.py", "fsdp2"],
+    "quickstart+300 flexshard": ["quickstart.py", "flexshard", "300"],
+    "quickstart+300 fsdp2": ["quickstart.py", "fsdp2", "300"],
     "dcp save/load flexshard": ["dcp_roundtrip.py", "flexshard", "{dir}"],
     "dcp save/load fsdp2": ["dcp_roundtrip.py", "fsdp2", "{dir}"],
 }
