@@ -4,8 +4,7 @@ tensor parallelism (dp 2 x tp 2) and torchtitan's activation checkpointing at EP
 against one process holding every expert on the same tokens: losses, first-step grads,
 params after SGD steps. Same test-only swaps as there (SDPA, fp32 experts). Compiled
 MoE blocks with EP > 1 are refused (the experts' bucket hooks would sit inside the
-fullgraph block); at EP 1 the compile of the fp32 expert swap took over 400 s on this
-machine, so compile is tested with Llama only."""
+fullgraph block); at EP 1 they are tested in test_torchtitan_moe_compile.py."""
 
 from __future__ import annotations
 
