@@ -5,8 +5,9 @@ under torchrun at its world size, with nothing set up beforehand.
     python tests/doc_scripts.py OUT a.py b.py ...     # world 1: as `python a.py`
 
 A process that imports torch costs seconds, and one torchrun per snippet and world
-size would pay it dozens of times. So each rank torchrun starts imports torch once (no
-flexshard, no process group) and then, per script, forks a child that runs the script
+size would pay it dozens of times. So each rank torchrun starts imports torch once (and
+torch's dynamo, which a wrap's `torch.compiler.disable` imports: a second of CPU per
+process; no flexshard, no process group) and then, per script, forks a child that runs the script
 as `__main__`: a new process with torchrun's environment, its own MASTER_PORT (its
 process group is its own; rank 0's child hosts the store, as under torchrun with
 TORCHELASTIC_USE_AGENT_STORE unset), `sys.path[0]` the script's folder, and flexshard
@@ -97,6 +98,7 @@ def main(out: str, scripts: list) -> None:
     import torch  # noqa: F401  (paid once per rank, not once per script)
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch.compiler.disable imports it on first use)
 
     for script in scripts:
         name = os.path.basename(script)
