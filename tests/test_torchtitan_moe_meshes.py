@@ -3,8 +3,7 @@ parallelize_decoder with each other mesh at 4 CPU ranks: HSDP (dp_replicate 2 x 
 tensor parallelism (dp 2 x tp 2) and torchtitan's activation checkpointing at EP 2;
 against one process holding every expert on the same tokens: losses, first-step grads,
 params after SGD steps. Same test-only swaps as there (SDPA, fp32 experts). Compiled
-MoE blocks with EP > 1 are refused (the experts' bucket hooks would sit inside the
-fullgraph block); at EP 1 they are tested in test_torchtitan_moe_compile.py."""
+MoE blocks (EP 1 and 2) are tested in test_torchtitan_moe_compile.py."""
 
 from __future__ import annotations
 
@@ -104,12 +103,3 @@ def test_moe_with_each_mesh_matches_one_process(mesh):
             assert (replicate, WORLD // replicate) in shapes
         assert (n_compiled > 0) == compiled
 
-
-def test_compile_with_expert_parallelism_is_refused():
-    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
-    with pytest.raises(NotImplementedError, match=r"--compile.enable with --parallelism."
-                       r"expert_parallel_degree > 1: the routed experts' own bucket"):
-        parallelize_decoder(torch.nn.Linear(2, 2), parallel_dims=dims, training=TrainingConfig(),
-                            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-                            compile_config=CompileConfig(enable=True), ac_config=None,
-                            dump_folder="", flex_shard=FlexShardConfig())

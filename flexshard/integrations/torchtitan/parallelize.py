@@ -14,7 +14,8 @@ torchtitan's own `training` and `parallelism` sections; the placement from
 TransformerBlock as torchtitan does, after activation checkpointing and before
 sharding; flex_shard's hooks then run eagerly around each compiled block. With
 activation checkpointing the block inside each AC wrapper is compiled, not the
-wrapper (see `_CompiledBlocks`).
+wrapper; with expert parallelism a MoE block's pieces around its routed experts
+(see `_CompiledBlocks`).
 """
 
 from __future__ import annotations
@@ -98,15 +99,6 @@ def check_job(parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> No
             "experiment configs set it)")
 
 
-def _check_compile(parallel_dims: ParallelDims) -> None:
-    if parallel_dims.ep_enabled:
-        raise NotImplementedError(
-            "--compile.enable with --parallelism.expert_parallel_degree > 1: the routed "
-            "experts' own bucket runs its (eager) gather hooks inside each MoE block, which "
-            "torchtitan compiles whole with fullgraph=True; drop one of the two (compiled "
-            "MoE blocks run at --parallelism.expert_parallel_degree 1)")
-
-
 def _check_flex_shard(flex_shard: Optional[FlexShardConfig]) -> None:
     if flex_shard is None:
         raise ValueError(
@@ -131,7 +123,6 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
     check_job(parallel_dims, parallelism)
     compiled = compile_config.enable and "model" in compile_config.components
     if compiled:  # before touching the model; the device is the one torchtitan trains on
-        _check_compile(parallel_dims)
         check_cpp_compiler(titan_parallel_dims.device_type, compile_config.backend)
     _check_flex_shard(flex_shard)
     placement = flex_shard.build_placement()
@@ -141,8 +132,10 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compiled:
         # torchtitan's own per-block compile (block.compile(fullgraph=True)), before
-        # sharding as torchtitan orders it; under AC, of the blocks inside the wrappers
-        apply_compile(_CompiledBlocks(model) if ac_config is not None else model,
+        # sharding as torchtitan orders it; under AC of the blocks inside the wrappers,
+        # under EP of each MoE block's pieces around its experts' bucket
+        whole = ac_config is None and not parallel_dims.ep_enabled
+        apply_compile(model if whole else _CompiledBlocks(model, parallel_dims.ep_enabled),
                       compile_config=compile_config, parallel_dims=parallel_dims)
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward,
                                                     parallel_dims.pp_enabled)
@@ -166,16 +159,37 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
 
 
 class _CompiledBlocks(nn.Module):
-    """What apply_compile compiles when activation checkpointing wrapped the blocks:
-    the block inside each wrapper, where flex_shard's hooks will sit. A fullgraph
-    compile of the wrapper would trace its call of the hooked block, and our hooks
-    run eagerly only (runtime/compiled.py); compiled inside, the wrapper runs eagerly
-    around a compiled block and the block's gather recomputes with it under the AC."""
+    """What apply_compile compiles when a block holds modules that will carry
+    flex_shard's hooks: the largest pieces of each block with no such module inside.
+    A fullgraph compile traces the calls a block makes of its submodules, hooks
+    included, and our hooks run eagerly only (runtime/compiled.py). Under activation
+    checkpointing that is the block inside each wrapper: the wrapper runs eagerly
+    around it, and the block's gather recomputes with it under the AC. Under expert
+    parallelism (`experts`) a MoE block's routed experts are a bucket of their own,
+    hooked inside the block: its attention, norms, router and shared experts are
+    compiled each, and the routed experts' grouped GEMMs inside their hooks; the
+    block's glue and torchtitan's token dispatch (its all-to-all) run eagerly."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, experts: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict({name: _inner_block(wrapper)
-                                     for name, wrapper in model.layers.named_children()})
+        pieces = {}
+        for name, wrapper in model.layers.named_children():
+            block = _inner_block(wrapper)
+            routed = _routed_experts(block) if experts else None
+            hooked = set() if routed is None else {id(routed)}
+            for path, piece in _pieces(block, hooked):
+                pieces["_".join([name, *path])] = piece
+        self.layers = nn.ModuleDict(pieces)
+
+
+def _pieces(module: nn.Module, hooked: set, path: tuple = ()):
+    """(path, module) for the largest submodules of `module` (itself if it can be)
+    with no module of `hooked` (ids) strictly inside them."""
+    if not any(id(m) in hooked for m in list(module.modules())[1:]):
+        yield path, module
+        return
+    for name, child in module.named_children():
+        yield from _pieces(child, hooked, (*path, name))
 
 
 def _inner_block(module: nn.Module) -> nn.Module:
