@@ -5,6 +5,7 @@ time, as ratios flexshard / FSDP2 from one run.
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.moe             # ep 2
     torchrun --standalone --nproc-per-node 4 -m benchmarks.moe --no-time   # ep 2, efsdp 2
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.moe --compile aot_eager
 
 The model: torchtitan's Qwen3 MoE layers at hidden 384 (6 heads of 64, 2 KV heads),
 2 layers of 8 experts (top 2, expert hidden 768), vocabulary 2048, sequence 256, batch 2
@@ -13,7 +14,9 @@ over `ep`, the all-to-all token dispatcher, its bf16 grouped GEMM) and its loss 
 over the global token count, gradients summed: FSDP2 forced to sum on gloo, which has
 no PREMUL_SUM). SDPA attention (flex attention has no CPU backward). Steps alternate
 A B, B A; the step-time ratio is the median of per-step ratios at the slowest rank. At 4
-ranks the cores are oversubscribed: memory and bytes only.
+ranks the cores are oversubscribed: memory and bytes only. `--compile BACKEND` is
+torchtitan's `--compile.enable` for both (its per-block compile); the report adds each
+library's first step (the compiles) and its count of dynamo graphs.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def model_config():
     return cfg
 
 
-def build(library: str, ep: int):
+def build(library: str, ep: int, backend: str = ""):
     """The model, parallelized by `library` ("fsdp2" or "flexshard"), and its AdamW."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -82,7 +85,9 @@ def build(library: str, ep: int):
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
                         world_size=world, spmd_backend="partial_dtensor")
     args = dict(parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
-                parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
+                parallelism=parallelism, ac_config=None,
+                compile_config=CompileConfig(enable=bool(backend), components=["model"],
+                                             backend=backend or "inductor"),
                 dump_folder="")
     with mock.patch.object(titan_parallel_dims, "device_type", "cpu"):
         dist_utils.set_spmd_backend("partial_dtensor")
@@ -96,9 +101,9 @@ def build(library: str, ep: int):
                 if isinstance(module, FSDPModule):
                     module.set_force_sum_reduction_for_comms(True)
         else:
-            from flexshard.integrations.torchtitan import parallelize_decoder
+            from flexshard.integrations.torchtitan import FlexShardConfig, parallelize_decoder
 
-            model = parallelize_decoder(model, **args)
+            model = parallelize_decoder(model, **args, flex_shard=FlexShardConfig())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -129,6 +134,18 @@ def timed(model, opt, step: int) -> float:
     return took.item()
 
 
+def first_step(model, opt) -> tuple:
+    """Step 0: (loss, wall seconds at the slowest rank, graphs dynamo made in it)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    start = time.perf_counter()
+    loss = train_step(model, opt, 0)
+    took = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return loss, took.item(), counters["stats"]["unique_graphs"]
+
+
 def measured(model, opt, step: int) -> dict:
     """One step under the meters: peak live bytes (max over ranks), wire bytes per kind."""
     with MemoryMeter() as mem, TrafficMeter() as traffic:
@@ -144,14 +161,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ep", type=int, default=2, help="expert parallel degree (default 2)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per library (default 6)")
+    p.add_argument("--compile", default="", metavar="BACKEND",
+                   help="compile each block with this torch.compile backend (default: eager)")
     p.add_argument("--no-time", action="store_true",
                    help="memory and bytes only (when the cores are oversubscribed)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
-    runs = {lib: build(lib, args.ep) for lib in ("fsdp2", "flexshard")}
-    losses = {lib: train_step(*runs[lib], 0) for lib in runs}  # warm-up: lazy init
-    stats = {lib: measured(*runs[lib], 1) for lib in runs}
+    runs = {lib: build(lib, args.ep, args.compile) for lib in ("fsdp2", "flexshard")}
+    losses, first = {}, {}
+    for lib in runs:  # warm-up: lazy init, and the compiles
+        losses[lib], *first[lib] = first_step(*runs[lib])
+    # the meters are dispatch modes, which compiled graphs refuse: time only, compiled
+    stats = None if args.compile else {lib: measured(*runs[lib], 1) for lib in runs}
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # graphs made after step 0: recompiles
     times: dict = {lib: [] for lib in runs}
     order = ["fsdp2", "flexshard"]
     for step in range(2, 2 + (0 if args.no_time else args.steps)):
@@ -160,15 +185,30 @@ def main() -> None:
         order.reverse()
     if dist.get_rank() == 0:
         report(args, losses, stats, times)
+        for lib in runs if args.compile else ():
+            print(f"{lib}: first step {first[lib][0]:.1f} s, {first[lib][1]} dynamo graphs")
+        if args.compile:
+            print(f"dynamo graphs made in the timed steps: {counters['stats']['unique_graphs']}")
     dist.destroy_process_group()
 
 
 def report(args, losses: dict, stats: dict, times: dict) -> None:
     world = dist.get_world_size()
-    f, x = stats["fsdp2"], stats["flexshard"]
     print(f"Qwen3 MoE (hidden {DIM}, {LAYERS} layers x {EXPERTS} experts, top {TOP_K}), "
-          f"{world} ranks, ep {args.ep}, efsdp {world // args.ep}; step-0 loss FSDP2 "
+          f"{world} ranks, ep {args.ep}, efsdp {world // args.ep}"
+          f"{', compiled with ' + args.compile if args.compile else ''}; step-0 loss FSDP2 "
           f"{losses['fsdp2']:.5f}, flexshard {losses['flexshard']:.5f}")
+    if stats is not None:
+        report_bytes(stats)
+    if times["fsdp2"]:
+        ratios = [a / b for a, b in zip(times["flexshard"], times["fsdp2"])]
+        print(f"step time: FSDP2 {statistics.median(times['fsdp2']) * 1e3:.0f} ms, flexshard "
+              f"{statistics.median(times['flexshard']) * 1e3:.0f} ms, ratio median "
+              f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+
+
+def report_bytes(stats: dict) -> None:
+    f, x = stats["fsdp2"], stats["flexshard"]
     print(f"peak memory per rank: FSDP2 {f['peak'] / 2**20:.2f} MiB, flexshard "
           f"{x['peak'] / 2**20:.2f} MiB, ratio {x['peak'] / f['peak']:.3f}")
     kinds = sorted(set(f["wire"]) | set(x["wire"]))
@@ -178,11 +218,6 @@ def report(args, losses: dict, stats: dict, times: dict) -> None:
     tf, tx = sum(f["wire"].values()), sum(x["wire"].values())
     print(f"bytes on the wire per step: FSDP2 {tf / 2**20:.2f} MiB, flexshard "
           f"{tx / 2**20:.2f} MiB, ratio {tx / tf:.3f}")
-    if times["fsdp2"]:
-        ratios = [a / b for a, b in zip(times["flexshard"], times["fsdp2"])]
-        print(f"step time: FSDP2 {statistics.median(times['fsdp2']) * 1e3:.0f} ms, flexshard "
-              f"{statistics.median(times['flexshard']) * 1e3:.0f} ms, ratio median "
-              f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
 
 
 if __name__ == "__main__":
