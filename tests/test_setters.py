@@ -20,6 +20,7 @@ from harness import expect_all_ranks_raise, run_world
 from training_helpers import full_grads
 
 WORLD, STEPS = 4, 5
+LR = 0.1  # SGD: AdamW would turn rounding noise into full steps on near-zero grads
 
 
 def llama() -> transformers.LlamaForCausalLM:
@@ -43,7 +44,7 @@ def reference() -> tuple:
     """One process on every rank's batch: (losses, first grads, final params)."""
     torch.set_num_threads(1)
     model = llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, first = [], None
     for step in range(STEPS):
         batch = torch.cat([ids(step, r) for r in range(WORLD)])
@@ -64,7 +65,7 @@ def owned_with_setter() -> tuple:
     model = fs.flex_shard(llama(), buckets=buckets(), reshard_after_forward=True)
     layers = get_state(model).buckets[:2]
     model.set_reshard_after_forward(2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, first = [], None
     for step in range(STEPS):
         batch = ids(step, rank)
