@@ -425,3 +425,30 @@ def test_module_compile_and_the_compiled_graphs_autograd_node():
     assert out.grad_fn.name() == compat.COMPILED_GRAPH_NODE
     eager = torch.randn(3, requires_grad=True).sin() * 2
     assert eager.grad_fn.name() != compat.COMPILED_GRAPH_NODE
+
+
+def test_saved_output_tells_a_recorded_nodes_outputs_from_its_inputs():
+    seen = []
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            out = a * 2
+            ctx.save_for_backward(a, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    def pack(t):
+        seen.append((tuple(t.shape), compat.saved_output(t)))
+        return t
+
+    leaf = torch.randn(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = leaf * torch.randn(3)  # saves the no-grad factor (the leaf's grad needs it)
+        z = y.exp()  # saves its output
+        z.sin()  # saves z, an earlier node's output: an input here
+        Saves.apply(z)  # saves its input and its output
+    assert [s for _, s in seen] == [False, True, False, False, True]

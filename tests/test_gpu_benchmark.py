@@ -188,6 +188,8 @@ def test_fake_world_counts_both_sides(fake_run):
     # reshard after forward: each layer gathers in forward and again in backward, the root once
     shape = PRESETS["tiny"]
     assert _gathers(fs_ops) == _gathers(fsdp_ops) == 2 * shape.layers + 1
+    # the fake backend stands in for NCCL: both sides reduce with its AVG, no pre-scale op
+    assert fs_ops.get("aten::mul_", [0])[0] == fsdp_ops.get("aten::mul_", [0])[0] == 0
     # FSDP2's copy-in writes exactly the bf16 shards it gathers: the byte count is the bytes written
     assert all(n % FAKE_WORLD == 0 for n in (shape.dim, shape.ffn, shape.vocab))  # no padding
     layer, root = _shard_bytes_bf16(shape, FAKE_WORLD)

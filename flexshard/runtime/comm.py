@@ -44,8 +44,10 @@ class Comm:
 
     def averages(self, group) -> bool:
         """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;
-        gloo does not, so a bucket pre-divides and sums there)."""
-        return group is not None and dist.get_backend(group) == dist.Backend.NCCL
+        gloo does not, so a bucket pre-divides and sums there). torch's "fake"
+        backend takes any op and moves nothing: it stands in for NCCL in the
+        fake-world benchmark, so it takes NCCL's path (FSDP2 averages there too)."""
+        return group is not None and dist.get_backend(group) in (dist.Backend.NCCL, "fake")
 
     def all_reduce(self, tensor: torch.Tensor, group, op: Optional[dist.ReduceOp] = None) -> None:
         """In-place all-reduce by `op` (None: SUM): norms, plan fingerprints, and

@@ -507,6 +507,7 @@ class GradRoute:
     def __init__(self) -> None:
         self.delivery: Optional[Delivery] = None
         self.anchor: Optional[torch.Tensor] = None
+        self._grad: Optional[torch.Tensor] = None  # see anchor_grad
 
     def renew(self, queue: ReduceQueue, params: Sequence[torch.Tensor], trainable: bool,
               device: torch.device) -> None:
@@ -517,6 +518,15 @@ class GradRoute:
         if trainable and torch.is_grad_enabled():
             self.delivery = Delivery()
             self.anchor = _Deliver.apply(queue, self.delivery, device, *params)
+
+    def anchor_grad(self, device: torch.device) -> torch.Tensor:
+        """The anchor's grad from _Unshard.backward: a defined (empty) grad, so the
+        anchor's _Deliver node runs (which ignores it). Made once per device, not
+        once per backward: autograd adds two such grads out of place (we hold a
+        reference), so the cached one is never written."""
+        if self._grad is None or self._grad.device != device:
+            self._grad = torch.empty(0, device=device)
+        return self._grad
 
     def clear(self) -> None:
         """Forget the route (the params it takes were replaced, e.g. a device move)."""
@@ -532,9 +542,3 @@ class GradRoute:
         if self.anchor is None:
             return torch.empty(0, device=device)
         return self.anchor
-
-
-def anchor_grad(device: torch.device) -> torch.Tensor:
-    """The anchor's grad from _Unshard.backward: a defined (empty) grad, so the
-    anchor's _Deliver node runs."""
-    return torch.empty(0, device=device)

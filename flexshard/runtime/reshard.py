@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..compat import tensor_version, top_saved_tensors_default_hooks
+from ..compat import saved_output, tensor_version, top_saved_tensors_default_hooks
 from .dtensor_param import TPSpec
 from .grad_reduce import ReduceQueue
 
@@ -180,11 +180,13 @@ class SavedParams:
             if handle is not None:
                 return handle
         if found is None:
-            # Kept as autograd keeps it, but detached: a saved output returned as is
-            # would hold its own grad_fn through the node (a cycle no GC sees, leaking
-            # the graph of a forward never backpropagated). The version is checked on
-            # unpack, as autograd checks it without hooks.
-            return _Activation(t.detach(), tensor_version(t))
+            # Kept as autograd keeps it. An output of the node being recorded is
+            # detached: held as is it would hold that node through its grad_fn (a
+            # cycle no GC sees, leaking the graph of a forward never backpropagated).
+            # An input is held as is (no op): its grad_fn is an earlier node, which the
+            # new one reaches anyway. The version is checked on unpack, as autograd does.
+            kept = t.detach() if saved_output(t) else t
+            return _Activation(kept, tensor_version(t))
         bucket, slot, inner = found
         bucket.note_saved()
         return ParamHandle(bucket, slot, t.dtype, tuple(t.shape), t.stride(),

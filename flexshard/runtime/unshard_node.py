@@ -13,7 +13,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .grad_reduce import GradRoute, ReduceQueue, ReduceTarget, Reduction, anchor_grad
+from .grad_reduce import GradRoute, ReduceQueue, ReduceTarget, Reduction
 
 
 class UnshardTarget(ReduceTarget, Protocol):
@@ -62,4 +62,4 @@ class _Unshard(torch.autograd.Function):
             # Launched once this backward has returned and autograd has let go of the
             # unsharded grads, so they never sit beside the collective's buffers.
             bucket.reduce_queue.defer(Reduction(bucket, packed, ctx.delivery))
-        return None, anchor_grad(bucket.compute_device)
+        return None, bucket.grad_route.anchor_grad(bucket.compute_device)
