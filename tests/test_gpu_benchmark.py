@@ -377,3 +377,19 @@ def test_fake_world_targets_per_mode_and_device():
     assert [r[:2] + r[4:] for r in gpu] == [
         ("eager", "ops", "PASS"), ("eager", "copy_bytes", "MISS"), ("eager", "step_s", "PASS"),
         ("eager", "peak_bytes", "PASS"), ("int8-gather", "step_s", "PASS")]
+
+
+def test_the_gpu_battery_names_real_modes_and_fits_one_device_call():
+    """benchmarks/gpu_battery.sh (one device call for a session lent a GPU): each
+    mode it runs is a fake-world mode, and its time limits add up to under 10 minutes
+    (one device command's limit), leaving the start and the transfers room."""
+    import re
+
+    from benchmarks.fake_world import MODES
+
+    text = (REPO / "benchmarks" / "gpu_battery.sh").read_text()
+    modes = re.search(r"\$\{MODES:-([^}]*)\}", text).group(1).split()
+    limits = dict(re.findall(r"\[([\w-]+)\]=(\d+)", text))
+    assert modes and set(modes) <= set(MODES) and set(limits) == set(modes), (modes, limits)
+    steps = [int(n) for n in re.findall(r"^step \S+ (\d+)", text, re.M)]
+    assert sum(steps) + sum(int(limits[m]) for m in modes) <= 9 * 60

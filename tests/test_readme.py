@@ -289,6 +289,11 @@ def test_bash_block_parses_and_names_real_things(block):
             assert (REPO / "tests").is_dir()
         elif argv[0] == "python" and argv[1].startswith("examples/"):
             _check_example(argv)
+        elif argv[0] == "bash" and argv[1].startswith("benchmarks/"):
+            script = REPO / argv[1]
+            assert script.is_file(), f"{argv[1]} does not exist"
+            parsed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+            assert parsed.returncode == 0, parsed.stderr
         else:
             raise AssertionError(f"{block.where}: no check for command {argv}")
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 34's GPU measurements as one command for a session lent a GPU (the device tool:
+# one call, 15 minutes of device time in all, 10 per command). Run from the repo root:
+#
+#   bash benchmarks/gpu_battery.sh [OUT]          # OUT: where results go (default runs/gpu)
+#
+# Each step has its own time limit, so a slow step costs its limit and the rest still
+# run; the whole battery ends within about 9 minutes. Results (7 files, as the device tool
+# brings back at most 8): OUT/battery.log (every step's output, then a summary line per
+# step) and each fake-world mode's JSON report as OUT/<mode>.json. A CPU smoke run:
+#   FAKE_ARGS="--device cpu --preset tiny" MODES=eager bash benchmarks/gpu_battery.sh /tmp/b
+# torchao's
+# wheel (the float8 modes) is installed from .whl/ when that folder holds it; without it
+# the float8 step fails fast and says so. Order: what is cheapest and most asked first.
+set -u
+out=${1:-runs/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+  torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO GPU')" | tee "$out/battery.log"
+
+log=$out/battery.log
+summary=()
+step() {  # step NAME SECONDS COMMAND...: run with a limit into the log, note how it ended
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "===== $name: $*" >>"$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  summary+=("$name: exit $rc after $((SECONDS - start)) s (limit $limit s)")
+  echo "${summary[-1]}"
+}
+
+fake() {  # fake MODE SECONDS: one fake-world mode, its JSON report kept as OUT/MODE.json
+  rm -rf "runs/fake-world-$1"
+  # shellcheck disable=SC2086  # FAKE_ARGS is a list of words
+  step "fake-$1" "$2" python3 -m benchmarks.gpu --fake-world 8 --modes "$1" \
+    --steps 6 --warmup 2 --out "runs/fake-world-$1" ${FAKE_ARGS:-}
+  cp "runs/fake-world-$1"/*.json "$out/$1.json" 2>/dev/null
+}
+
+step cuda-tests 60 python3 -m pytest -q -rs -x tests/test_cuda.py
+declare -A limits=([eager]=90 [compile]=120 [int8-gather]=60 [fp8-gather]=60 [float8-compile]=120)
+for mode in ${MODES:-eager compile int8-gather fp8-gather float8-compile}; do
+  fake "$mode" "${limits[$mode]:-120}"
+done
+printf '%s\n' "===== summary" "${summary[@]}" "battery done in $SECONDS s" >>"$log"
