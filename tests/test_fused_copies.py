@@ -58,6 +58,7 @@ PLACEMENTS = {
     "shard1": lambda fqn, p: fs.Shard(1) if p.dim() == 2 else fs.Shard(0),
     "mixed_even": lambda fqn, p: fs.RaggedShard() if p.dim() == 1 else fs.Shard(0),
     "mixed_owned": lambda fqn, p: fs.Owned() if p.dim() == 1 else fs.Shard(0),
+    "shard0_uneven": lambda fqn, p: fs.Shard(0),  # 66 rows over 4 ranks: 17, 17, 17, 15
 }
 
 
@@ -70,7 +71,8 @@ def _counted_steps() -> dict:
 def _counted_step(kind: str, cast: bool) -> dict:
     """The copy counts of one forward + backward (after a warm-up one)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    hidden = 66 if kind == "shard0_uneven" else 64
+    model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 64))
     mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cast else fs.MixedPrecisionPolicy()
     fs.flex_shard(model, buckets=[fs.BucketSpec("0.*"), fs.BucketSpec("2.*")],
@@ -88,6 +90,9 @@ FUSED = {
     "ragged": (1, 1, 1),  # balanced units over rows the world divides: as Shard(0)
     "owned": (1, 0, 1),  # the params are views of the gathered buffer; one foreach pack
     "mixed_even": (1, 1, 1),  # Shard(0) and even RaggedShard columns side by side
+    # rows the world does not divide: each rank's piece padded to the largest (as FSDP2
+    # pads), so they are columns too (planning/layout.py)
+    "shard0_uneven": (1, 1, 1),
     # the Owned bias is copied out too (the Shard(0) weight's copy makes views not
     # worth their pinned buffer: BucketLayout.keeps_views), and its grad packed by a
     # foreach beside the weight's one strided copy
@@ -174,6 +179,7 @@ def _packed(layout, slots, fulls) -> torch.Tensor:
 def test_fused_plans_write_what_the_per_param_plans_write(name, world):
     from flexshard.planning.fused import (copy_out_columns, plan_chunk_cat, plan_copy_out,
                                           span_split, split_views)
+    from flexshard.runtime.gather import _unpadded
 
     slots, layout = _layout(name, world)
     fulls = [torch.randn(s.shape, generator=torch.Generator().manual_seed(i)).bfloat16()
@@ -192,16 +198,18 @@ def test_fused_plans_write_what_the_per_param_plans_write(name, world):
         torch._foreach_copy_(split_views(got, spans), [f.reshape(-1) for f in fulls])
         assert torch.equal(got, ref)
     columns = copy_out_columns(ref, plan_copy_out(layout, range(len(slots))), world)
-    for j, full in columns.items():
-        assert torch.equal(full.view(slots[j].shape), fulls[j].float())
+    for j, full in columns.items():  # an uneven param's column ends in its padding
+        assert torch.equal(_unpadded(full, slots[j].shape), fulls[j].float())
     # which layouts fit which fused plan (world 1: every piece is the full tensor)
     fits = {("even shard0", 4), ("even shard0", 8), ("ragged", 4)}
     if (name, world) in fits or name in {"uneven shard0", "owned", "shard1", "mixed"} and world > 1:
         assert (chunk is not None) == ((name, world) in fits), (name, world)
     if world > 1:
         assert (spans is not None) == (name == "owned"), name
-    if world in (4, 8):  # a param split evenly is a column of [world, segment]
-        assert bool(columns) == (name not in {"owned", "uneven shard0"}), (name, world)
+    if world > 1:  # a param split as torch.chunk splits it is a column of [world, segment],
+        # evenly or not; RaggedShard's uneven units (world 3) are not
+        uncolumned = {"owned"} | ({"ragged"} if world == 3 else set())
+        assert bool(columns) == (name not in uncolumned), (name, world)
 
 
 def test_a_bucket_with_an_empty_param_packs_its_reduce_input_per_param():

@@ -124,10 +124,11 @@ class SplitCopyOut(NamedTuple):
 
 
 def _uniform(layout: BucketLayout, j: int) -> bool:
-    """Region j's pieces are rows of [world, n]: equal, non-empty, at one offset, rank-major."""
+    """Region j's pieces are rows of [world, n]: rank-major, at one offset, non-empty on
+    rank 0, and equal or padded to rank 0's (layout.py: torch.chunk's uneven pieces)."""
     reg = layout.regions[j]
-    return (reg.rank_major and len(set(reg.nbytes)) == 1 and reg.nbytes[0] > 0
-            and len(set(reg.offsets)) == 1)
+    return (reg.rank_major and reg.nbytes[0] > 0 and len(set(reg.offsets)) == 1
+            and (reg.padded or len(set(reg.nbytes)) == 1))
 
 
 def plan_copy_out(layout: BucketLayout, regions: Sequence[int]) -> SplitCopyOut:
@@ -167,7 +168,8 @@ def _run(dtype: torch.dtype, cols: list) -> ColumnRun:
 
 
 def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> dict:
-    """{region: its full tensor as [world, n]} for the regions of `plan`'s runs:
+    """{region: its full tensor as [world, n]} for the regions of `plan`'s runs (an
+    uneven one padded: its full tensor is the first numel elements of the column):
     per run one buffer of their own and one split_with_sizes_copy into it (the out=
     form: CUDA's one fused kernel, where the functional form clones chunk by chunk)."""
     out, typed = {}, {}

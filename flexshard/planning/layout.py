@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..placements.contract import Placement
+from ..placements.shard import Shard
 
 
 class SlotPlan(NamedTuple):
@@ -38,6 +39,7 @@ class Region(NamedTuple):
     offsets: tuple  # byte offset of rank r's piece inside rank r's segment
     nbytes: tuple  # byte size of rank r's piece
     rank_major: bool = True  # the placement's pieces, back to back, are the full tensor
+    padded: bool = False  # uneven torch.chunk pieces, each given the largest one's bytes
 
 
 class BucketLayout(NamedTuple):
@@ -243,10 +245,22 @@ def _pick_chains(candidates: Sequence[_Chain], nbytes: list, rejected: set) -> l
     return picked
 
 
-def _segments(nbytes: list, sizes: list, chains: Sequence[_Chain], world_size: int) -> tuple:
-    """(offsets per slot per rank, segment bytes) with `chains` at segment ends."""
+def _chunk_width(slot: SlotPlan, pieces: Sequence[int]) -> Optional[int]:
+    """Rank 0's piece bytes (the largest) when `slot` is Shard-placed and its
+    `pieces` (bytes per rank) are uneven (torch.chunk's: full ones, at most one
+    shorter, then empty ones); else None."""
+    if not isinstance(slot.placement, Shard) or len(set(pieces)) == 1:
+        return None
+    return pieces[0]
+
+
+def _segments(nbytes: list, sizes: list, chains: Sequence[_Chain], world_size: int,
+              widths: Sequence[Optional[int]]) -> tuple:
+    """(offsets per slot per rank, segment bytes) with `chains` at segment ends;
+    a slot with a width takes that many bytes on every rank (see plan_layout)."""
     head = {c.first + k: c for c in chains for k in range(c.last - c.first)}  # piece ends segment
     tail = {r: c for c in chains for r in range(c.first + 1, c.last + 1)}  # piece starts segment
+    chained = {c.slot for c in chains}
     offsets = [[0] * world_size for _ in nbytes]
     need = []
     for r in range(world_size):
@@ -255,7 +269,8 @@ def _segments(nbytes: list, sizes: list, chains: Sequence[_Chain], world_size: i
             if (r in tail and tail[r].slot == i) or (r in head and head[r].slot == i):
                 continue
             cursor = offsets[i][r] = _align(cursor, sizes[i])
-            cursor += nbytes[i][r]
+            width = widths[i] if i not in chained else None
+            cursor += nbytes[i][r] if width is None else width
         if r in head and head.get(r) != tail.get(r):
             cursor = _align(cursor, sizes[head[r].slot]) + nbytes[head[r].slot][r]
         need.append(cursor)
@@ -273,20 +288,28 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
     the segment to the largest, so every typed view of the gathered buffer is
     aligned as well. Where the
     placements allow it, split parameters are chained across rank boundaries
-    so that they are views of the gathered buffer (no copy-out).
+    so that they are views of the gathered buffer (no copy-out). A rank-major
+    parameter split unevenly as torch.chunk splits it (Shard(0) of rows the
+    world does not divide) takes its largest piece's bytes on every rank, as
+    FSDP2 pads it: at one offset on every rank it is a column of the gathered
+    [world, segment], copied out by the bucket's one split-copy and packed by
+    its one chunk-cat (fused.py) instead of one copy per param.
     """
     sizes = [_piece_align(d) for d in dtypes]
     nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
               for s, d in zip(slots, dtypes)]
+    widths = [_chunk_width(s, b) for s, b in zip(slots, nbytes)]
     candidates, rejected = _chain_candidates(slots, nbytes), set()
     while True:
         chains = _pick_chains(candidates, nbytes, rejected)
-        offsets, segment = _segments(nbytes, sizes, chains, world_size)
+        offsets, segment = _segments(nbytes, sizes, chains, world_size, widths)
         short = [c.slot for c in chains for r in range(c.first + 1, c.last)
                  if nbytes[c.slot][r] != segment]
         if not short:
             break
         rejected.update(short)
-    regions = tuple(Region(d, tuple(o), tuple(b), s.placement.rank_major(s.shape))
-                    for s, d, o, b in zip(slots, dtypes, offsets, nbytes))
+    chained = {c.slot for c in chains}
+    regions = tuple(Region(d, tuple(o), tuple(b), s.placement.rank_major(s.shape),
+                           w is not None and i not in chained)
+                    for i, (s, d, o, b, w) in enumerate(zip(slots, dtypes, offsets, nbytes, widths)))
     return BucketLayout(regions, segment, world_size)

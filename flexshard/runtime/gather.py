@@ -9,6 +9,8 @@ The bucket calls it with the device context and compute device of the moment.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -27,6 +29,14 @@ from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
 from ..compat import in_backward
 from .storage import BucketStorage, segment_views
+
+
+def _unpadded(column: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The full tensor of `shape` in a copied-out column: all of it, or (torch.chunk's
+    uneven pieces, padded to the largest) its first elements."""
+    if column.numel() == math.prod(shape):
+        return column.view(shape)
+    return column.view(-1)[:math.prod(shape)].view(shape)
 
 
 class BucketGather:
@@ -162,7 +172,7 @@ class BucketGather:
             for i, wire in enumerate(plans.wires):
                 column = columns.get(wire.region) if wire.cast else None
                 if column is not None:
-                    done[i] = (column.view(wire.copies[0].shape),
+                    done[i] = (_unpadded(column, wire.copies[0].shape),
                                column.numel() * column.element_size())
         outs = []
         for full, copied in plans.wires.decode(gathered, view_ok, done):
