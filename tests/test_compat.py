@@ -452,3 +452,31 @@ def test_saved_output_tells_a_recorded_nodes_outputs_from_its_inputs():
         z.sin()  # saves z, an earlier node's output: an input here
         Saves.apply(z)  # saves its input and its output
     assert [s for _, s in seen] == [False, True, False, False, True]
+
+
+@pytest.mark.parametrize("kind", ["in-place on a view", "in-place", "softmax", "chain"])
+def test_holding_what_saved_output_calls_inputs_keeps_no_graph_alive(kind):
+    """The pack hook's rule (runtime/reshard.py): inputs held as they are, outputs
+    detached. A graph never backpropagated is freed, in-place saves included."""
+    import gc
+    import weakref
+
+    def pack(t):
+        return t.detach() if compat.saved_output(t) else t
+
+    x = torch.randn(4, 4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = x * 2
+        if kind == "in-place on a view":
+            y[0].exp_()  # exp_ saves its output, a view whose grad_fn autograd remakes
+        elif kind == "in-place":
+            y.exp_()
+        elif kind == "softmax":
+            y = y.softmax(-1)  # saves its output
+        else:
+            y = y.sigmoid().tanh()
+        out = y.sum()
+    storage = weakref.ref(y.untyped_storage())
+    del y, out
+    gc.collect()
+    assert storage() is None, f"{kind}: a saved tensor kept its graph alive"
