@@ -288,12 +288,12 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
     the segment to the largest, so every typed view of the gathered buffer is
     aligned as well. Where the
     placements allow it, split parameters are chained across rank boundaries
-    so that they are views of the gathered buffer (no copy-out). A rank-major
-    parameter split unevenly as torch.chunk splits it (Shard(0) of rows the
-    world does not divide) takes its largest piece's bytes on every rank, as
-    FSDP2 pads it: at one offset on every rank it is a column of the gathered
-    [world, segment], copied out by the bucket's one split-copy and packed by
-    its one chunk-cat (fused.py) instead of one copy per param.
+    so that they are views of the gathered buffer (no copy-out). A Shard
+    parameter split unevenly (a dim the world does not divide) takes its largest
+    piece's bytes on every rank, as FSDP2 pads it, so the regions after it keep
+    one offset on every rank; a rank-major one (Shard(0)) is then a column of
+    the gathered [world, segment], copied out by the bucket's one split-copy and
+    packed by its one chunk-cat (fused.py) instead of one copy per param.
     """
     sizes = [_piece_align(d) for d in dtypes]
     nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
