@@ -260,7 +260,6 @@ def _segments(nbytes: list, sizes: list, chains: Sequence[_Chain], world_size: i
     a slot with a width takes that many bytes on every rank (see plan_layout)."""
     head = {c.first + k: c for c in chains for k in range(c.last - c.first)}  # piece ends segment
     tail = {r: c for c in chains for r in range(c.first + 1, c.last + 1)}  # piece starts segment
-    chained = {c.slot for c in chains}
     offsets = [[0] * world_size for _ in nbytes]
     need = []
     for r in range(world_size):
@@ -269,8 +268,7 @@ def _segments(nbytes: list, sizes: list, chains: Sequence[_Chain], world_size: i
             if (r in tail and tail[r].slot == i) or (r in head and head[r].slot == i):
                 continue
             cursor = offsets[i][r] = _align(cursor, sizes[i])
-            width = widths[i] if i not in chained else None
-            cursor += nbytes[i][r] if width is None else width
+            cursor += nbytes[i][r] if widths[i] is None else widths[i]
         if r in head and head.get(r) != tail.get(r):
             cursor = _align(cursor, sizes[head[r].slot]) + nbytes[head[r].slot][r]
         need.append(cursor)
@@ -298,18 +296,18 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
     sizes = [_piece_align(d) for d in dtypes]
     nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
               for s, d in zip(slots, dtypes)]
-    widths = [_chunk_width(s, b) for s, b in zip(slots, nbytes)]
+    uneven = [_chunk_width(s, b) for s, b in zip(slots, nbytes)]
     candidates, rejected = _chain_candidates(slots, nbytes), set()
     while True:
         chains = _pick_chains(candidates, nbytes, rejected)
+        chained = {c.slot for c in chains}  # a chain places its pieces itself: never padded
+        widths = [None if i in chained else w for i, w in enumerate(uneven)]
         offsets, segment = _segments(nbytes, sizes, chains, world_size, widths)
         short = [c.slot for c in chains for r in range(c.first + 1, c.last)
                  if nbytes[c.slot][r] != segment]
         if not short:
             break
         rejected.update(short)
-    chained = {c.slot for c in chains}
-    regions = tuple(Region(d, tuple(o), tuple(b), s.placement.rank_major(s.shape),
-                           w is not None and i not in chained)
-                    for i, (s, d, o, b, w) in enumerate(zip(slots, dtypes, offsets, nbytes, widths)))
+    regions = tuple(Region(d, tuple(o), tuple(b), s.placement.rank_major(s.shape), w is not None)
+                    for s, d, o, b, w in zip(slots, dtypes, offsets, nbytes, widths))
     return BucketLayout(regions, segment, world_size)
