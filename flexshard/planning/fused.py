@@ -69,10 +69,11 @@ def plan_split(nbytes: int, pieces: Sequence[tuple]) -> TypedSplit:
 
 
 def split_views(buffer: torch.Tensor, split: TypedSplit) -> list:
-    """The flat typed pieces of `buffer` (uint8, `split.nbytes` long), in piece order."""
+    """The flat typed pieces of `buffer` (`split.nbytes` long: uint8, or already of
+    a group's dtype, which then takes no view), in piece order."""
     out: list = [None] * split.count
     for dtype, sizes, picks in split.groups:
-        chunks = buffer.view(dtype).split(sizes)
+        chunks = (buffer if buffer.dtype == dtype else buffer.view(dtype)).split(sizes)
         for chunk, k in picks:
             out[k] = chunks[chunk]
     return out

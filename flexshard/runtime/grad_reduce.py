@@ -120,8 +120,11 @@ class GradReduce:
             and _one_dtype(present) else None
         # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
         gaps = self._gaps if complete else None
-        send = (torch.empty if gaps is not None or chunk_cat is not None else torch.zeros)(
-            layout.wire_bytes, dtype=torch.uint8, device=device)
+        if chunk_cat is not None:  # written in the reduce dtype only: allocated in it
+            send = self._typed_empty(layout.wire_bytes, device)
+        else:  # the pack writes bytes
+            send = (torch.empty if gaps is not None else torch.zeros)(
+                layout.wire_bytes, dtype=torch.uint8, device=device)
         op = None
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter_copy_in"):  # after: grads, buffers
@@ -212,8 +215,8 @@ class GradReduce:
     def launch(self, packed: tuple, ctx: HostContext) -> PendingReduce:
         """Launch the reduce-scatter of a packed reduce input (`pack`)."""
         send, op = packed
-        out = send if self.world_size == 1 else torch.empty(
-            self.layout.segment_bytes, dtype=torch.uint8, device=send.device)
+        out = send if self.world_size == 1 else self._typed_empty(self.layout.segment_bytes,
+                                                                 send.device)
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter"):  # after: the output's allocation
             work = self._reduce_scatter(send, out, op)
@@ -272,7 +275,7 @@ class GradReduce:
         with record_function("FlexShard::all_reduce"):
             self.comm.all_reduce(self.typed(output), self.replicate_group)
         self.counters.all_reduces += 1
-        self.counters.all_reduce_bytes += output.numel()
+        self.counters.all_reduce_bytes += output.numel() * output.element_size()
 
     def _keep_partial(self, output: torch.Tensor) -> None:
         """HSDP with the all-reduce deferred: sum the reduced shards for the next
@@ -312,8 +315,17 @@ class GradReduce:
         return targets
 
     def typed(self, buf: torch.Tensor) -> torch.Tensor:
-        """A reduce buffer's bytes in the reduce dtype."""
-        return buf.view(self.layout.regions[0].dtype)
+        """A reduce buffer (uint8, or allocated in the reduce dtype) in the reduce dtype."""
+        dtype = self.layout.regions[0].dtype
+        return buf if buf.dtype == dtype else buf.view(dtype)
+
+    def _typed_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A reduce buffer of `nbytes` allocated in the reduce dtype where the bytes are
+        whole elements of it (no dtype view per use), else in uint8."""
+        dtype = self.layout.regions[0].dtype
+        if nbytes % dtype.itemsize:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
 
 
 def _one_dtype(grads: list) -> bool:
