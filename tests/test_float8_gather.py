@@ -389,3 +389,67 @@ def test_backward_regathers_with_the_scales_forward_computed():
     # makes one per step (parity with it: the tests above)
     for counts, buckets in run_world(2, _amax_all_reduces):
         assert buckets == 3 and counts == [buckets, buckets]
+
+
+# A bucket's fp8 weights come out of the gather as the bf16 params do (planning/fused.py):
+# their fp8 data is a column of one split_with_sizes_copy per bucket, not a copy each.
+
+_COPIES = {"copy_", "_to_copy", "clone", "split_with_sizes_copy", "index", "index_select",
+           "cat", "stack"}
+
+
+class _CopyOutOps(TorchDispatchMode):
+    """Copy-family ops dispatched inside FlexShard::all_gather_copy_out, by name, and
+    how many copy-outs ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list = []  # per open record_function range: is it a copy-out
+        self.copy_outs = 0
+        self.names: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "profiler":
+            if name == "_record_function_enter_new":
+                self.open.append(args[0] == "FlexShard::all_gather_copy_out")
+                self.copy_outs += self.open[-1]
+            elif name == "_record_function_exit" and self.open:
+                self.open.pop()
+        elif self.open and self.open[-1] and name in _COPIES:
+            self.names[name] = self.names.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _copy_out_ops(n: int) -> tuple:
+    """Rank body: (copy-outs, copy ops by name) of one forward + backward (after a
+    warm-up one) of `n` float8 Linears with fp8 gathers, one bucket, bf16 params."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(n)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = convert_to_float8_training(
+            model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    fs.flex_shard(model, mp_policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    with _CopyOutOps() as mode:
+        model(x).float().sum().backward()
+    return mode.copy_outs, mode.names
+
+
+def _copy_out_cases() -> dict:
+    return {n: _copy_out_ops(n) for n in (2, 8)}
+
+
+def test_fp8_weights_are_copied_out_in_one_op_per_bucket():
+    # 4 ranks: each weight spans every rank, so none is chained into a view across a
+    # rank boundary (planning/layout.py) and every weight is a column of the gathered
+    # buffer. (At 2 ranks the largest is chained, a view, and the others copy one by one.)
+    for cases in run_world(4, _copy_out_cases):
+        for n, (copy_outs, names) in cases.items():
+            # one gather (the root bucket keeps its params until backward): one split-copy
+            # for all n weights
+            assert copy_outs == 1 and names == {"split_with_sizes_copy": 1}, (n, names)

@@ -179,7 +179,7 @@ def _packed(layout, slots, fulls) -> torch.Tensor:
 def test_fused_plans_write_what_the_per_param_plans_write(name, world):
     from flexshard.planning.fused import (copy_out_columns, plan_chunk_cat, plan_copy_out,
                                           span_split, split_views)
-    from flexshard.runtime.gather import _unpadded
+    from flexshard.planning.fused import column_full
 
     slots, layout = _layout(name, world)
     fulls = [torch.randn(s.shape, generator=torch.Generator().manual_seed(i)).bfloat16()
@@ -199,7 +199,7 @@ def test_fused_plans_write_what_the_per_param_plans_write(name, world):
         assert torch.equal(got, ref)
     columns = copy_out_columns(ref, plan_copy_out(layout, range(len(slots))), world)
     for j, full in columns.items():  # an uneven param's column ends in its padding
-        assert torch.equal(_unpadded(full, slots[j].shape), fulls[j].float())
+        assert torch.equal(column_full(full, slots[j].shape), fulls[j].float())
     # which layouts fit which fused plan (world 1: every piece is the full tensor)
     fits = {("even shard0", 4), ("even shard0", 8), ("ragged", 4)}
     if (name, world) in fits or name in {"uneven shard0", "owned", "shard1", "mixed"} and world > 1:

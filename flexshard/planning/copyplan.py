@@ -47,6 +47,7 @@ class CopyPlan:
     """How one slot's full tensor maps onto a rank-major buffer of a layout."""
 
     def __init__(self, layout: BucketLayout, slot: SlotPlan, index: int) -> None:
+        self.region = index  # in the layout
         self.dtype = layout.regions[index].dtype
         self.shape = slot.shape
         self.numel = math.prod(slot.shape)

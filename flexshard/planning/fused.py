@@ -190,6 +190,15 @@ def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int
     return out
 
 
+def column_full(column: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The full tensor of `shape` in a column of copy_out_columns: all of it, or (torch.chunk's
+    uneven pieces, padded to the largest) its first elements."""
+    numel = math.prod(shape)
+    if column.numel() == numel:
+        return column.view(shape)
+    return column.view(-1)[:numel].view(shape)
+
+
 # Reduce-scatter copy-in.
 
 

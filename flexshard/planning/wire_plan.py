@@ -15,6 +15,7 @@ import torch
 from ..placements.contract import WireFormat
 from ..placements.wire import Cast
 from .copyplan import CopyPlan
+from .fused import column_full
 from .layout import SlotPlan, typed_view
 
 
@@ -81,22 +82,28 @@ class ParamWire:
         self.meta = self.format.encode(piece, [typed_view(send, start, dtype, shape)
                                                for start, dtype, shape in self._sends], mesh)
 
-    def decode(self, gathered: torch.Tensor, view_ok: bool = True) -> tuple:
+    def decode(self, gathered: torch.Tensor, view_ok: bool = True,
+               columns: Optional[dict] = None) -> tuple:
         """(unsharded param, bytes copied out): a view of `gathered` when the
         format returns its part as is, the part's pieces lie back to back and
-        `view_ok`; else a tensor of its own."""
+        `view_ok`; else a tensor of its own (from `columns` where they hold
+        its parts: see fulls)."""
         first = self.copies[0]
         if self.cast:  # the common case, kept to one branch
             if first.span is not None and view_ok:
                 return first.full(gathered), 0
             full = first.full(gathered, copy=True)
             return full, full.numel() * full.element_size()
-        fulls = self.fulls(gathered)
+        fulls = self.fulls(gathered, columns)
         return self.counted(self.format.decode(fulls, self.meta), fulls, gathered)
 
-    def fulls(self, gathered: torch.Tensor) -> list:
-        """Each part's full tensor out of `gathered` (views where they can be)."""
-        return [plan.full(gathered) for plan in self.copies]
+    def fulls(self, gathered: torch.Tensor, columns: Optional[dict] = None) -> list:
+        """Each part's full tensor out of `gathered` (views where they can be),
+        or out of its column where the bucket's fused copy-out made one
+        (planning/fused.py's copy_out_columns: {region: column})."""
+        columns = columns or {}
+        return [column_full(columns[plan.region], plan.shape) if plan.region in columns
+                else plan.full(gathered) for plan in self.copies]
 
     def counted(self, out: torch.Tensor, fulls: Sequence[torch.Tensor],
                 gathered: torch.Tensor) -> tuple:
@@ -169,14 +176,16 @@ class BucketWires:
         return bool(self.batches) or any(not self.params[i].cast for i in self.alone)
 
     def decode(self, gathered: torch.Tensor, view_ok: bool = True,
-               done: Optional[dict] = None) -> list:
+               done: Optional[dict] = None, columns: Optional[dict] = None) -> list:
         """(unsharded param, bytes copied out) per param, in order; those in
-        `done` (param -> its pair, copied out by the bucket) as given."""
+        `done` (param -> its pair, copied out by the bucket) as given; parts in
+        `columns` (region -> column, copied out by the bucket) decoded from them."""
         out: list = [None] * len(self.params)
         for i in self.alone:
-            out[i] = done[i] if done and i in done else self.params[i].decode(gathered, view_ok)
+            out[i] = done[i] if done and i in done else \
+                self.params[i].decode(gathered, view_ok, columns)
         for batch in self.batches:
-            for i, done in zip(batch.members, batch.decode(self.params, gathered)):
+            for i, done in zip(batch.members, batch.decode(self.params, gathered, columns)):
                 out[i] = done
         return out
 
@@ -213,9 +222,10 @@ class WireBatch:
         for i, meta in zip(self.live, metas):
             params[i].meta = meta
 
-    def decode(self, params: Sequence[ParamWire], gathered: torch.Tensor) -> list:
+    def decode(self, params: Sequence[ParamWire], gathered: torch.Tensor,
+               columns: Optional[dict] = None) -> list:
         wires = [params[i] for i in self.members]
-        fulls = [w.fulls(gathered) for w in wires]
+        fulls = [w.fulls(gathered, columns) for w in wires]
         outs = self.formats[0].decode_batch(self.formats, fulls, [w.meta for w in wires],
                                             self.cache)
         return [w.counted(out, parts, gathered) for w, out, parts in zip(wires, outs, fulls)]

@@ -9,7 +9,6 @@ The bucket calls it with the device context and compute device of the moment.
 
 from __future__ import annotations
 
-import math
 
 from typing import Optional
 
@@ -19,7 +18,8 @@ from torch.profiler import record_function
 from ..compat import foreach_copy_, tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
-from ..planning.fused import copy_out_columns, plan_copy_in, plan_copy_out, split_views
+from ..planning.fused import (column_full, copy_out_columns, plan_copy_in, plan_copy_out,
+                              split_views)
 from ..planning.wire_plan import cast_wire, plan_param_wires
 from .comm import Comm
 from .counters import BucketCounters
@@ -29,14 +29,6 @@ from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
 from ..compat import in_backward
 from .storage import BucketStorage, segment_views
-
-
-def _unpadded(column: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The full tensor of `shape` in a copied-out column: all of it, or (torch.chunk's
-    uneven pieces, padded to the largest) its first elements."""
-    if column.numel() == math.prod(shape):
-        return column.view(shape)
-    return column.view(-1)[:math.prod(shape)].view(shape)
 
 
 class BucketGather:
@@ -90,10 +82,13 @@ class BucketGather:
     @staticmethod
     def _copy_out_plans(layout: BucketLayout, wires) -> tuple:
         """The fused copy-outs (planning/fused.py) of the cast params that are no
-        view, and of every cast param; keyed by their region in the layout."""
+        view, and of every cast param; keyed by their region in the layout. Both
+        take the parts of other formats (a float8 weight's data) that are no view:
+        the format decodes them from their copied-out columns."""
         cast = [w for w in wires if w.cast]
-        return (plan_copy_out(layout, [w.region for w in cast if w.copies[0].span is None]),
-                plan_copy_out(layout, [w.region for w in cast]))
+        parts = [c.region for w in wires if not w.cast for c in w.copies if c.span is None]
+        return (plan_copy_out(layout, [w.region for w in cast if w.copies[0].span is None] + parts),
+                plan_copy_out(layout, [w.region for w in cast] + parts))
 
     def shard_mesh(self, device: torch.device):
         """The shard group as a 1-D DeviceMesh (a tensor subclass's gather
@@ -166,16 +161,15 @@ class BucketGather:
         where `view_ok` and the layout allow, one split-copy per run of uniform
         columns (planning/fused.py), the wire formats' decode for the rest."""
         fused = plans.copy_out[0 if view_ok else 1]
+        columns = copy_out_columns(gathered, fused, self.world_size) if fused.runs else {}
         done = {}
-        if fused.runs:
-            columns = copy_out_columns(gathered, fused, self.world_size)
-            for i, wire in enumerate(plans.wires):
-                column = columns.get(wire.region) if wire.cast else None
-                if column is not None:
-                    done[i] = (_unpadded(column, wire.copies[0].shape),
-                               column.numel() * column.element_size())
+        for i, wire in enumerate(plans.wires):
+            column = columns.get(wire.region) if wire.cast else None
+            if column is not None:
+                done[i] = (column_full(column, wire.copies[0].shape),
+                           column.numel() * column.element_size())
         outs = []
-        for full, copied in plans.wires.decode(gathered, view_ok, done):
+        for full, copied in plans.wires.decode(gathered, view_ok, done, columns):
             self.counters.copy_out_bytes += copied
             outs.append(full)
         return outs
