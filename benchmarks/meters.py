@@ -150,14 +150,20 @@ class _Entry:
         self.nbytes, self.kind, self.ref = size, kind, None
 
 
-def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+def _storages(t: torch.Tensor) -> list:
+    """The storages holding `t`'s bytes: a wrapper subclass's are its inner tensors'
+    (its own is a placeholder whose size follows its shape, dtype and storage offset:
+    torchao's float8 weight over an inner tensor at offset k would count k bytes more)."""
     t = local(t)
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [st for name in names for st in _storages(getattr(t, name))]
     if t.device.type == "meta" or t.is_sparse:
-        return None
+        return []
     try:
-        return t.untyped_storage()
+        return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):
-        return None
+        return []
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -181,18 +187,14 @@ class MemoryMeter(TorchDispatchMode):
 
     def register(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         """Count these tensors' storages as `kind` (already live, or about to be)."""
-        for t in tensors:
-            st = _storage(t)
-            if st is not None:
-                self._track(st, kind, retag=True)
+        for st in (st for t in tensors for st in _storages(t)):
+            self._track(st, kind, retag=True)
 
     def tag_unsharded(self, tensors: Iterable[torch.Tensor]) -> None:
-        for t in tensors:
-            st = _storage(t)
-            if st is not None:
-                entry = self._track(st, "unsharded")
-                if entry.kind == "other":
-                    entry.kind = "unsharded"
+        for st in (st for t in tensors for st in _storages(t)):
+            entry = self._track(st, "unsharded")
+            if entry.kind == "other":
+                entry.kind = "unsharded"
 
     def _track(self, st: torch.UntypedStorage, kind: str, retag: bool = False) -> _Entry:
         entry = self._entries.get(st)
@@ -227,10 +229,8 @@ class MemoryMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        for t in _tensors((args, kwargs, out)):
-            st = _storage(t)
-            if st is not None:
-                self._track(st, "other")
+        for st in (st for t in _tensors((args, kwargs, out)) for st in _storages(t)):
+            self._track(st, "other")
         return out
 
     def __enter__(self):
@@ -252,9 +252,8 @@ class MemoryMeter(TorchDispatchMode):
     def peak_by_kind(self, grads: Iterable[torch.Tensor]) -> dict:
         """Bytes by kind at the peak; storages that hold `grads` now count as "grad"."""
         grad_entries = set()
-        for g in grads:
-            st = _storage(g)
-            if st is not None and st in self._entries:
+        for st in (st for g in grads for st in _storages(g)):
+            if st in self._entries:
                 grad_entries.add(id(self._entries[st]))
         kinds: dict = defaultdict(int)
         for entry, size, kind in self._peak_snapshot:
