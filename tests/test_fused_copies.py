@@ -133,6 +133,21 @@ def test_shard0_copies_are_the_fused_ops(counted):
                                "pack": {"_chunk_cat": 2}}
 
 
+def _shard0_step() -> dict:
+    return _counted_step("shard0", True)
+
+
+def test_at_two_ranks_the_copies_are_the_fused_ops_too():
+    """At 2 ranks each param could be chained across the one rank boundary (a view),
+    which would shift the others off their columns: the layout keeps the columns
+    (planning/layout.py), so a user's 2-GPU job copies as a larger one does."""
+    for result in run_world(2, _shard0_step):
+        gathers = len(result["counts"]["in"])
+        assert result["names"] == {"in": {"_foreach_copy_": gathers},
+                                   "out": {"split_with_sizes_copy": gathers},
+                                   "pack": {"_chunk_cat": 2}}
+
+
 def test_without_a_cast_the_storage_is_the_gather_input(counted):
     """fp32 params gathered as fp32: no copy-in at all (no label, no op)."""
     for by_case in counted:

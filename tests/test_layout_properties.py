@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flexshard as fs
+from flexshard.planning.fused import plan_copy_out
 from flexshard.planning.layout import ALIGN, SlotPlan, bind_placements, plan_layout
 from flexshard.planning.wire_plan import ParamWire, cast_wire
 from flexshard.runtime.storage import segment_views
@@ -187,6 +188,29 @@ def test_two_rank_params_chain_on_every_boundary():
              for i, (e, b) in enumerate(zip(entries, bound))]
     layout = plan_layout(slots, [torch.float32] * 4, world)
     assert [layout.gathered_range(i) is not None for i in range(4)] == [True, True, True, False]
+
+
+def _bound_slots(specs, world: int) -> list:
+    """SlotPlans of float32 params (shape, placement), their placements bound."""
+    entries = [(torch.Size(shape), 4, placement) for shape, placement in specs]
+    bound = bind_placements(entries, world)
+    return [SlotPlan(f"p{i}", e[0], torch.float32, b,
+                     tuple(b.local_shape(e[0], r, world) for r in range(world)))
+            for i, (e, b) in enumerate(zip(entries, bound))]
+
+
+def test_at_two_ranks_columns_win_over_a_chain():
+    """Two ranks, two Shard(0) params: chaining one across the boundary (a view) would
+    shift the other off its column of [world, segment], to be copied on its own; both
+    stay columns (one split-copy out and one chunk-cat in for the bucket: fused.py).
+    A bucket's only split param, beside Owned ones, still chains: a view."""
+    slots = _bound_slots([((8, 4), fs.Shard(0)), ((16, 4), fs.Shard(0))], 2)
+    layout = plan_layout(slots, [torch.float32] * 2, 2)
+    assert [len(set(reg.offsets)) for reg in layout.regions] == [1, 1]
+    assert plan_copy_out(layout, range(2)).columns == {0, 1}
+    slots = _bound_slots([((16, 4), fs.Shard(0)), ((3,), fs.Owned()), ((5,), fs.Owned())], 2)
+    layout = plan_layout(slots, [torch.float32] * 3, 2)
+    assert [layout.gathered_range(i) is not None for i in range(3)] == [True, True, True]
 
 
 def test_adjacent_pieces_of_a_non_rank_major_param_are_not_a_view():

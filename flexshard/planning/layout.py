@@ -245,6 +245,13 @@ def _pick_chains(candidates: Sequence[_Chain], nbytes: list, rejected: set) -> l
     return picked
 
 
+def _columnar(slot: SlotPlan, pieces: Sequence[int]) -> bool:
+    """Whether `slot`'s pieces (bytes per rank) can be a column of the gathered
+    [world, segment] (fused.py): rank-major, split, and equal or padded to rank 0's."""
+    return (slot.placement.rank_major(slot.shape) and len(pieces) > 1 and pieces[0] > 0
+            and (len(set(pieces)) == 1 or _chunk_width(slot, pieces) is not None))
+
+
 def _chunk_width(slot: SlotPlan, pieces: Sequence[int]) -> Optional[int]:
     """Rank 0's piece bytes (the largest) when `slot` is Shard-placed and its
     `pieces` (bytes per rank) are uneven (torch.chunk's: full ones, at most one
@@ -285,8 +292,9 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
     Each piece is aligned to ALIGN bytes (16, or its itemsize if larger) and
     the segment to the largest, so every typed view of the gathered buffer is
     aligned as well. Where the
-    placements allow it, split parameters are chained across rank boundaries
-    so that they are views of the gathered buffer (no copy-out). A Shard
+    placements allow it and at most one parameter could be a column (below), split
+    parameters are chained across rank boundaries so that they are views of the
+    gathered buffer (no copy-out). A Shard
     parameter split unevenly (a dim the world does not divide) takes its largest
     piece's bytes on every rank, as FSDP2 pads it, so the regions after it keep
     one offset on every rank; a rank-major one (Shard(0)) is then a column of
@@ -297,7 +305,11 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
     nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
               for s, d in zip(slots, dtypes)]
     uneven = [_chunk_width(s, b) for s, b in zip(slots, nbytes)]
-    candidates, rejected = _chain_candidates(slots, nbytes), set()
+    # Columns beat a chain: a chain shifts every other piece, so two or more params that
+    # would be columns of [world, segment] (one split-copy out, one chunk-cat in) would
+    # each be copied on their own instead. Chains are for a bucket's only split param.
+    columns = sum(_columnar(s, b) for s, b in zip(slots, nbytes))
+    candidates, rejected = ([] if columns > 1 else _chain_candidates(slots, nbytes)), set()
     while True:
         chains = _pick_chains(candidates, nbytes, rejected)
         chained = {c.slot for c in chains}  # a chain places its pieces itself: never padded
