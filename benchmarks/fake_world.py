@@ -289,7 +289,8 @@ class Side:
     """One side of the comparison in one mode: its model, optimizer and step."""
 
     def __init__(self, side: str, mode: str, shape: LlamaShape, mesh, device: torch.device,
-                 seed: int = 0, build: Optional[Callable[[], nn.Module]] = None) -> None:
+                 seed: int = 0, build: Optional[Callable[[], nn.Module]] = None,
+                 reshard: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
         self.kind, self.mode, self.device = side, mode, device
@@ -298,7 +299,7 @@ class Side:
             model = to_float8(model)
         quantized = QUANTIZED.get(mode) if side == "flexshard" else None
         wire = fs.QuantizedGather(quantized) if quantized is not None else None
-        self.model = wrap(side, model, mesh, gather_format=wire)
+        self.model = wrap(side, model, mesh, reshard, gather_format=wire)
         if mode.endswith("compile"):
             compile_blocks(self.model, "module-compile" if mode == "module-compile" else "compile")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -345,18 +346,18 @@ def counted(side: Side) -> Counts:
 
 def count_step(side: str = "flexshard", world: int = 8, *, shape: LlamaShape = PRESETS["cpu"],
                mode: str = "eager", build: Optional[Callable[[], nn.Module]] = None,
-               warmup: int = 1, rank: int = 0) -> Counts:
+               warmup: int = 1, rank: int = 0, reshard: bool = True) -> Counts:
     """Ops and copied bytes of one forward+backward of rank `rank` in a fake world of
     `world` ranks, after `warmup` steps: `side` (one of SIDES) shards an HF
-    Llama of `shape` (or `build()`'s model: an HF causal LM, its blocks in a ModuleList).
-    Creates its own fake world: call it in a process without a process group."""
+    Llama of `shape` (or `build()`'s model: an HF causal LM, its blocks in a ModuleList),
+    resharding after forward unless `reshard` is False. Creates its own fake world: call it in a process without a process group."""
     if mode.endswith("compile"):
         raise ValueError(f"count_step: mode {mode!r} compiles the blocks, and under the "
                          "counting dispatch mode they would run eagerly; count an eager mode "
                          "('eager' or 'float8')")
     device = torch.device("cpu")
     with fake_world(world, rank, device) as mesh:
-        s = Side(side, mode, shape, mesh, device, build=build)
+        s = Side(side, mode, shape, mesh, device, build=build, reshard=reshard)
         for _ in range(warmup):
             s.step()
         counts = counted(s)
