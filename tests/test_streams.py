@@ -150,7 +150,9 @@ def test_grads_are_let_go_after_the_pack_and_only_the_reduce_input_is_held():
     packed = max(i for i, x in enumerate(log[:scatter]) if x[:2] == ("record", "reduce"))
     assert max(i for i, x in enumerate(log[:scatter]) if x[:2] == ("op", "reduce")) < packed
     assert ("wait", "compute", log[packed][2]) in log[packed:scatter]
-    assert len(pending.held) == 1 and pending.held[0].numel() == bucket.reduce_layout.wire_bytes
+    held = pending.held
+    assert len(held) == 1 and held[0].numel() * held[0].element_size() == \
+        bucket.reduce_layout.wire_bytes
     assert not any(g is h for g in grads for h in pending.held)
 
 
