@@ -9,7 +9,6 @@ The bucket calls it with the device context and compute device of the moment.
 
 from __future__ import annotations
 
-
 from typing import Optional
 
 import torch
