@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
+from test_fused_copies import CopyCount
 
 STEPS, LR = 3, 0.1
 
@@ -394,33 +395,6 @@ def test_backward_regathers_with_the_scales_forward_computed():
 # A bucket's fp8 weights come out of the gather as the bf16 params do (planning/fused.py):
 # their fp8 data is a column of one split_with_sizes_copy per bucket, not a copy each.
 
-_COPIES = {"copy_", "_to_copy", "clone", "split_with_sizes_copy", "index", "index_select",
-           "cat", "stack"}
-
-
-class _CopyOutOps(TorchDispatchMode):
-    """Copy-family ops dispatched inside FlexShard::all_gather_copy_out, by name, and
-    how many copy-outs ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.open: list = []  # per open record_function range: is it a copy-out
-        self.copy_outs = 0
-        self.names: dict = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace == "profiler":
-            if name == "_record_function_enter_new":
-                self.open.append(args[0] == "FlexShard::all_gather_copy_out")
-                self.copy_outs += self.open[-1]
-            elif name == "_record_function_exit" and self.open:
-                self.open.pop()
-        elif self.open and self.open[-1] and name in _COPIES:
-            self.names[name] = self.names.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _copy_out_ops(n: int) -> tuple:
     """Rank body: (copy-outs, copy ops by name) of one forward + backward (after a
     warm-up one) of `n` float8 Linears with fp8 gathers, one bucket, bf16 params."""
@@ -435,9 +409,9 @@ def _copy_out_ops(n: int) -> tuple:
     fs.flex_shard(model, mp_policy=fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     model(x).float().sum().backward()
-    with _CopyOutOps() as mode:
+    with CopyCount() as mode:  # tests/test_fused_copies.py's counter, by copy label
         model(x).float().sum().backward()
-    return mode.copy_outs, mode.names
+    return len(mode.counts["out"]), dict(mode.names["out"])
 
 
 def _copy_out_cases() -> dict:
