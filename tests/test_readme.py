@@ -301,7 +301,8 @@ def test_bash_block_parses_and_names_real_things(block):
 def test_ci_runs_the_readme_test_command_and_it_installs_what_tests_import():
     ci = subprocess.run(["awk", "/<!-- test-command -->/{getline; getline; print; exit}",
                          str(README)], text=True, capture_output=True, check=True).stdout.strip()
-    assert ci.startswith("python -m pip install ") and ci.endswith("python -m pytest -q"), ci
+    assert ci.startswith("python -m pip install "), ci
+    assert ci.endswith("python -m pytest -q -n 2 --dist loadfile"), ci
     extras = re.search(r'-e "\.\[([\w,]+)\]"', ci).group(1).split(",")
     assert {"dev", "torchtitan", "plots"} <= set(extras)
     main = README.read_text().split("<!-- main-command -->\n```bash\n")[1].split("\n")[0]
