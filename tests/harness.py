@@ -1,7 +1,7 @@
 """Persistent multi-process gloo worlds for running distributed test bodies.
 
 Starting a process that imports torch costs seconds, so this module keeps ONE
-world (n spawned worker processes sharing a gloo process group) per world size
+world (n worker processes sharing a gloo process group) per world size
 for the whole test session, started lazily, and runs many test bodies in it.
 
 Public API::
@@ -53,6 +53,11 @@ OUTPUT_TAIL = 4000  # chars of a failing rank's output included in errors
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_ROOT = os.path.dirname(_TESTS_DIR)
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Workers fork from this test process's forkserver, which imported these once (with
+# _WORKER_ENV set): a spawned rank paid ~3 CPU-s importing them, and a session starts
+# some twenty ranks per pytest process (world sizes 1-4, restarts after kills).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+            "torch.distributed.checkpoint", "flexshard", "models", "harness"]
 
 
 # ----------------------------------------------------------------- errors
@@ -259,20 +264,21 @@ def _log_dir():
 
 
 class _World:
-    """n spawned worker processes in one gloo process group."""
+    """n worker processes (forked by the forkserver) in one gloo process group."""
 
     _generation = 0
 
     def __init__(self, n):
         _World._generation += 1
         self.n = n
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
         port = _free_port()
         self.log_paths = [os.path.join(_log_dir(), f"world{n}-gen{_World._generation}-rank{r}.log")
                           for r in range(n)]
         self.conns, self.procs = [], []
         saved = {k: os.environ.get(k) for k in _WORKER_ENV}
-        os.environ.update(_WORKER_ENV)  # must be set before the child imports torch
+        os.environ.update(_WORKER_ENV)  # set before the forkserver (first start) imports torch
         try:
             for r in range(n):
                 parent_end, child_end = ctx.Pipe()
