@@ -201,6 +201,10 @@ def _redirect_output(log_path):
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # unbuffered as under PYTHONUNBUFFERED, whatever env the forkserver started with: a
+    # rank that dies keeps its last lines in the log the failure report quotes
+    sys.stdout.reconfigure(write_through=True)
+    sys.stderr.reconfigure(write_through=True)
 
 
 def _worker_main(rank, world_size, port, conn, log_path):
