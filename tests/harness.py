@@ -56,7 +56,7 @@ _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED
 # Workers fork from this test process's forkserver, which imported these once (with
 # _WORKER_ENV set): a spawned rank paid ~3 CPU-s importing them, and a session starts
 # some twenty ranks per pytest process (world sizes 1-4, restarts after kills).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
             "torch.distributed.checkpoint", "flexshard", "models", "harness"]
 
 
@@ -276,7 +276,7 @@ class _World:
         _World._generation += 1
         self.n = n
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+        ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
         port = _free_port()
         self.log_paths = [os.path.join(_log_dir(), f"world{n}-gen{_World._generation}-rank{r}.log")
                           for r in range(n)]

@@ -7,22 +7,15 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
+
+from harness import PRELOAD, _free_port  # PRELOAD: slow imports, done once in the forkserver
 
 PG_TIMEOUT_S = 5.0  # the worlds' process-group timeout
 SLACK_S = 15.0  # scheduling noise on a loaded 2-core machine
 STARTUP_S = 120.0  # starting the processes and the process groups
 VICTIM = 1
-PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "torch.distributed.checkpoint",
-           "flexshard", "models"]  # slow imports, done once in the forkserver
 FAIL_AT_STEP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record(out_dir: str, rank: int, **fields) -> None:
