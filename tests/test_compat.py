@@ -94,7 +94,7 @@ def test_torch_2_11_api_surface_trains_as_one_process(tmp_path):
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
-        outputs = [p.communicate(timeout=120)[0] for p in ranks]  # about 3 s of CPU each
+        outputs = [p.communicate(timeout=300)[0] for p in ranks]  # about 3 s of CPU each
     finally:
         for p in ranks:
             p.kill()

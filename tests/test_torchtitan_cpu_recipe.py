@@ -30,7 +30,7 @@ def test_two_ranks_match_one_process_on_the_global_batch():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         reference = module.main(["--reference", "2", "--steps", str(STEPS)])
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=300)  # a hang guard, as the other launched jobs'
     finally:
         if proc.poll() is None:
             proc.kill()

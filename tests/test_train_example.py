@@ -19,7 +19,7 @@ TRAIN = REPO / "examples" / "train.py"
 STEPS = 8
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 150) -> str:
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> str:
     """Run train.py under torchrun; its output (fails the test on a non-zero exit)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(TRAIN), *args]

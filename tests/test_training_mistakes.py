@@ -110,7 +110,7 @@ def test_torchrun_without_init_process_group(tmp_path):
                PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(tests / "torchrun_no_init.py"), str(out), str(LR), str(STEPS)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     seen = torch.load(out)
     assert (seen["world"], seen["backend"]) == (2, "gloo")
