@@ -57,7 +57,7 @@ _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED
 # _WORKER_ENV set): a spawned rank paid ~3 CPU-s importing them, and a session starts
 # some twenty ranks per pytest process (world sizes 1-4, restarts after kills).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
-            "torch.distributed.checkpoint", "flexshard", "models", "harness"]
+           "torch.distributed.checkpoint", "flexshard", "models", "harness"]
 
 
 # ----------------------------------------------------------------- errors
