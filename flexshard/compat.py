@@ -187,6 +187,17 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return getattr(tensor, VERSION)
 
 
+# A bucket's unsharded params live in storages made once (runtime/unsharded.py):
+# a gather refills them in place while autograd holds them for backward, so the
+# refill must not bump their version counters (FSDP2 does the same). An async
+# gather may write its output when it completes (gloo copies it in its worker
+# thread): the version it had at launch is set back once it is waited for.
+preserve_versions = resolve("torch.autograd:_unsafe_preserve_version_counter",
+                            "to refill unsharded params autograd saved, unseen by its version check")
+set_versions = resolve("torch._C._autograd:_unsafe_set_version_counter",
+                       "to refill unsharded params autograd saved, unseen by its version check")
+
+
 # Device meshes (planning/tensor_parallel.py): the mesh a slice such as mesh["tp"] was
 # cut from, to tell whether a DTensor param's mesh and flex_shard's share one root.
 _get_root_mesh = resolve("torch.distributed.device_mesh:DeviceMesh._get_root_mesh",

@@ -21,7 +21,7 @@ LAYERS = [
     {"runtime.storage", "runtime.state", "runtime.order", "runtime.device", "runtime.offload",
      "runtime.dtensor_param", "runtime.mesh", "runtime.postforward", "runtime.counters",
      "runtime.inflight", "runtime.dispatch", "runtime.grad_reduce", "runtime.identity",
-     "runtime.registration", "runtime.sharded_grad", "runtime.teardown"},
+     "runtime.registration", "runtime.sharded_grad", "runtime.teardown", "runtime.unsharded"},
     {"runtime.gather"},
     {"runtime.unshard_node"},
     {"runtime.bucket"},

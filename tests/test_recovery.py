@@ -17,6 +17,7 @@ from flexshard.runtime.reshard import SavedParams
 from flexshard.runtime.state import get_state
 from harness import run_world
 from models import TinyGPT, batch, loss_fn
+from training_helpers import RESHARD_PATHS
 
 pytestmark = pytest.mark.world
 
@@ -107,10 +108,10 @@ class _FailRegather:
         self.bucket = bucket
         bucket.gather_params = self.gather_params  # an instance attribute shadows the method
 
-    def gather_params(self, layout=None):
+    def gather_params(self, layout=None, fresh=False):
         if torch._C._current_graph_task_id() != -1:
             raise Injected("regather failed")
-        return type(self.bucket).gather_params(self.bucket, layout)
+        return type(self.bucket).gather_params(self.bucket, layout, fresh)
 
     def remove(self) -> None:
         del self.bucket.gather_params
@@ -145,6 +146,8 @@ def _recover(where: str, steps: int = 3, fail_before: int = 1):
     problems += _clean_state(model)
     problems += [f"bucket {b.name} holds regathered params" for b in get_state(model).buckets
                  if b.regathered is not None]
+    problems += [f"bucket {b.name} holds unsharded storage" for b in get_state(model).buckets
+                 if b.gather.unsharded is not None and b.gather.unsharded.allocated_bytes()]
     full, ref = fs.full_state_dict(model), reference.state_dict()
     worst = max(((full[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)).item()
                 for k in ref)
@@ -185,30 +188,38 @@ class _Spy:
         monkeypatch.setattr(SavedParams, "pop", spied_pop)
 
 
-def _cast_models():
-    return _models(fs.MixedPrecisionPolicy(param_dtype=torch.float64))
+# Params a bucket makes once and refills (a cast) push no hooks; a wire format of
+# the user's own gathers into new tensors and reshards through the hooks.
+PUSHES = {"in place": [], "saved-tensor hooks": ["push", "pop"] * 2}
 
 
-def test_forward_inside_an_except_block_pops_its_hooks(monkeypatch):
+def _cast_models(reshard: str):
+    return _models(fs.MixedPrecisionPolicy(param_dtype=torch.float64,
+                                           gather_format=RESHARD_PATHS[reshard]))
+
+
+@pytest.mark.parametrize("reshard", list(RESHARD_PATHS))
+def test_forward_inside_an_except_block_pops_its_hooks(monkeypatch, reshard):
     spy = _Spy(monkeypatch)
-    model, _ = _cast_models()
+    model, _ = _cast_models(reshard)
     x, y = batch(0, 0)
     try:
         raise KeyError("the user is handling some other error")
     except KeyError:
         loss_fn(model(x), y).backward()
-    assert spy.log == ["push", "pop"] * 2  # once per block
+    assert spy.log == PUSHES[reshard]  # once per block
     assert _clean_state(model) == []
 
 
-def test_forward_raising_in_a_block_pops_its_hooks(monkeypatch):
+@pytest.mark.parametrize("reshard", list(RESHARD_PATHS))
+def test_forward_raising_in_a_block_pops_its_hooks(monkeypatch, reshard):
     spy = _Spy(monkeypatch)
-    model, reference = _cast_models()
+    model, reference = _cast_models(reshard)
     x, y = batch(0, 0)
     model.layers[1].norm2.fail_at = 1
     with pytest.raises(Injected):
         model(x)
-    assert spy.log == ["push", "pop"] * 2
+    assert spy.log == PUSHES[reshard]
     assert _clean_state(model) == []
     loss = loss_fn(model(x), y)
     loss.backward()

@@ -19,23 +19,23 @@ from harness import run_world
 from models import batch, loss_fn
 from reference import make_model
 from test_memory import Allocations
-from training_helpers import UnshardedTracker, settled
+from training_helpers import RESHARD_PATHS, UnshardedTracker, settled
 
 CONFIGS = [(placement, dtype) for placement in ("shard", "ragged", "owned")
            for dtype in (None, torch.bfloat16)]
 PLACEMENTS = {"shard": fs.Shard(0), "ragged": fs.RaggedShard(), "owned": fs.Owned()}
 
 
-def _live_after_forward(model, x, want=None, exclude=lambda: 0) -> tuple:
+def _live_after_forward(model, x, want=None, exclude=lambda made: 0) -> tuple:
     """(bytes of the storages the forward allocated that are alive after it,
-    less `exclude()`, the output). The comm backend lets go of a finished
+    less `exclude(those allocations)`, the output). The comm backend lets go of a finished
     gather's buffers a moment after wait() returns: given `want`, read until
     it equals `want` or a few seconds have passed. Without one (the unwrapped
     model, no collectives) nothing is let go late: read once, not for the
     whole wait."""
     with Allocations() as made:
         out = model(x)
-    live = lambda: made.live_bytes() - exclude()  # noqa: E731
+    live = lambda: made.live_bytes() - exclude(made)  # noqa: E731
     return (live() if want is None else settled(live, want)), out
 
 
@@ -53,7 +53,7 @@ def saved_bytes(placement: str, dtype, reshard: bool) -> tuple:
         loss_fn(model(x), x).backward()
     tracker = UnshardedTracker(model)
     want, ref_out = _live_after_forward(reference, x)
-    got, out = _live_after_forward(model, x, want, lambda: sum(tracker.live_bytes().values()))
+    got, out = _live_after_forward(model, x, want, tracker.live_bytes_among)
     alive = sorted(tracker.live_bytes())
     del ref_out, out
     return want, got, alive
@@ -107,36 +107,53 @@ def test_block_forward_runs_once_per_step_under_no_dispatch_mode():
         assert facts["modes"] == ["[]"] * (2 * 3 * 4)  # 2 steps, 3 blocks, 4 probes
 
 
-def backward_window() -> dict:
+def _regathered(bucket) -> bool:
+    """Whether a resharding bucket holds params regathered for backward: new
+    tensors (saved-tensor hooks), or its params made once, filled."""
+    unsharded = bucket.gather.unsharded
+    return bucket.regathered is not None or (
+        bool(bucket.reshard_after_forward) and unsharded is not None and unsharded.filled)
+
+
+def backward_window(reshard: str) -> dict:
     """Rank body: which buckets hold regathered params when each block's
     backward is done (its input's grad is known)."""
-    model = fs.flex_shard(make_model(layers=3))
+    model = fs.flex_shard(make_model(layers=3), mp_policy=fs.MixedPrecisionPolicy(
+        gather_format=RESHARD_PATHS[reshard]))
     buckets = get_state(model).buckets
     seen = {}
     for i, layer in enumerate(model.layers):
         def pre(module, args, i=i):
             args[0].register_hook(lambda g: seen.__setitem__(
-                i, [b.name for b in buckets if b.regathered is not None]))
+                i, [b.name for b in buckets if _regathered(b)]))
         layer.register_forward_pre_hook(pre)
     x, y = batch(0, dist.get_rank())
     for _ in range(2):
         loss_fn(model(x), y).backward()
-    after = [b.name for b in buckets if b.regathered is not None]
+    after = [b.name for b in buckets if _regathered(b)]
     return {"seen": seen, "after": after, "gathers": [b.counters.gathers for b in buckets]}
 
 
-def test_regathered_params_go_when_the_reduce_is_launched():
-    for facts in run_world(2, backward_window):
+# When block i's input grad is known: the saved-tensor hooks regather block i-1 at its
+# first unpack, later; the params made once are refilled by a hook on block i-1's
+# output, which is block i's input, just before.
+REGATHERED = {"in place": {2: ["layers.1"], 1: ["layers.0"], 0: []},
+              "saved-tensor hooks": {2: [], 1: [], 0: []}}
+
+
+@pytest.mark.parametrize("reshard", list(RESHARD_PATHS))
+def test_regathered_params_go_when_the_reduce_is_launched(reshard):
+    for facts in run_world(2, backward_window, reshard):
         # Once block i's backward is done, its reduce-scatter is launched and the
-        # bucket holds nothing; the next block's params arrive with its first unpack.
-        assert facts["seen"] == {2: [], 1: [], 0: []}
+        # bucket holds nothing.
+        assert facts["seen"] == REGATHERED[reshard]
         assert facts["after"] == []
         assert facts["gathers"] == [4, 4, 4, 2]  # 2 steps: forward + one regather each
 
 
-def test_changing_shards_between_forward_and_backward_raises():
-    model = fs.flex_shard(make_model(),
-                          mp_policy=fs.MixedPrecisionPolicy(param_dtype=torch.float64))
+@pytest.mark.parametrize("reshard", list(RESHARD_PATHS))
+def test_changing_shards_between_forward_and_backward_raises(reshard):
+    model = _cast_model(reshard)
     x, y = batch(0, 0)
     loss = loss_fn(model(x), y)
     with torch.no_grad():
@@ -146,29 +163,33 @@ def test_changing_shards_between_forward_and_backward_raises():
         loss.backward()
 
 
-def _cast_model():
-    return fs.flex_shard(make_model(),
-                         mp_policy=fs.MixedPrecisionPolicy(param_dtype=torch.float64))
+def _cast_model(reshard: str):
+    return fs.flex_shard(make_model(), mp_policy=fs.MixedPrecisionPolicy(
+        param_dtype=torch.float64, gather_format=RESHARD_PATHS[reshard]))
 
 
-def test_in_place_change_of_a_saved_activation_raises_as_autograd_does():
-    model = _cast_model()
+@pytest.mark.parametrize("reshard", list(RESHARD_PATHS))
+def test_in_place_change_of_a_saved_activation_raises_as_autograd_does(reshard):
+    model = _cast_model(reshard)
     seen = []
     model.layers[0].up.register_forward_hook(lambda m, a, out: seen.append(out))
     x, y = batch(0, 0)
     loss = loss_fn(model(x), y)
     with torch.no_grad():
         seen[0].mul_(2)  # gelu saved its input, the up projection's output
-    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: "
-                                           r"\[torch.DoubleTensor \[4, 11, 50\]\] is at version 1"):
+    # autograd's own message (in place), or the hooks' (which name no producing op)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch."
+                                           r"DoubleTensor \[4, 11, 50\]\](, which is output 0 "
+                                           r"of \w+,)? is at version 1"):
         loss.backward()
 
 
-def test_forward_without_backward_frees_its_graph():
+@pytest.mark.parametrize("reshard", list(RESHARD_PATHS))
+def test_forward_without_backward_frees_its_graph(reshard):
     import gc
     import weakref
 
-    model = _cast_model()
+    model = _cast_model(reshard)
     refs = []
     # q, k and v are views of it; attention saves them and its own output
     model.layers[1].qkv.register_forward_hook(

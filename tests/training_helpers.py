@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -96,34 +97,46 @@ def settled(read, want, timeout: float = 5.0):
 class UnshardedTracker:
     """Weak references to the storage of every unsharded param any bucket makes
     (the gather output when params are views of it, else each copy-out), so a
-    test can ask how many unsharded bytes are alive, per bucket."""
+    test can ask how many unsharded bytes are alive, per bucket. A storage the
+    bucket keeps across gathers (runtime/unsharded.py) counts while allocated."""
 
     def __init__(self, model) -> None:
         from flexshard.runtime.state import get_state
 
-        self.made: dict = {}  # bucket name -> [(weakref to storage, nbytes)]
+        self.made: dict = {}  # bucket name -> {id(storage): weakref to it}
         for bucket in get_state(model).buckets:
             bucket.gather_params = self._recording(bucket.name, bucket.gather_params)
 
     def _recording(self, name, gather):
-        def gather_params(layout=None):
-            outs = gather(layout)
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in outs
-                        if t.numel()}
-            self.made.setdefault(name, []).extend(
-                (weakref.ref(s), s.nbytes()) for s in storages.values())
+        def gather_params(layout=None, fresh=False):
+            outs = gather(layout, fresh)
+            made = self.made.setdefault(name, {})
+            for t in outs:
+                if t.numel():
+                    storage = t.untyped_storage()
+                    made[id(storage)] = weakref.ref(storage)
             return outs
         return gather_params
 
     def live_bytes(self) -> dict:
         """bucket name -> bytes of its unsharded storage still alive (0 omitted)."""
-        live = {name: sum(n for ref, n in refs if ref() is not None)
+        live = {name: sum(s.nbytes() for s in (r() for r in refs.values()) if s is not None)
                 for name, refs in self.made.items()}
         return {name: n for name, n in live.items() if n}
 
+    def live_bytes_among(self, allocations) -> int:
+        """Bytes of the unsharded storages alive that `allocations` (test_memory's
+        Allocations) saw an op create: a storage the bucket made once and
+        reallocated by a resize (runtime/unsharded.py) was not."""
+        made = allocations.made
+        return sum(s.nbytes() for refs in self.made.values() for s in (r() for r in refs.values())
+                   if s is not None and s.nbytes() and s.data_ptr() in made
+                   and made[s.data_ptr()][0]() is s)
+
     def forget_dead(self) -> None:
-        for name, refs in self.made.items():
-            refs[:] = [(r, n) for r, n in refs if r() is not None]
+        for refs in self.made.values():
+            for key in [k for k, r in refs.items() if r() is None]:
+                del refs[key]
 
 
 class DelayedWork:
@@ -263,3 +276,34 @@ def full_grads(model) -> dict:
     """FQN -> the full gradient of a flex-sharded `model` on every rank (None
     where no rank has one): the public fs.full_grads."""
     return fs.full_grads(model)
+
+
+@dataclass(frozen=True)
+class _Relayed(fs.WireFormat):
+    """A param sent as it is, in a format of the user's own (not a Cast)."""
+
+    dtype: torch.dtype
+
+    def parts(self, shape, placement, world_size):
+        return (fs.WirePart(shape, self.dtype, placement),)
+
+    def encode(self, piece, outs, mesh):
+        outs[0].copy_(piece)
+
+    def decode(self, fulls, meta):
+        return fulls[0]
+
+
+@dataclass(frozen=True)
+class Relayed(fs.WirePolicy):
+    """Every param in `_Relayed`: exact, but a bucket whose params are not all
+    Casts gathers into new tensors each time and reshards after forward through
+    saved-tensor hooks (runtime/reshard.py) instead of refilling params it made
+    once (runtime/unsharded.py)."""
+
+    def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
+        return _Relayed(gather_dtype)
+
+
+# The two ways a bucket reshards after forward, as a gather_format to ask for each.
+RESHARD_PATHS = {"in place": None, "saved-tensor hooks": Relayed()}

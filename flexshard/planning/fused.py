@@ -168,12 +168,25 @@ def _run(dtype: torch.dtype, cols: list) -> ColumnRun:
     return ColumnRun(dtype, cols[0][0] // size, at, tuple(sizes), tuple(picks))
 
 
-def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> dict:
-    """{region: its full tensor as [world, n]} for the regions of `plan`'s runs (an
-    uneven one padded: its full tensor is the first numel elements of the column):
-    per run one buffer of their own and one split_with_sizes_copy into it (the out=
-    form: CUDA's one fused kernel, where the functional form clones chunk by chunk)."""
-    out, typed = {}, {}
+class ColumnCopy(NamedTuple):
+    """One run's split-copy: `rows` (its columns of the gathered buffer, [world, n])
+    into `chunks` (views of a buffer of its own), split at `sizes`."""
+
+    rows: torch.Tensor
+    sizes: list
+    chunks: list
+
+    def run(self) -> None:
+        torch.split_with_sizes_copy(self.rows, self.sizes, dim=1, out=self.chunks)
+
+
+def column_copies(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> tuple:
+    """(a ColumnCopy per run of `plan`, {region: its full tensor as [world, n]}), over
+    `gathered` and new buffers, nothing copied yet: per run one buffer of its own,
+    which one split_with_sizes_copy fills (the out= form: CUDA's one fused kernel,
+    where the functional form clones chunk by chunk). An uneven region's column
+    is padded: its full tensor is the column's first numel elements."""
+    copies, out, typed = [], {}, {}
     for run in plan.runs:
         if run.dtype not in typed:
             typed[run.dtype] = gathered.view(run.dtype).view(world_size, plan.seg_elems[run.dtype])
@@ -184,9 +197,18 @@ def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int
                            device=gathered.device)
         chunks = [c.view(world_size, n) for c, n in
                   zip(flat.split([world_size * n for n in run.sizes]), run.sizes)]
-        torch.split_with_sizes_copy(rows, list(run.sizes), dim=1, out=chunks)
+        copies.append(ColumnCopy(rows, list(run.sizes), chunks))
         for chunk, j in run.picks:
             out[j] = chunks[chunk]
+    return copies, out
+
+
+def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> dict:
+    """{region: its full tensor as [world, n]} for the regions of `plan`'s runs,
+    copied out of `gathered` into new buffers (column_copies, run)."""
+    copies, out = column_copies(gathered, plan, world_size)
+    for copy in copies:
+        copy.run()
     return out
 
 

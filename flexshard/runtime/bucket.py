@@ -35,6 +35,7 @@ from .offload import Offload
 from .grad_reduce import ReduceQueue
 from .identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
+from .unsharded import Forward
 from .unshard_node import _Unshard
 
 
@@ -95,6 +96,7 @@ class Bucket:
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         self._held_version = -1
+        self.opened: Optional[Forward] = None  # the last tracked unshard's (see unshard)
         self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
 
     @property
@@ -147,6 +149,7 @@ class Bucket:
         grad_fn = fn if offload is None else offload.to_host  # offloaded grads stay on the host
         self.params = [moved_param(p, v, grad_fn) for p, v in zip(self.params, self.storage.views)]
         self.grad_route.clear()  # its _Deliver node takes the old params
+        self.gather.drop_unsharded()  # made on the old compute device
 
     def load_full(self, fqn_to_tensor) -> None:
         """Copy this rank's piece of each full tensor into the sharded storage."""
@@ -166,14 +169,17 @@ class Bucket:
             else:
                 self.params[i] = kept
 
-    def unshard(self) -> list:
-        """Gather the bucket: unsharded parameters linked to the sharded ones by autograd."""
+    def unshard(self, fresh: bool = False, track: bool = False) -> list:
+        """Gather the bucket: unsharded parameters linked to the sharded ones by
+        autograd; new tensors if `fresh`, else the params made once where they
+        can be (unsharded.py). `track`: a forward whose backward refills them
+        (then `opened` is its Forward)."""
         self.assert_state(BucketState.SHARDED, BucketState.UNSHARDED)
         self._check_requires_grad()
         self.state = BucketState.UNSHARDING
         try:
             # _grad_anchor() may renew the route: it runs before forward reads its Delivery.
-            outs = _Unshard.apply(self, self._grad_anchor())
+            outs = _Unshard.apply(self, self._grad_anchor(), fresh, track)
         finally:
             self.state = BucketState.SHARDED
         self.state = BucketState.UNSHARDED
@@ -270,10 +276,61 @@ class Bucket:
             self.regathered = self.gather_params()
         return self.regathered, True
 
-    def backward_done(self) -> None:
-        """Backward no longer needs the regathered params nor the int reshard's slice."""
+    def backward_done(self, forward: Optional[Forward] = None) -> None:
+        """Backward no longer needs the regathered params nor the int reshard's
+        slice: `forward`'s (its unshard node ran backward), or any forward's (the
+        pass ended). The params made once are freed unless another forward's
+        backward is still to come (which would gather them again) or the modules
+        hold them."""
         self.regathered = None
         self.gather.forget_forward()
+        unsharded = self.gather.unsharded
+        if unsharded is None or self.state is not BucketState.SHARDED or self.held is not None:
+            return
+        if forward is not None:
+            unsharded.forwards.discard(forward)
+            if unsharded.awaiting_backward():
+                return
+        self.gather.free_unsharded()
+
+    # The params made once (gather.py, unsharded.py): a forward's backward refills them.
+
+    def open_forward(self) -> Optional[Forward]:
+        """BucketGather.open_forward (inside _Unshard.forward); kept as `opened`
+        for the module hooks that refill it."""
+        self.opened = self.gather.open_forward()
+        return self.opened
+
+    def refill(self, forward: Forward) -> bool:
+        """Before the backward of `forward`'s block: its params hold the values it
+        gathered (True when they were gathered now)."""
+        unsharded = self.gather.unsharded
+        if unsharded is None:
+            raise RuntimeError(
+                f"bucket {self.name!r}: its unsharded params were remade between forward and "
+                "backward (a device move, or set_reshard_after_forward changing the copy-out); "
+                "change the model between steps, after backward")
+        if unsharded.filled and unsharded.version == forward.version:
+            return False
+        self.check_unchanged_since(forward.version)
+        self.reduce_queue.watch_backward()  # the pass ends by freeing them
+        with torch.no_grad():
+            self.gather_params()
+        return True
+
+    def check_unchanged_since(self, version: int) -> None:
+        """Backward is about to regather the params a forward gathered at storage
+        `version`: refuse when they changed since."""
+        if tensor_version(self.storage.buffer) != version:
+            raise RuntimeError(
+                f"bucket {self.name!r}: its sharded params changed between forward and "
+                "backward (an optimizer step or an in-place write?); backward regathers them "
+                "and needs the values forward used: change the params after backward")
+
+    def free_unsharded(self) -> None:
+        """Reshard the params made once (their storages freed), unless held."""
+        if self.held is None:
+            self.gather.free_unsharded()
 
     def mark_resharded(self) -> None:
         self.assert_state(BucketState.UNSHARDED, BucketState.SHARDED)
@@ -303,19 +360,20 @@ class Bucket:
         self.assert_state(BucketState.SHARDED)
         self.gather.follow_reshard(value, self.device_ctx)
 
-    def gather_params(self, layout: Optional[BucketLayout] = None) -> list:
+    def gather_params(self, layout: Optional[BucketLayout] = None, fresh: bool = False) -> list:
         """BucketGather.gather on this bucket's compute device."""
-        return self.gather.gather(layout, self.device_ctx, self.compute_device)
+        return self.gather.gather(layout, self.device_ctx, self.compute_device, fresh)
 
     def gather_pieces(self, pieces: list) -> list:
         """BucketGather.gather_pieces on this bucket's compute device."""
         return self.gather.gather_pieces(pieces, self.compute_device)
 
-    def start_gather(self) -> bool:
-        """Launch the gather now (prefetch), unless in flight or not sharded."""
+    def start_gather(self, fresh: bool = False) -> bool:
+        """Launch the gather now (prefetch), unless in flight or not sharded;
+        `fresh`: into new tensors (module.unshard(), see unshard)."""
         if self.state is not BucketState.SHARDED:
             return False
-        return self.gather.start(self.device_ctx, self.compute_device)
+        return self.gather.start(self.device_ctx, self.compute_device, fresh)
 
     def discard_gather(self) -> None:
         self.gather.discard(self.device_ctx)

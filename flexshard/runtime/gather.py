@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.profiler import record_function
 
-from ..compat import foreach_copy_, tensor_version
+from ..compat import foreach_copy_, set_versions, tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
 from ..planning.fused import (column_full, copy_out_columns, plan_copy_in, plan_copy_out,
@@ -28,6 +28,7 @@ from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
 from ..compat import in_backward
 from .storage import BucketStorage, segment_views
+from .unsharded import Forward, UnshardedParams, fits
 
 
 class BucketGather:
@@ -47,6 +48,10 @@ class BucketGather:
         self._mesh = None  # shard_mesh(), made on first use
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
         self._forward_gathered: Optional[torch.Tensor] = None  # until keep()
+        # the gather layout's params made once and refilled in place (unsharded.py);
+        # False: they cannot be (that layout gathers into new tensors each time)
+        self.unsharded: Optional[UnshardedParams] = None
+        self._in_place: Optional[bool] = None  # whether they can be, once known
         # Looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(storage.layout): self._layout_plans(storage.layout)}
         self.layout = layouts.gather
@@ -57,7 +62,10 @@ class BucketGather:
         old value goes (the layout and its plans do not depend on it)."""
         self.discard(ctx)
         self.reshard_after_forward = value
-        self.post_forward = self._forward_gathered = None
+        self.forget_forward()
+        if self.unsharded is not None and self.unsharded.view_ok != self._view_ok(
+                self.plans_for(self.layout)):
+            self.drop_unsharded()  # made for the other value's copy-out
 
     @property
     def wire(self):
@@ -115,7 +123,7 @@ class BucketGather:
     def keep(self, keep: bool) -> None:
         """After the forward's gather (int reshard N): keep this rank's 1/N of
         the gather output for backward; else drop it."""
-        gathered, self._forward_gathered = self._forward_gathered, None
+        gathered = self._forward_gathered
         self.post_forward = None
         n = self.post_forward_size
         if keep and gathered is not None and n is not None:
@@ -123,10 +131,69 @@ class BucketGather:
                 self.post_forward = keep_slice(gathered, self.layout, self.rank, n,
                                                self.subgroups.of(self.rank, n),
                                                self.storage.buffer)
+        self._drop_forward_gathered()
 
     def forget_forward(self) -> None:
         """Drop the forward's gather output and the kept slice (held, or backward done)."""
-        self._forward_gathered = self.post_forward = None
+        self.post_forward = None
+        self._drop_forward_gathered()
+
+    def _drop_forward_gathered(self) -> None:
+        gathered, self._forward_gathered = self._forward_gathered, None
+        if self.unsharded is not None and gathered is self.unsharded.gathered:
+            self.unsharded.free_gathered()
+
+    # The params made once (unsharded.py).
+
+    def _view_ok(self, plans: LayoutPlans) -> bool:
+        """Whether params may view the gather output. A bucket that keeps its
+        unsharded params until backward would pin the gather output's padding as
+        long: its params are copied out when padding is heavy."""
+        return plans.keeps_views and not (plans.pins_padding and self.reshard_after_forward is False)
+
+    def in_place(self, layout: BucketLayout, device: torch.device) -> Optional[UnshardedParams]:
+        """The params of `layout` made once, if it is the gather layout and they can
+        be (made on first use; never at world size 1 without a cast, where the
+        storage itself is the gather output)."""
+        if layout is not self.layout:
+            return None
+        if self._in_place is None:
+            plans = self.plans_for(layout)
+            self._in_place = fits(plans, self._view_ok(plans)) and not (
+                self.world_size == 1 and plans.is_storage and self.offload is None)
+        if not self._in_place:
+            return None
+        if self.unsharded is None:
+            plans = self.plans_for(layout)
+            self.unsharded = UnshardedParams(layout, plans, self._view_ok(plans),
+                                             self.world_size, device)
+        return self.unsharded
+
+    def drop_unsharded(self) -> None:
+        """Forget the params made once (a device move, a new copy-out): the next
+        gather makes them again. Between steps, with no backward pending."""
+        self.unsharded = None
+        self._in_place = None
+
+    def free_unsharded(self) -> None:
+        """Reshard the params made once: free their storages (unless a launched
+        gather is writing them; its consumer fills them)."""
+        unsharded = self.unsharded
+        if unsharded is None:
+            return
+        if self.inflight is not None and self.inflight.gathered is unsharded.gathered:
+            return
+        unsharded.free()
+
+    def open_forward(self) -> Optional[Forward]:
+        """A grad-enabled forward just gathered into the params made once: what
+        its backward will need (None when it gathered into new tensors)."""
+        unsharded = self.unsharded
+        if unsharded is None or not unsharded.filled:
+            return None
+        forward = Forward(unsharded.version)
+        unsharded.forwards.add(forward)
+        return forward
 
     def _source(self, layout: BucketLayout) -> Optional[PostForwardShard]:
         """The kept post-forward shard, when a gather in backward may start from it."""
@@ -137,23 +204,28 @@ class BucketGather:
     # Gathering.
 
     def gather(self, layout: Optional[BucketLayout], ctx: HostContext,
-               device: torch.device) -> list:
+               device: torch.device, fresh: bool = False) -> list:
         """One all-gather over the bucket; returns the unsharded tensors, typed
-        by `layout` (the gather layout, i.e. param_dtype, by default). Consumes
+        by `layout` (the gather layout, i.e. param_dtype, by default): the
+        params made once, refilled, where they can be and not `fresh`. Consumes
         a prefetched gather of the same layout when one is in flight."""
         layout = layout or self.layout
-        pending = self._take_inflight(layout, ctx) or self._launch(layout, False, ctx, device)
+        pending = self._take_inflight(layout, ctx, fresh) or \
+            self._launch(layout, False, ctx, device, fresh)
         plans = self.plans_for(layout)
         self.await_(pending, ctx)
         if self.post_forward_size is not None and not in_backward() and layout is self.layout:
             self._forward_gathered = pending.gathered  # for keep()
-        # A bucket that keeps its unsharded params until backward would pin the gather
-        # output's padding as long: its params are copied out when padding is heavy.
-        kept = self.reshard_after_forward is False
-        view_ok = plans.keeps_views and not (plans.pins_padding and kept)
+        unsharded = self.unsharded
         with hidden_from_checkpoint(), record_function("FlexShard::all_gather_copy_out"):
             # hidden: recomputed anyway, skip the per-op Python dispatch
-            return self._copy_out(pending.gathered, plans, view_ok)
+            if unsharded is not None and pending.gathered is unsharded.gathered:
+                outs = unsharded.copy_out(pending.version)
+                self.counters.copy_out_bytes += unsharded.copied_bytes
+                if self._forward_gathered is not pending.gathered:
+                    unsharded.free_gathered()
+                return outs
+            return self._copy_out(pending.gathered, plans, self._view_ok(plans))
 
     def _copy_out(self, gathered: torch.Tensor, plans: LayoutPlans, view_ok: bool) -> list:
         """The unsharded params from the gather output, on the compute stream: views
@@ -196,16 +268,18 @@ class BucketGather:
         ctx.wait(pending.done)
         if pending.work is not None:
             pending.work.wait()  # NCCL: the current stream waits; gloo: the host waits
+        # its writes (the copy-in, the collective) are unseen by autograd (unsharded.py)
+        set_versions((pending.gathered,), (pending.gathered_version,))
         stream = ctx.current()
         if stream != pending.stream:  # consumed under another stream than launched
             ctx.adopt(pending.gathered, stream)
 
-    def start(self, ctx: HostContext, device: torch.device) -> bool:
-        """Launch the gather without waiting (prefetch); the next gather consumes it.
-        False when there is nothing to launch."""
+    def start(self, ctx: HostContext, device: torch.device, fresh: bool = False) -> bool:
+        """Launch the gather without waiting (prefetch); the next gather consumes it
+        (one asking for the same `fresh`). False when there is nothing to launch."""
         if self.inflight is not None or self.world_size == 1:
             return False
-        self.inflight = self._launch(self.layout, True, ctx, device)
+        self.inflight = self._launch(self.layout, True, ctx, device, fresh)
         self.counters.prefetches += 1
         return True
 
@@ -215,11 +289,17 @@ class BucketGather:
         if pending is None:
             return
         self.await_(pending, ctx)  # its buffers die on the compute stream's side
+        if self.unsharded is not None and pending.gathered is self.unsharded.gathered:
+            self.unsharded.free()  # written, never copied out
         self.counters.discarded_prefetches += 1
 
-    def _take_inflight(self, layout: BucketLayout, ctx: HostContext) -> Optional[PendingGather]:
+    def _take_inflight(self, layout: BucketLayout, ctx: HostContext,
+                       fresh: bool = False) -> Optional[PendingGather]:
         pending = self.inflight
         if pending is None or pending.layout is not layout:
+            return None
+        if fresh and self.unsharded is not None and pending.gathered is self.unsharded.gathered:
+            self.discard(ctx)  # launched into the params made once; wanted apart from them
             return None
         if pending.version != tensor_version(self.storage.buffer):  # params written since launch
             self.discard(ctx)
@@ -228,27 +308,36 @@ class BucketGather:
         return pending
 
     def _launch(self, layout: BucketLayout, async_op: bool, ctx: HostContext,
-                device: torch.device) -> PendingGather:
+                device: torch.device, fresh: bool = False) -> PendingGather:
         """Copy-in (cast) on the copy-in stream, then the all-gather on the
         gather stream. Both buffers are allocated first, on the compute stream,
-        and the side streams start after an event recorded after that."""
+        and the side streams start after an event recorded after that. Into the
+        params made once where they can be (unless `fresh`), unseen by autograd's
+        version counters (unsharded.py)."""
         plans, version = self.plans_for(layout), tensor_version(self.storage.buffer)
         source = self._source(layout)  # int reshard, in backward
+        unsharded = None if fresh else self.in_place(layout, device)
         with torch.no_grad(), hidden_from_checkpoint():
-            send, gathered = self._buffers(layout, plans, source, device)
-            after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
-            if source is None and (not plans.is_storage or self.offload is not None):
-                with on_stream(ctx, ctx.copy_in, ready), \
-                        record_function("FlexShard::all_gather_copy_in"):
-                    self._copy_in(send, layout, plans)
-                    after = ctx.record(ctx.copy_in)
-            with on_stream(ctx, ctx.gather, after), record_function("FlexShard::all_gather"):
-                work = self._all_gather(gathered, send, layout, source, async_op)
-                done = ctx.record(ctx.gather)
+            send, gathered = self._buffers(layout, plans, source, device, unsharded)
+            before = tensor_version(gathered)
+            work, done = self._fill(send, gathered, layout, plans, source, async_op, ctx)
         self.counters.count_gather(layout, self.world_size > 1, source is not None,
                                    0 if source is not None else plans.copy_in_bytes)
         return PendingGather(work if async_op else None, gathered, layout, version, send, done,
-                             ctx.current())
+                             ctx.current(), before)
+
+    def _fill(self, send, gathered, layout: BucketLayout, plans: LayoutPlans,
+              source: Optional[PostForwardShard], async_op: bool, ctx: HostContext) -> tuple:
+        """The copy-in and the all-gather of `_launch`: (work, done event)."""
+        after = ready = ctx.record()  # the params' last writes (optimizer) and the allocations
+        if source is None and (not plans.is_storage or self.offload is not None):
+            with on_stream(ctx, ctx.copy_in, ready), \
+                    record_function("FlexShard::all_gather_copy_in"):
+                self._copy_in(send, layout, plans)
+                after = ctx.record(ctx.copy_in)
+        with on_stream(ctx, ctx.gather, after), record_function("FlexShard::all_gather"):
+            work = self._all_gather(gathered, send, layout, source, async_op)
+            return work, ctx.record(ctx.gather)
 
     def _all_gather(self, gathered, send, layout: BucketLayout,
                     source: Optional[PostForwardShard], async_op: bool):
@@ -260,19 +349,26 @@ class BucketGather:
         return self.comm.all_gather(gathered, send, group, async_op=async_op)
 
     def _buffers(self, layout: BucketLayout, plans: LayoutPlans,
-                 source: Optional[PostForwardShard], device: torch.device) -> tuple:
+                 source: Optional[PostForwardShard], device: torch.device,
+                 unsharded: Optional[UnshardedParams]) -> tuple:
         """(gather input, gather output), on the compute stream. The storage buffer
         is the gather input when it can be (no cast, not offloaded, not shorter
         than the segment); otherwise the copy-in writes this rank's segment of the
         gather output and the all-gather reads it there, in place (as FSDP2's), so
-        no segment-sized temporary exists beside the output."""
+        no segment-sized temporary exists beside the output. The output is that of
+        the params made once (`unsharded`), reallocated, where they are."""
         send = self.storage.buffer if source is None else source.send
         copy_in = source is None and (not plans.is_storage or self.offload is not None)
+        if unsharded is not None:
+            unsharded.allocate()
+            gathered = unsharded.gathered
+        elif self.world_size == 1:
+            gathered = send if not copy_in else torch.empty(layout.segment_bytes,
+                                                            dtype=torch.uint8, device=device)
+        else:
+            gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
         if self.world_size == 1:
-            if copy_in:
-                send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
-            return send, send
-        gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+            return (gathered if copy_in else send), gathered
         if copy_in:
             start = layout.segment_start(self.rank)
             send = gathered[start:start + layout.segment_bytes]

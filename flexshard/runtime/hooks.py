@@ -13,7 +13,7 @@ from .bucket import Bucket, BucketState
 from .compiled import EagerCompiledBlocks, run_eagerly
 from .prefetch import Prefetcher
 from ..compat import in_backward
-from .reshard import SavedParams
+from .reshard import SavedParams, saves_kept_elsewhere
 
 
 def _cast_floating(tree, dtype):
@@ -41,6 +41,7 @@ class ModuleHooks:
         self.saved = saved  # the model's registry of unsharded storages and its hooks
         self._pushed = False  # this forward pushed the saved-tensor hooks
         self._post_ran = True  # post_forward ran since the last pre_forward
+        self._forwards: list = []  # (bucket, unsharded.Forward) of this forward, for backward
         self.eager_compiled = eager_compiled  # says once when a .compile()d block ran eagerly
         self._compile_checked = False  # a forward of the compiled module was checked
         self.handles = [
@@ -61,16 +62,23 @@ class ModuleHooks:
         if in_backward():  # a recompute: the pass must end by resharding what it gathers
             self.queue.watch_backward()
         handled = torch.is_grad_enabled() and not in_backward()
+        # Backward refills the params made once that this forward's graph holds; not
+        # under an activation checkpoint or save_on_cpu, which keep none of them.
+        track = handled and not saves_kept_elsewhere()
+        self._forwards = []
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
                 continue
-            outs = bucket.unshard()
+            outs = bucket.unshard(track=track)
             bucket.install(outs)
             # An int reshard keeps 1/N of the gather for backward (also under the user's
             # activation checkpoint, whose recompute then gathers within the N ranks).
             bucket.keep_post_forward_shard(handled and bool(bucket.reshard_after_forward))
-            if handled and bucket.reshard_after_forward:
+            forward, bucket.opened = bucket.opened, None
+            if forward is not None:  # the params made once (unsharded.py)
+                self._forwards.append((bucket, forward))
+            elif handled and bucket.reshard_after_forward:  # new tensors: reshard.py
                 self._pushed = self._pushed or self.saved.push()
                 self.saved.register(bucket, outs)
             self.prefetcher.unsharded(bucket)
@@ -106,6 +114,13 @@ class ModuleHooks:
             bucket.install_sharded()
             bucket.mark_resharded()
             self.saved.forget(bucket)
+            # the params made once: freed now, refilled before the block's backward;
+            # a recompute's stay for the backward that follows it
+            if not in_backward() and (not keep or bucket.reshard_after_forward):
+                bucket.free_unsharded()
+        forwards, self._forwards = self._forwards, []
+        if keep and forwards:
+            _refill_before_backward(output, _Refill(self.prefetcher, self.queue, forwards))
         self._pop()
         if keep and not self._compile_checked and module_compiled(module):
             self._compile_checked = self.eager_compiled.check(
@@ -125,7 +140,9 @@ class ModuleHooks:
         if self._post_ran:
             return
         self._post_ran = True
-        self._reshard()
+        self._forwards = []
+        # a recompute cut short (a checkpoint's early stop) keeps what it recomputed
+        self._reshard(free=not in_backward())
         self._pop()
 
     def reshard_kept(self) -> None:
@@ -136,13 +153,48 @@ class ModuleHooks:
         recompute in backward reads the unsharded tensor it computed with."""
         self._reshard()
 
-    def _reshard(self) -> None:
-        """Sharded params back on the modules for every unsharded bucket not held."""
+    def _reshard(self, free: bool = True) -> None:
+        """Sharded params back on the modules for every unsharded bucket not held;
+        with `free`, the storages of the params made once too."""
         for bucket in self.buckets:
             if bucket.held is None and bucket.state is BucketState.UNSHARDED:
                 bucket.install_sharded()
                 bucket.mark_resharded()
             self.saved.forget(bucket)
+            if free:
+                bucket.free_unsharded()
+
+
+class _Refill:
+    """A tensor hook on a forward's outputs: the first output grad that arrives,
+    before the block's backward reads what autograd saved, refills each bucket's
+    params made once with the values that forward used (Bucket.refill), and the
+    next buckets' gathers are prefetched. The reductions the blocks after it
+    deferred go first (their backward is over: see _launch_after_backward)."""
+
+    def __init__(self, prefetcher: Prefetcher, queue, forwards: list) -> None:
+        self.prefetcher, self.queue, self.forwards = prefetcher, queue, forwards
+        self.done = False
+
+    def __call__(self, grad):
+        if not self.done:
+            self.done = True
+            self.queue.launch_deferred()
+            for bucket, forward in self.forwards:
+                if bucket.refill(forward):
+                    self.prefetcher.unsharded(bucket)
+        return None
+
+
+def _refill_before_backward(output, refill: _Refill) -> None:
+    """Hook `refill` on every output that backward may reach. With none, no
+    backward reads this forward's saves through the module (FSDP2's rule too)."""
+    def hook(t):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(refill)
+        return t
+
+    tree_map(hook, output)
 
 
 class RootHooks:
@@ -228,7 +280,7 @@ class UnshardHandle:
         for bucket in buckets:
             bucket.hold_handle = None
             with torch.enable_grad():  # so forwards run under grad reach the reduction
-                outs = bucket.unshard()
+                outs = bucket.unshard(fresh=True)  # kept apart from the params made once
             bucket.hold(outs)
 
 
@@ -240,7 +292,7 @@ def unshard_explicitly(buckets: Sequence[Bucket], async_op: bool):
             raise RuntimeError(f"module.unshard() called while bucket {bucket.name!r} is "
                                f"{bucket.state.value} (inside its forward?); call it between steps")
     for bucket in buckets:
-        bucket.start_gather()
+        bucket.start_gather(fresh=True)
     handle = UnshardHandle(buckets)
     if async_op:
         return handle

@@ -42,6 +42,16 @@ def top_saved_tensors_hooks() -> Optional[tuple]:
     return top_saved_tensors_default_hooks(False)
 
 
+def saves_kept_elsewhere() -> bool:
+    """Whether the innermost saved-tensor hooks keep no tensor as it is: torch's
+    activation checkpoint (its recompute gathers again) or save_on_cpu (copies)."""
+    top = top_saved_tensors_hooks()
+    if top is None:
+        return False
+    name = getattr(top[0], "__qualname__", "")
+    return name.startswith(("_checkpoint_hook.", "save_on_cpu."))
+
+
 def saved_tensors_hooked() -> bool:
     """True inside a region whose saved tensors some hooks already handle (an
     activation checkpoint, CPU offload, or ours)."""
@@ -235,11 +245,7 @@ class SavedParams:
 
     def regathered(self, handle: ParamHandle) -> list:
         bucket = handle.bucket
-        if tensor_version(bucket.storage.buffer) != handle.version:
-            raise RuntimeError(
-                f"bucket {bucket.name!r}: its sharded params changed between forward and "
-                "backward (an optimizer step or an in-place write?); backward regathers them "
-                "and needs the values forward used: change the params after backward")
+        bucket.check_unchanged_since(handle.version)
         if bucket.regathered is None:  # once per backward, not per unpack
             self.queue.watch_backward()  # the pass ends by dropping what it regathers
         params, new = bucket.regather()

@@ -26,8 +26,9 @@ class UnshardTarget(ReduceTarget, Protocol):
     reduce_queue: ReduceQueue
     compute_device: torch.device
 
-    def gather_params(self) -> list: ...
-    def backward_done(self) -> None: ...
+    def gather_params(self, layout=None, fresh: bool = False) -> list: ...
+    def open_forward(self): ...
+    def backward_done(self, forward=None) -> None: ...
     def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]: ...
 
 
@@ -35,12 +36,15 @@ class _Unshard(torch.autograd.Function):
     """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, bucket: UnshardTarget, anchor: torch.Tensor):
+    def forward(ctx, bucket: UnshardTarget, anchor: torch.Tensor, fresh: bool, track: bool):
         # The route's Delivery of this forward (None under no_grad): a later forward's
         # new route must not receive this graph's grads.
         ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
         ctx.set_materialize_grads(False)
-        outs = bucket.gather_params()
+        outs = bucket.gather_params(None, fresh)
+        # What this graph's backward needs of the params made once (unsharded.py):
+        # held by the graph, so a forward never backpropagated stops counting.
+        ctx.forward = bucket.open_forward() if track else None
         # frozen now (requires_grad_(False) after the wrap included): no grad is computed
         frozen = [o for o, p in zip(outs, bucket.params) if not p.requires_grad]
         if frozen:
@@ -54,7 +58,7 @@ class _Unshard(torch.autograd.Function):
         bucket = ctx.bucket
         # Every grad is known: the block's backward is done with its regathered params;
         # dropped before the reduce buffers are made, so the two never coexist.
-        bucket.backward_done()  # and the int reshard's kept slice (postforward.py)
+        bucket.backward_done(ctx.forward)  # and the int reshard's kept slice (postforward.py)
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
         packed = bucket.pack_reduce(grads)
@@ -62,4 +66,4 @@ class _Unshard(torch.autograd.Function):
             # Launched once this backward has returned and autograd has let go of the
             # unsharded grads, so they never sit beside the collective's buffers.
             bucket.reduce_queue.defer(Reduction(bucket, packed, ctx.delivery))
-        return None, bucket.grad_route.anchor_grad(bucket.compute_device)
+        return None, bucket.grad_route.anchor_grad(bucket.compute_device), None, None

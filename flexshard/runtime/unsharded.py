@@ -1,0 +1,116 @@
+"""A bucket's unsharded params, made once per gather layout and refilled in place.
+
+FSDP2's design: the gather output, the fused copy-out's buffers (planning/fused.py)
+and the unsharded params as views of them are made on the bucket's first gather
+and kept. Each gather writes into them; resharding frees their storages
+(`resize_(0)`: the tensors, and every view of them autograd saved, stay) and the
+next gather reallocates them. No view is made per gather.
+
+So resharding after forward needs no saved-tensor hooks: autograd keeps what it
+saved, over freed storage, and a hook on the block's forward outputs refills it
+before the block's backward runs (runtime/hooks.py). Gathers write under
+`preserve_versions`, so autograd's version check does not see the refill. Each
+grad-enabled forward that backward may reach is a `Forward` here (the sharded
+storage version it gathered, held by its graph's unshard node): backward refills
+the version a forward needs or refuses a stale one, and the storages are freed
+once no forward awaiting backward needs them.
+
+A bucket whose params cannot all be such views (another wire format than a
+cast, a copy-out outside the fused runs) gathers into new tensors each time and
+reshards through the saved-tensor hooks (runtime/reshard.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..compat import preserve_versions
+from ..planning.bucket_plan import LayoutPlans
+from ..planning.fused import column_copies, column_full
+from ..planning.layout import BucketLayout
+
+
+class Forward:
+    """One grad-enabled forward of a bucket: the version of the sharded storage it
+    gathered (its backward needs those values)."""
+
+    __slots__ = ("version", "__weakref__")
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+
+def fits(plans: LayoutPlans, view_ok: bool) -> bool:
+    """Whether every param of `plans` can be a persistent view: sent as it is (a
+    cast), and either a view of the gather output or in a fused copy-out run."""
+    runs = plans.copy_out[0 if view_ok else 1]
+    return all(w.cast and (w.region in runs.columns or (view_ok and w.copies[0].span is not None))
+               for w in plans.wires)
+
+
+class UnshardedParams:
+    """The gather output, the copy-out buffers and the params over them (see the
+    module docstring); made with their storages freed."""
+
+    def __init__(self, layout: BucketLayout, plans: LayoutPlans, view_ok: bool,
+                 world_size: int, device: torch.device) -> None:
+        self.view_ok = view_ok
+        self.gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+        runs = plans.copy_out[0 if view_ok else 1]
+        self._copies, columns = (column_copies(self.gathered, runs, world_size) if runs.runs
+                                 else ((), {}))
+        self.params = [column_full(columns[w.region], w.copies[0].shape) if w.region in columns
+                       else w.copies[0].full(self.gathered) for w in plans.wires]
+        self.copied_bytes = sum(c.numel() * c.element_size() for c in columns.values())
+        # the gather output stays only while a param views it
+        self.views_gathered = any(w.region not in columns for w in plans.wires)
+        flats = [copy.chunks[0] for copy in self._copies]
+        self._versioned = tuple([self.gathered] + flats)
+        self._storages = [(t.untyped_storage(), t.untyped_storage().nbytes())
+                          for t in self._versioned]
+        self.version = None  # the sharded storage version the buffers hold; None: freed
+        self.forwards: weakref.WeakSet = weakref.WeakSet()  # awaiting backward
+        self.free()
+
+    @property
+    def filled(self) -> bool:
+        return self.version is not None
+
+    def allocate(self) -> None:
+        """Reallocate the freed storages: a gather is about to write them, and
+        until its copy-out they hold no version."""
+        self.version = None
+        for storage, nbytes in self._storages:
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+
+    def copy_out(self, version: int) -> list:
+        """The fused copy-out of the gathered buffer into the params' buffers
+        (unseen by autograd's version counters); the buffers now hold `version`."""
+        with preserve_versions(self._versioned):
+            for copy in self._copies:
+                copy.run()
+        self.version = version
+        return list(self.params)
+
+    def free_gathered(self) -> None:
+        """Free the gather output once copied out (and an int reshard's slice cut
+        from it), unless a param views it."""
+        if not self.views_gathered:
+            self._storages[0][0].resize_(0)
+
+    def free(self) -> None:
+        for storage, _ in self._storages:
+            if storage.nbytes():
+                storage.resize_(0)
+        self.version = None
+
+    def allocated_bytes(self) -> int:
+        """Bytes its storages hold now (0 when freed)."""
+        return sum(storage.nbytes() for storage, _ in self._storages)
+
+    def awaiting_backward(self) -> bool:
+        """Whether a forward whose graph is alive still waits for its backward."""
+        return len(self.forwards) > 0

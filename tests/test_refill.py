@@ -1,0 +1,113 @@
+"""A bucket's unsharded params made once and refilled in place (runtime/unsharded.py):
+the same tensors every step, no saved-tensor hook in the block's forward, and the
+gradients of the unwrapped model when several forwards share one backward, when an
+eval forward runs between forward and backward, and when two graphs are
+backpropagated one after the other; a storage changed in between raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flexshard as fs
+from harness import run_world
+from models import batch, loss_fn
+from reference import make_model
+
+LR = 0.5  # SGD: the step is the gradient, so a wrong scale shows
+WORLD = 2
+
+
+def _microbatches(rank: int) -> list:
+    return [batch(k, rank) for k in (rank, rank + WORLD)]
+
+
+def _backward(model, how: str) -> None:
+    """Two microbatches' losses backpropagated, `how`."""
+    (x1, y1), (x2, y2) = _microbatches(dist.get_rank())
+    first = loss_fn(model(x1), y1)
+    if how == "eval between":
+        with torch.no_grad():
+            model(x2)
+        first.backward()
+        loss_fn(model(x2), y2).backward()
+        return
+    second = loss_fn(model(x2), y2)
+    if how == "one backward":
+        (first + second).backward()
+    else:  # "second first"
+        second.backward()
+        first.backward()
+
+
+def stepped(how: str, reshard) -> dict:
+    """Rank body: one SGD step on two microbatches' grads; the full params."""
+    model = fs.flex_shard(make_model(), reshard_after_forward=reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    _backward(model, how)
+    opt.step()
+    return fs.full_state_dict(model)
+
+
+def _reference() -> dict:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for r in range(WORLD):
+        for x, y in _microbatches(r):
+            (loss_fn(model(x), y) / WORLD).backward()
+    opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("how", ["one backward", "second first", "eval between"])
+def test_several_forwards_train_as_the_unwrapped_model(how, reshard):
+    want = _reference()
+    for got in run_world(WORLD, stepped, how, reshard):
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def changed_between() -> str:
+    """Rank body: forward, a param changed in place, forward again, backward of the first."""
+    model = fs.flex_shard(make_model())
+    (x1, y1), (x2, y2) = _microbatches(dist.get_rank())
+    first = loss_fn(model(x1), y1)
+    with torch.no_grad():
+        model.layers[0].up.weight.mul_(2)  # as an optimizer step would
+    loss_fn(model(x2), y2)
+    try:
+        first.backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_backward_of_a_forward_whose_params_changed_raises():
+    for message in run_world(WORLD, changed_between):
+        assert "its sharded params changed between forward and backward" in message, message
+
+
+def same_tensors() -> dict:
+    """Rank body: block 0's unsharded up-projection weight in two steps' forwards
+    (identity, storage bytes after the step) and the saved-tensor hooks active there."""
+    from flexshard.compat import top_saved_tensors_default_hooks
+
+    model = fs.flex_shard(make_model())
+    seen = []
+    model.layers[0].up.register_forward_hook(lambda m, a, out: seen.append(
+        (m.weight, top_saved_tensors_default_hooks(False))))
+    for step in range(2):
+        x, y = batch(step, dist.get_rank())
+        loss_fn(model(x), y).backward()
+    (w0, hooks0), (w1, hooks1) = seen
+    return {"same": w0 is w1, "hooks": [hooks0, hooks1], "bytes": w1.untyped_storage().nbytes(),
+            "shape": tuple(w1.shape)}
+
+
+def test_unsharded_params_are_made_once_and_freed_between_steps():
+    for facts in run_world(WORLD, same_tensors):
+        assert facts["same"]
+        assert facts["hooks"] == [None, None]  # autograd saves the block's tensors itself
+        assert facts["bytes"] == 0 and facts["shape"] == (50, 30)
