@@ -154,8 +154,11 @@ class BucketGather:
     def in_place(self, layout: BucketLayout, device: torch.device) -> Optional[UnshardedParams]:
         """The params of `layout` made once, if it is the gather layout and they can
         be (made on first use; never at world size 1 without a cast, where the
-        storage itself is the gather output)."""
-        if layout is not self.layout:
+        storage itself is the gather output). Not for a bucket that keeps its
+        params until backward: its new tensors die as autograd lets go of them,
+        some (an embedding's) right after forward, where a storage made once
+        would stay until its node's backward."""
+        if layout is not self.layout or self.reshard_after_forward is False:
             return None
         if self._in_place is None:
             plans = self.plans_for(layout)
@@ -268,8 +271,9 @@ class BucketGather:
         ctx.wait(pending.done)
         if pending.work is not None:
             pending.work.wait()  # NCCL: the current stream waits; gloo: the host waits
-        # its writes (the copy-in, the collective) are unseen by autograd (unsharded.py)
-        set_versions((pending.gathered,), (pending.gathered_version,))
+        if pending.gathered_version is not None:  # into the params made once (unsharded.py):
+            # its writes (the copy-in, the collective) are unseen by autograd
+            set_versions((pending.gathered,), (pending.gathered_version,))
         stream = ctx.current()
         if stream != pending.stream:  # consumed under another stream than launched
             ctx.adopt(pending.gathered, stream)
@@ -319,7 +323,7 @@ class BucketGather:
         unsharded = None if fresh else self.in_place(layout, device)
         with torch.no_grad(), hidden_from_checkpoint():
             send, gathered = self._buffers(layout, plans, source, device, unsharded)
-            before = tensor_version(gathered)
+            before = None if unsharded is None else tensor_version(gathered)
             work, done = self._fill(send, gathered, layout, plans, source, async_op, ctx)
         self.counters.count_gather(layout, self.world_size > 1, source is not None,
                                    0 if source is not None else plans.copy_in_bytes)

@@ -21,7 +21,8 @@ class PendingGather(NamedTuple):
     send: torch.Tensor  # the gather input, held until the compute stream waited on `done`
     done: Any  # event on the gather stream after the launch
     stream: Any  # the compute stream current at launch (where the buffers were allocated)
-    gathered_version: int = 0  # the output's version at launch: set back once waited for
+    gathered_version: Optional[int] = None  # into the params made once: the output's
+    #                                         version at launch, set back once waited for
 
 
 class PendingReduce(NamedTuple):

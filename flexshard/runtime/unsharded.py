@@ -79,16 +79,22 @@ class UnshardedParams:
         return self.version is not None
 
     def allocate(self) -> None:
-        """Reallocate the freed storages: a gather is about to write them, and
-        until its copy-out they hold no version."""
+        """Reallocate the gather output: a gather is about to write it, and until
+        its copy-out the params hold no version. The copy-out's buffers wait for
+        the copy-out (a prefetched gather holds only its output, as a new one would)."""
         self.version = None
-        for storage, nbytes in self._storages:
+        self._allocate(self._storages[:1])
+
+    @staticmethod
+    def _allocate(storages) -> None:
+        for storage, nbytes in storages:
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
 
     def copy_out(self, version: int) -> list:
         """The fused copy-out of the gathered buffer into the params' buffers
         (unseen by autograd's version counters); the buffers now hold `version`."""
+        self._allocate(self._storages[1:])
         with preserve_versions(self._versioned):
             for copy in self._copies:
                 copy.run()
