@@ -285,13 +285,13 @@ class Bucket:
         self.regathered = None
         self.gather.forget_forward()
         unsharded = self.gather.unsharded
-        if unsharded is None or self.state is not BucketState.SHARDED or self.held is not None:
+        if unsharded is None or self.state is not BucketState.SHARDED:
             return
         if forward is not None:
             unsharded.forwards.discard(forward)
             if unsharded.awaiting_backward():
                 return
-        self.gather.free_unsharded()
+        self.free_unsharded()
 
     # The params made once (gather.py, unsharded.py): a forward's backward refills them.
 
@@ -305,11 +305,10 @@ class Bucket:
         """Before the backward of `forward`'s block: its params hold the values it
         gathered (True when they were gathered now)."""
         unsharded = self.gather.unsharded
-        if unsharded is None:
+        if unsharded is not forward.params:
             raise RuntimeError(
                 f"bucket {self.name!r}: its unsharded params were remade between forward and "
-                "backward (a device move, or set_reshard_after_forward changing the copy-out); "
-                "change the model between steps, after backward")
+                "backward (a device move); move the model between steps, after backward")
         if unsharded.filled and unsharded.version == forward.version:
             return False
         self.check_unchanged_since(forward.version)

@@ -63,9 +63,6 @@ class BucketGather:
         self.discard(ctx)
         self.reshard_after_forward = value
         self.forget_forward()
-        if self.unsharded is not None and self.unsharded.view_ok != self._view_ok(
-                self.plans_for(self.layout)):
-            self.drop_unsharded()  # made for the other value's copy-out
 
     @property
     def wire(self):
@@ -160,23 +157,18 @@ class BucketGather:
         would stay until its node's backward."""
         if layout is not self.layout or self.reshard_after_forward is False:
             return None
+        plans = self.plans_for(layout)
         if self._in_place is None:
-            plans = self.plans_for(layout)
-            self._in_place = fits(plans, self._view_ok(plans)) and not (
+            self._in_place = fits(plans) and not (
                 self.world_size == 1 and plans.is_storage and self.offload is None)
-        if not self._in_place:
-            return None
-        if self.unsharded is None:
-            plans = self.plans_for(layout)
-            self.unsharded = UnshardedParams(layout, plans, self._view_ok(plans),
-                                             self.world_size, device)
-        return self.unsharded
+        if self._in_place and self.unsharded is None:
+            self.unsharded = UnshardedParams(layout, plans, self.world_size, device)
+        return self.unsharded if self._in_place else None
 
     def drop_unsharded(self) -> None:
-        """Forget the params made once (a device move, a new copy-out): the next
-        gather makes them again. Between steps, with no backward pending."""
+        """Forget the params made once (a device move): the next gather makes them
+        again. Between steps, with no backward pending."""
         self.unsharded = None
-        self._in_place = None
 
     def free_unsharded(self) -> None:
         """Reshard the params made once: free their storages (unless a launched
@@ -194,7 +186,7 @@ class BucketGather:
         unsharded = self.unsharded
         if unsharded is None or not unsharded.filled:
             return None
-        forward = Forward(unsharded.version)
+        forward = Forward(unsharded, unsharded.version)
         unsharded.forwards.add(forward)
         return forward
 

@@ -8,8 +8,9 @@ next gather reallocates them. No view is made per gather.
 
 So resharding after forward needs no saved-tensor hooks: autograd keeps what it
 saved, over freed storage, and a hook on the block's forward outputs refills it
-before the block's backward runs (runtime/hooks.py). Gathers write under
-`preserve_versions`, so autograd's version check does not see the refill. Each
+before the block's backward runs (runtime/hooks.py). Autograd's version check
+does not see the refill: the copy-out writes under `preserve_versions`, and the
+gather output's version is set back once its collective is waited for. Each
 grad-enabled forward that backward may reach is a `Forward` here (the sharded
 storage version it gathered, held by its graph's unshard node): backward refills
 the version a forward needs or refuses a stale one, and the storages are freed
@@ -17,7 +18,8 @@ once no forward awaiting backward needs them.
 
 A bucket whose params cannot all be such views (another wire format than a
 cast, a copy-out outside the fused runs) gathers into new tensors each time and
-reshards through the saved-tensor hooks (runtime/reshard.py).
+reshards through the saved-tensor hooks (runtime/reshard.py); so does every
+bucket that keeps its params until backward (runtime/gather.py, in_place).
 """
 
 from __future__ import annotations
@@ -33,20 +35,27 @@ from ..planning.layout import BucketLayout
 
 
 class Forward:
-    """One grad-enabled forward of a bucket: the version of the sharded storage it
-    gathered (its backward needs those values)."""
+    """One grad-enabled forward of a bucket: the params made once it gathered into
+    and the version of the sharded storage it gathered (its backward needs those)."""
 
-    __slots__ = ("version", "__weakref__")
+    __slots__ = ("params", "version", "__weakref__")
 
-    def __init__(self, version: int) -> None:
-        self.version = version
+    def __init__(self, params: "UnshardedParams", version: int) -> None:
+        self.params, self.version = params, version
 
 
-def fits(plans: LayoutPlans, view_ok: bool) -> bool:
+def _runs(plans: LayoutPlans):
+    """The fused copy-out of a resharding bucket: params view the gather output
+    where the layout keeps views (no padding is pinned past forward)."""
+    return plans.copy_out[0 if plans.keeps_views else 1]
+
+
+def fits(plans: LayoutPlans) -> bool:
     """Whether every param of `plans` can be a persistent view: sent as it is (a
     cast), and either a view of the gather output or in a fused copy-out run."""
-    runs = plans.copy_out[0 if view_ok else 1]
-    return all(w.cast and (w.region in runs.columns or (view_ok and w.copies[0].span is not None))
+    runs = _runs(plans)
+    return all(w.cast and (w.region in runs.columns
+                           or (plans.keeps_views and w.copies[0].span is not None))
                for w in plans.wires)
 
 
@@ -54,11 +63,10 @@ class UnshardedParams:
     """The gather output, the copy-out buffers and the params over them (see the
     module docstring); made with their storages freed."""
 
-    def __init__(self, layout: BucketLayout, plans: LayoutPlans, view_ok: bool,
-                 world_size: int, device: torch.device) -> None:
-        self.view_ok = view_ok
+    def __init__(self, layout: BucketLayout, plans: LayoutPlans, world_size: int,
+                 device: torch.device) -> None:
         self.gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
-        runs = plans.copy_out[0 if view_ok else 1]
+        runs = _runs(plans)
         self._copies, columns = (column_copies(self.gathered, runs, world_size) if runs.runs
                                  else ((), {}))
         self.params = [column_full(columns[w.region], w.copies[0].shape) if w.region in columns
