@@ -94,6 +94,12 @@ all_gather_single = resolve_first(
 reduce_scatter_single = resolve_first(
     ("torch.distributed:reduce_scatter_single", "torch.distributed:reduce_scatter_tensor"),
     "to reduce-scatter a bucket's flat gradient buffer")
+# A bucket's gather groups (planning/layout.py) are one collective each, launched as
+# one: all_gather_single / reduce_scatter_single calls inside it become one
+# coalesced op (c10d's allgather_into_tensor_coalesced_ / reduce_scatter_tensor_coalesced_:
+# one NCCL group, gloo's and the fake backend's own); its `.wait()` waits for all.
+coalescing_manager = resolve("torch.distributed.distributed_c10d:_coalescing_manager",
+                             "to launch a bucket's per-group collectives as one")
 
 # Activation checkpointing (runtime/reshard.py): the saved-tensors hooks on top of
 # the stack, None when none are active.

@@ -115,7 +115,17 @@ STEPS, LR = 4, 1e-2
 def quantized_reference(world: int, policy) -> tuple:
     """One process, every rank's batch at once, forward on each weight the
     policy quantizes replaced by its quantize-then-dequantize (the straight-
-    through grads land on the fp32 weights): (losses, params, step-0 grads)."""
+    through grads land on the fp32 weights): (losses, params, step-0 grads).
+    One thread, as the harness's ranks: the same kernels round the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _quantized_reference(world, policy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quantized_reference(world: int, policy) -> tuple:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     formats = {k: policy.format(k, p.shape, p.dtype, p.dtype, fs.Shard(0), 1)

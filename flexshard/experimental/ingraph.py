@@ -74,7 +74,7 @@ class TracedGather:
 
     def __init__(self, bucket: Bucket) -> None:
         _check_supported(bucket)
-        layout = bucket.gather_layout
+        layout = self.layout = bucket.gather_layout
         self.dtype = layout.regions[0].dtype if layout.regions else torch.float32
         size = self.dtype.itemsize
         self.segment = layout.segment_bytes // size  # elements of one rank's segment
@@ -102,7 +102,9 @@ class TracedGather:
     def unsharded(self, sharded: Sequence[torch.Tensor]) -> list:
         """The unsharded params, made inside the graph that calls this."""
         send = _DivideGrad.apply(self.gather_input(sharded), self.factor)
-        gathered = self.all_gather(send, 0, self.group)  # backward: reduce-scatter, sum
+        # one gather per gather group (planning/layout.py); backward: reduce-scatter, sum
+        parts = [self.all_gather(part, 0, self.group) for part in self.layout.group_parts(send)]
+        gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
         return [wire.traced(gathered) for wire in self.wires]
 
 

@@ -8,7 +8,7 @@ step then runs one of three plans per parameter:
   the full tensor is one typed view of the buffer;
 - *runs*: groups of consecutive ranks holding equal pieces at equal offsets
   (Shard(0) over a world dividing the rows, torch.chunk's short tail) are
-  2-D strided views (rows = ranks, stride = one segment): one copy per run,
+  2-D strided views (rows = ranks, stride = its gather group's width): one copy per run,
   at most MAX_RUNS per parameter;
 - an *index*: any other placement (Shard(d>0), ragged rows at uneven
   offsets) reads or writes through one precomputed index of the parameter's
@@ -162,7 +162,7 @@ def _flat_rows(flat: torch.Tensor, run: Run) -> torch.Tensor:
 def _runs(layout: BucketLayout, slot: SlotPlan, index: int) -> tuple:
     """Maximal groups of consecutive ranks with equal piece sizes and offsets."""
     reg, size = layout.regions[index], layout.regions[index].dtype.itemsize
-    seg = layout.segment_bytes // size
+    seg = layout.stride(index) // size
     runs, flat = [], 0
     for r in range(layout.world_size):
         n = reg.nbytes[r] // size

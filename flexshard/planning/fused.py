@@ -106,14 +106,17 @@ def span_split(layout: BucketLayout, regions: Sequence[int]) -> Optional[TypedSp
 
 
 class ColumnRun(NamedTuple):
-    """Columns [start, stop) of the gathered buffer typed as `dtype` and seen as
-    [world, segment]: split into `sizes`, chunk picks[k][0] is region picks[k][1]."""
+    """Columns [start, stop) of one gather group's block of the gathered buffer,
+    typed as `dtype` and seen as [world, width]: split into `sizes`, chunk
+    picks[k][0] is region picks[k][1]."""
 
     dtype: torch.dtype
     start: int
     stop: int
     sizes: tuple
     picks: tuple
+    base: int = 0  # the group's block: first byte in the gathered buffer
+    width: int = 0  # the group's width in elements of `dtype`
 
 
 class SplitCopyOut(NamedTuple):
@@ -121,7 +124,6 @@ class SplitCopyOut(NamedTuple):
 
     runs: tuple
     columns: frozenset  # regions copied by the runs
-    seg_elems: dict  # dtype -> segment length in elements
 
 
 def _uniform(layout: BucketLayout, j: int) -> bool:
@@ -133,39 +135,44 @@ def _uniform(layout: BucketLayout, j: int) -> bool:
 
 
 def plan_copy_out(layout: BucketLayout, regions: Sequence[int]) -> SplitCopyOut:
-    """Runs of uniform `regions` with no other region's bytes (on any rank) between them."""
+    """Runs of uniform `regions` of one gather group with no other region's bytes
+    (on any rank) between them."""
     uniform = [j for j in regions if _uniform(layout, j)]
     chosen = set(uniform)
     foreign = [(reg.offsets[r], reg.offsets[r] + reg.nbytes[r])
                for j, reg in enumerate(layout.regions) if j not in chosen
                for r in range(layout.world_size) if reg.nbytes[r]]
-    runs, seg = [], {}
-    for dtype in dict.fromkeys(layout.regions[j].dtype for j in uniform):
-        size = dtype.itemsize
-        seg[dtype] = layout.segment_bytes // size
+    runs = []
+    for group, dtype in dict.fromkeys((layout.regions[j].group, layout.regions[j].dtype)
+                                      for j in uniform):
         cols = sorted((layout.regions[j].offsets[0], layout.regions[j].nbytes[0], j)
-                      for j in uniform if layout.regions[j].dtype == dtype)
+                      for j in uniform
+                      if (layout.regions[j].group, layout.regions[j].dtype) == (group, dtype))
+        first, last = layout.spans[group]
+        where = (layout.block(group)[0], (last - first) // dtype.itemsize)
         current: list = []
         for start, nbytes, j in cols:
             if current and any(a < start and b > current[-1][1] for a, b in foreign):
-                runs.append(_run(dtype, current))
+                runs.append(_run(dtype, current, first, where))
                 current = []
             current.append((start, start + nbytes, j))
         if current:
-            runs.append(_run(dtype, current))
-    return SplitCopyOut(tuple(runs), frozenset(chosen), seg)
+            runs.append(_run(dtype, current, first, where))
+    return SplitCopyOut(tuple(runs), frozenset(chosen))
 
 
-def _run(dtype: torch.dtype, cols: list) -> ColumnRun:
+def _run(dtype: torch.dtype, cols: list, first: int, where: tuple) -> ColumnRun:
+    """The run of `cols` ((start, stop, region) bytes of the segment) in the group
+    starting at segment byte `first`, whose block is `where` (base, width)."""
     size = dtype.itemsize
-    sizes, picks, at = [], [], cols[0][0] // size
+    sizes, picks, at = [], [], (cols[0][0] - first) // size
     for start, stop, j in cols:
-        if start // size > at:
-            sizes.append(start // size - at)  # padding, copied into a chunk no one keeps
+        if (start - first) // size > at:
+            sizes.append((start - first) // size - at)  # padding, copied into a chunk no one keeps
         picks.append((len(sizes), j))
         sizes.append((stop - start) // size)
-        at = stop // size
-    return ColumnRun(dtype, cols[0][0] // size, at, tuple(sizes), tuple(picks))
+        at = (stop - first) // size
+    return ColumnRun(dtype, (cols[0][0] - first) // size, at, tuple(sizes), tuple(picks), *where)
 
 
 class ColumnCopy(NamedTuple):
@@ -188,9 +195,12 @@ def column_copies(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -
     is padded: its full tensor is the column's first numel elements."""
     copies, out, typed = [], {}, {}
     for run in plan.runs:
-        if run.dtype not in typed:
-            typed[run.dtype] = gathered.view(run.dtype).view(world_size, plan.seg_elems[run.dtype])
-        rows = typed[run.dtype]
+        key = (run.dtype, run.base)
+        if key not in typed:
+            size = run.dtype.itemsize
+            block = gathered[run.base:run.base + world_size * run.width * size]
+            typed[key] = block.view(run.dtype).view(world_size, run.width)
+        rows = typed[key]
         if run.start or run.stop != rows.shape[1]:
             rows = rows[:, run.start:run.stop]
         flat = torch.empty(world_size * (run.stop - run.start), dtype=run.dtype,
@@ -225,11 +235,14 @@ def column_full(column: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 class ChunkCatPack(NamedTuple):
-    """`torch._chunk_cat(grads, 0, world, out=reduce input as [world, segment][:, :width])`
-    writes every grad's pieces where the reduce layout puts them."""
+    """`torch._chunk_cat(grads of members, 0, world, out=the group's block as
+    [world, group width][:, :width])` writes those grads' pieces where the reduce
+    layout puts them."""
 
-    width: int  # columns (elements) the chunk-cat writes; the rest of each segment is zeroed
-    seg_elems: int
+    width: int  # columns (elements) the chunk-cat writes; the rest of each row is zeroed
+    seg_elems: int  # the group's width in elements
+    base: int  # the group's block: first element in the reduce input
+    members: tuple  # indices into the trainable slots, in slot order
 
 
 def _chunk_rows(rows: int, rank: int, world_size: int) -> int:
@@ -238,24 +251,30 @@ def _chunk_rows(rows: int, rank: int, world_size: int) -> int:
 
 
 def plan_chunk_cat(layout: BucketLayout, slots: Sequence[SlotPlan]) -> Optional[ChunkCatPack]:
-    """The chunk-cat pack of the reduce `layout` over `slots` (the trainable
-    ones), or None where the layout is not what _chunk_cat writes."""
-    if not slots or len({reg.dtype for reg in layout.regions}) != 1:
+    """The chunk-cat pack of the reduce `layout`'s last gather group (its packed
+    one) over its share of `slots` (the trainable ones), or None where that group
+    is not what _chunk_cat writes."""
+    group = len(layout.spans) - 1
+    members = tuple(j for j in range(len(slots)) if layout.regions[j].group == group)
+    if not members or len({reg.dtype for reg in layout.regions}) != 1:
         return None
+    first, last = layout.spans[group]
     size, col = layout.regions[0].dtype.itemsize, 0
-    for j, slot in enumerate(slots):
+    for j in members:
+        slot = slots[j]
         if not len(slot.shape) or not math.prod(slot.shape) or \
                 not slot.placement.rank_major(slot.shape):
             return None  # torch._chunk_cat refuses an empty tensor in its list
         rows, inner = slot.shape[0], math.prod(slot.shape[1:])
         for r in range(layout.world_size):
             expected = torch.Size((_chunk_rows(rows, r, layout.world_size), *slot.shape[1:]))
-            if slot.local_shapes[r] != expected or layout.regions[j].offsets[r] != col * size:
+            if slot.local_shapes[r] != expected or \
+                    layout.regions[j].offsets[r] != first + col * size:
                 return None
         col += -(-rows // layout.world_size) * inner
-    if col * size > layout.segment_bytes:
+    if col * size > last - first:
         return None
-    return ChunkCatPack(col, layout.segment_bytes // size)
+    return ChunkCatPack(col, (last - first) // size, layout.block(group)[0] // size, members)
 
 
 # All-gather copy-in.

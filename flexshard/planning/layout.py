@@ -40,22 +40,60 @@ class Region(NamedTuple):
     nbytes: tuple  # byte size of rank r's piece
     rank_major: bool = True  # the placement's pieces, back to back, are the full tensor
     padded: bool = False  # uneven torch.chunk pieces, each given the largest one's bytes
+    group: int = 0  # the gather group (BucketLayout.groups) its pieces lie in
 
 
 class BucketLayout(NamedTuple):
-    """The byte plan of one buffer kind of a bucket."""
+    """The byte plan of one buffer kind of a bucket.
+
+    A segment is cut into *gather groups*, contiguous byte ranges (start, stop)
+    of it, each gathered (and reduced) by a collective of its own, coalesced:
+    the gathered buffer is the groups' blocks back to back, each block its
+    ranks' ranges rank-major ([world, stop - start]). A solo group holds one
+    parameter's equal pieces (Shard(0)), so its block is the full tensor;
+    the packed group holds the rest (see plan_layout). `groups` empty: one
+    group, the whole segment (the gathered buffer is [world, segment])."""
 
     regions: tuple
     segment_bytes: int
     world_size: int
+    groups: tuple = ()  # (start, stop) byte ranges of the segment, in order
 
-    def segment_start(self, rank: int) -> int:
-        """Byte offset of `rank`'s segment in the gathered buffer."""
-        return rank * self.segment_bytes
+    @property
+    def spans(self) -> tuple:
+        """The gather groups, (start, stop) each: `groups`, or the whole segment."""
+        return self.groups or ((0, self.segment_bytes),)
+
+    def block(self, group: int) -> tuple:
+        """(start, stop) of `group`'s block in the gathered buffer."""
+        start, stop = self.spans[group]
+        return start * self.world_size, stop * self.world_size
+
+    def stride(self, slot: int) -> int:
+        """Bytes between consecutive ranks' pieces of `slot` in the gathered buffer."""
+        start, stop = self.spans[self.regions[slot].group]
+        return stop - start
+
+    def gathered_at(self, rank: int, offset: int, group: int) -> int:
+        """Byte of the gathered buffer holding byte `offset` of `rank`'s segment,
+        which lies in `group`."""
+        start, stop = self.spans[group]
+        return start * self.world_size + rank * (stop - start) + offset - start
 
     def piece_start(self, slot: int, rank: int) -> int:
         """Byte offset of `rank`'s piece of `slot` in the gathered buffer."""
-        return self.segment_start(rank) + self.regions[slot].offsets[rank]
+        reg = self.regions[slot]
+        return self.gathered_at(rank, reg.offsets[rank], reg.group)
+
+    def group_parts(self, buffer: torch.Tensor, ranks: int = 1) -> list:
+        """`buffer` cut into the groups' parts (one split), for `ranks` consecutive
+        ranks: a rank's segment (ranks=1: the gather input, the reduce output), an int
+        reshard's kept slice, or the gathered buffer (ranks=world_size). The buffer
+        may be typed: its element size scales the byte offsets."""
+        if len(self.spans) == 1:
+            return [buffer]
+        size = buffer.element_size()
+        return list(buffer.split([(stop - start) * ranks // size for start, stop in self.spans]))
 
     def gathered_range(self, slot: int) -> Optional[tuple]:
         """(start, end) when the slot's pieces are back to back in the gathered
@@ -82,20 +120,22 @@ class BucketLayout(NamedTuple):
         return min(_align(end, widest), self.segment_bytes)
 
     def gaps(self) -> tuple:
-        """(start, stop) byte ranges of the gathered buffer (all segments back to
-        back) that no piece covers, adjacent ones merged: padding and alignment."""
+        """(start, stop) byte ranges of the gathered buffer that no piece covers,
+        adjacent ones merged: padding and alignment."""
         out: list = []
-        for rank in range(self.world_size):
-            base, at = self.segment_start(rank), 0
-            pieces = sorted((reg.offsets[rank], reg.nbytes[rank]) for reg in self.regions
-                            if reg.nbytes[rank])
-            for start, nbytes in pieces + [(self.segment_bytes, 0)]:
-                if start > at:
-                    if out and out[-1][1] == base + at:
-                        out[-1] = (out[-1][0], base + start)
-                    else:
-                        out.append((base + at, base + start))
-                at = max(at, start + nbytes)
+        for group, (first, last) in enumerate(self.spans):
+            for rank in range(self.world_size):
+                base, at = self.gathered_at(rank, first, group), first
+                pieces = sorted((reg.offsets[rank], reg.nbytes[rank]) for reg in self.regions
+                                if reg.nbytes[rank] and reg.group == group)
+                for start, nbytes in pieces + [(last, 0)]:
+                    if start > at:
+                        lo, hi = base + at - first, base + start - first
+                        if out and out[-1][1] == lo:
+                            out[-1] = (out[-1][0], hi)
+                        else:
+                            out.append((lo, hi))
+                    at = max(at, start + nbytes)
         return tuple(out)
 
     def storage_bytes(self, rank: int) -> int:
@@ -285,9 +325,56 @@ def _segments(nbytes: list, sizes: list, chains: Sequence[_Chain], world_size: i
     return offsets, segment
 
 
+# A parameter whose pieces are a column of the gathered buffer (Shard(0): equal
+# or torch.chunk's pieces, padded to the largest) and whose full tensor is at least
+# SOLO_MIN_BYTES gets a gather group of its own: its block of the gathered buffer
+# is the full tensor, so it is a view (no copy-out), and its grad packs into the
+# reduce input by a cast-copy into a view. The rest share one packed group, copied
+# out by one split-copy: below this size a collective of its own costs more than
+# its copy (a coalesced collective's per-op setup; design.md, "Gather groups").
+SOLO_MIN_BYTES = 64 << 10
+
+
+def _solo(slot: SlotPlan, pieces: Sequence[int]) -> bool:
+    """Whether `slot`, of `pieces` bytes per rank, gets a gather group of its own."""
+    return (_columnar(slot, pieces) and pieces[0] % ALIGN == 0
+            and sum(pieces) >= SOLO_MIN_BYTES)
+
+
 def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
                 world_size: int) -> BucketLayout:
     """Lay each rank's pieces of `slots`, typed as `dtypes`, into its segment.
+
+    Large column params (`_solo`) come first, a gather group each; the rest
+    follow in the packed group (`plan_packed`). One group when there is no
+    solo param (or at world size 1, where every param is a view anyway)."""
+    nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
+              for s, d in zip(slots, dtypes)]
+    solo = [i for i, (s, b) in enumerate(zip(slots, nbytes))
+            if world_size > 1 and _solo(s, b)]
+    if not solo:
+        return plan_packed(slots, dtypes, world_size)
+    rest = [i for i in range(len(slots)) if i not in solo]
+    packed = plan_packed([slots[i] for i in rest], [dtypes[i] for i in rest], world_size)
+    regions: list = [None] * len(slots)
+    groups, at = [], 0
+    for g, i in enumerate(solo):
+        width = nbytes[i][0]
+        regions[i] = Region(dtypes[i], (at,) * world_size, tuple(nbytes[i]), True,
+                            len(set(nbytes[i])) > 1, g)
+        groups.append((at, at + width))
+        at += width
+    for k, i in enumerate(rest):
+        reg = packed.regions[k]
+        regions[i] = reg._replace(offsets=tuple(o + at for o in reg.offsets), group=len(solo))
+    if rest:
+        groups.append((at, at + packed.segment_bytes))
+    return BucketLayout(tuple(regions), at + packed.segment_bytes, world_size, tuple(groups))
+
+
+def plan_packed(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
+                world_size: int) -> BucketLayout:
+    """Lay each rank's pieces of `slots` into one segment (one gather group).
 
     Each piece is aligned to ALIGN bytes (16, or its itemsize if larger) and
     the segment to the largest, so every typed view of the gathered buffer is

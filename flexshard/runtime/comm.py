@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..compat import all_gather_single, reduce_scatter_single  # named by torch release
+from ..compat import all_gather_single, coalescing_manager, reduce_scatter_single
 
 
 def _op(op: Optional[dist.ReduceOp]) -> dict:
@@ -41,6 +41,31 @@ class Comm:
         # ReduceOp default (the activation collectives trace this call)
         return reduce_scatter_single(output, input, group=group, async_op=async_op,
                                      **_op(op))
+
+    def all_gather_groups(self, outputs: list, inputs: list, group,
+                          async_op: bool = False):
+        """One rank-major gather per (output, input) pair, launched as one coalesced
+        collective (a bucket's gather groups, planning/layout.py); one pair is
+        `all_gather` itself. Returns a work to wait on when `async_op`."""
+        if len(outputs) == 1:
+            return self.all_gather(outputs[0], inputs[0], group, async_op=async_op)
+        with coalescing_manager(group, async_ops=async_op) as launched:
+            for output, input in zip(outputs, inputs):
+                all_gather_single(output, input, group=group)
+        return launched if async_op else None
+
+    def reduce_scatter_groups(self, outputs: list, inputs: list, group,
+                              async_op: bool = False,
+                              op: Optional[dist.ReduceOp] = None):
+        """`reduce_scatter` per (output, input) pair, launched as one coalesced
+        collective (see all_gather_groups)."""
+        if len(outputs) == 1:
+            return self.reduce_scatter(outputs[0], inputs[0], group, async_op=async_op,
+                                       **_op(op))
+        with coalescing_manager(group, async_ops=async_op) as launched:
+            for output, input in zip(outputs, inputs):
+                reduce_scatter_single(output, input, group=group, **_op(op))
+        return launched if async_op else None
 
     def averages(self, group) -> bool:
         """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;

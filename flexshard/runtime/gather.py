@@ -248,13 +248,15 @@ class BucketGather:
         plans = self.plans_for(layout)
         with torch.no_grad(), record_function("FlexShard::all_gather_pieces"):
             gathered = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=device)
-            start = layout.segment_start(self.rank)
-            send = gathered[start:start + layout.segment_bytes]
+            send = torch.zeros(layout.segment_bytes, dtype=torch.uint8, device=device)
             for wire, piece in zip(plans.wires, pieces):
                 if piece is not None:
                     wire.encode(send, piece.to(device))
             if self.world_size > 1:
-                self.comm.all_gather(gathered, send, self.group)
+                self.comm.all_gather_groups(layout.group_parts(gathered, self.world_size),
+                                            layout.group_parts(send), self.group)
+            else:
+                gathered = send
             return [wire.decode(gathered, False)[0] for wire in plans.wires]
 
     def await_(self, pending: PendingGather, ctx: HostContext) -> None:
@@ -341,8 +343,13 @@ class BucketGather:
         post-forward group, from the kept slice)."""
         if self.world_size == 1:
             return None
-        group = self.group if source is None else source.group
-        return self.comm.all_gather(gathered, send, group, async_op=async_op)
+        group, ranks = (self.group, 1) if source is None else (source.group, source.ranks)
+        unsharded = self.unsharded
+        outputs = (unsharded.gathered_parts if unsharded is not None
+                   and gathered is unsharded.gathered else
+                   layout.group_parts(gathered, self.world_size))
+        return self.comm.all_gather_groups(outputs, layout.group_parts(send, ranks), group,
+                                           async_op=async_op)
 
     def _buffers(self, layout: BucketLayout, plans: LayoutPlans,
                  source: Optional[PostForwardShard], device: torch.device,
@@ -351,8 +358,10 @@ class BucketGather:
         is the gather input when it can be (no cast, not offloaded, not shorter
         than the segment); otherwise the copy-in writes this rank's segment of the
         gather output and the all-gather reads it there, in place (as FSDP2's), so
-        no segment-sized temporary exists beside the output. The output is that of
-        the params made once (`unsharded`), reallocated, where they are."""
+        no segment-sized temporary exists beside the output; where the layout has
+        several gather groups the segment is several ranges of the output, and the
+        copy-in writes a segment of its own. The output is that of the params made
+        once (`unsharded`), reallocated, where they are."""
         send = self.storage.buffer if source is None else source.send
         copy_in = source is None and (not plans.is_storage or self.offload is not None)
         if unsharded is not None:
@@ -365,9 +374,10 @@ class BucketGather:
             gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
         if self.world_size == 1:
             return (gathered if copy_in else send), gathered
-        if copy_in:
-            start = layout.segment_start(self.rank)
-            send = gathered[start:start + layout.segment_bytes]
+        if copy_in and len(layout.spans) > 1:  # the segment is not one range of the output
+            send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+        elif copy_in:
+            send = gathered[self.rank * layout.segment_bytes:][:layout.segment_bytes]
         return send, gathered
 
     def _copy_in(self, send: torch.Tensor, layout: BucketLayout, plans: LayoutPlans) -> None:

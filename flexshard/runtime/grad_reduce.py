@@ -77,10 +77,6 @@ class GradReduce:
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.partial_reduced: Optional[torch.Tensor] = None  # HSDP: reduced shards summed
         #   over backwards that deferred the all-reduce (requires_all_reduce False)
-        # What the reduce input's pack leaves unwritten, zeroed per step: nothing
-        # (dense), each gap (a few: Owned's segment tails), or all of it (many gaps).
-        gaps = layout.gaps()
-        self._gaps = gaps if len(gaps) <= _FEW_GAPS else None
         # the sharded grads' bytes when they are copied out of a mostly-padding reduce
         # output (as the storage holds the params: see _grad_targets), else None
         grad_bytes = layout.storage_bytes(rank)
@@ -91,13 +87,22 @@ class GradReduce:
             segment_split(layout, rank, pieces, self._grad_bytes)
         grad_plans = [slots[i] for i in grad_slots]
         self._copies = plan_copies(layout, grad_plans)
-        # The pack as one op when the layout allows (planning/fused.py): a chunk-cat
-        # (dim-0 chunks back to back), else one foreach copy (every grad one span).
-        self._chunk_cat = plan_chunk_cat(layout, grad_plans)
-        # the grads that are one span each (one foreach copy), the rest one by one
-        self._spanned = tuple(j for j, p in enumerate(self._copies) if p.kind == "view")
+        # The pack in as few ops as the layout allows (planning/fused.py): a chunk-cat of
+        # the packed gather group (dim-0 chunks back to back), one foreach copy of the
+        # grads that are one span each (a solo group's, Owned), one by one for the rest.
+        cat = plan_chunk_cat(layout, grad_plans)
+        if cat is not None and all(self._copies[j].kind == "view" for j in cat.members):
+            cat = None  # every member is a span: the foreach copy takes them
+        self._chunk_cat = cat
+        rest = [j for j in pieces if cat is None or j not in cat.members]
+        self._spanned = tuple(j for j in rest if self._copies[j].kind == "view")
         self._spans = span_split(layout, self._spanned)
-        self._single = tuple(j for j, p in enumerate(self._copies) if p.kind != "view")
+        self._single = tuple(j for j in rest if self._copies[j].kind != "view")
+        # What the pack leaves unwritten, zeroed per step: nothing (dense), each gap
+        # (a few: Owned's segment tails, solo groups' padding), or all of it (many gaps).
+        self._gaps = _few(layout.gaps())
+        self._gaps_beside_cat = None if cat is None else _few(tuple(
+            (a, b) for a, b in layout.gaps() if not _inside(a, b, cat, layout)))
 
     def move(self, fn) -> None:
         """nn.Module._apply's `fn` (to_empty, .to): the unreduced and partial sums follow."""
@@ -115,25 +120,21 @@ class GradReduce:
         are added to pending_grads instead)."""
         layout, sync = self.layout, self.requires_gradient_sync
         present = [grads[i] for i in self.grad_slots]
-        complete = all(g is not None for g in present)
-        chunk_cat = self._chunk_cat if self._chunk_cat is not None and complete \
-            and _one_dtype(present) else None
+        cat = self._chunk_cat
+        if cat is not None and not _one_dtype([present[j] for j in cat.members]):
+            cat = None  # a None grad among them, or two dtypes: their copy plans pack them
         # Zeroed only where the pack leaves bytes unwritten (padding, gaps, a None grad).
-        gaps = self._gaps if complete else None
-        if chunk_cat is not None:  # written in the reduce dtype only: allocated in it
-            send = self._typed_empty(layout.wire_bytes, device)
-        else:  # the pack writes bytes
-            send = (torch.empty if gaps is not None else torch.zeros)(
-                layout.wire_bytes, dtype=torch.uint8, device=device)
+        gaps = (self._gaps_beside_cat if cat is not None else self._gaps) \
+            if all(g is not None for g in present) else None
+        # written in the reduce dtype only: allocated in it
+        send = self._typed_empty(layout.wire_bytes, device)
         op = None
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter_copy_in"):  # after: grads, buffers
-            if chunk_cat is not None:
-                self._chunk_cat_pack(send, present, chunk_cat)
-            else:
-                for start, stop in gaps or ():
-                    send[start:stop].zero_()
-                self._pack(send, present)
+            self._zero(send, gaps)
+            if cat is not None:
+                self._chunk_cat_pack(send, [present[j] for j in cat.members], cat)
+            self._pack(send, present, cat)
             if not sync:
                 self._accumulate_pending(send)
             else:
@@ -146,10 +147,22 @@ class GradReduce:
         ctx.wait(packed)
         return (send, op) if sync else None
 
+    def _zero(self, send: torch.Tensor, gaps: Optional[tuple]) -> None:
+        """Zero what the pack leaves unwritten: `gaps` (byte ranges), or all of it (None)."""
+        typed = self.typed(send)
+        if gaps is None:
+            typed.zero_()
+            return
+        size = typed.element_size()
+        for start, stop in gaps:
+            typed[start // size:stop // size].zero_()
+
     def _chunk_cat_pack(self, send: torch.Tensor, grads: list, plan) -> None:
-        """Every grad's dim-0 chunks into the reduce input, cast, in one op (as FSDP2's
-        foreach_reduce_scatter_copy_in); the columns past them are zeroed."""
-        rows = self.typed(send).view(self.world_size, plan.seg_elems)
+        """The packed group's grads (dim-0 chunks) into its block of the reduce input,
+        cast, in one op (as FSDP2's foreach_reduce_scatter_copy_in); the columns past
+        them are zeroed."""
+        block = self.typed(send)[plan.base:plan.base + self.world_size * plan.seg_elems]
+        rows = block.view(self.world_size, plan.seg_elems)
         if plan.width < plan.seg_elems:
             rows[:, plan.width:].zero_()
             rows = rows[:, :plan.width]
@@ -158,19 +171,23 @@ class GradReduce:
         chunk_cat(grads, 0, self.world_size, out=rows)
         self.counters.copy_in_bytes += sum(g.numel() for g in grads) * rows.element_size()
 
-    def _pack(self, send: torch.Tensor, grads: list) -> None:
-        """Every unsharded grad into its rank pieces of the reduce input: one foreach
-        copy of those that are one span of it (Owned, chained pieces), a few ops per
-        other param whatever the world size (see copyplan.py)."""
+    def _pack(self, send: torch.Tensor, grads: list, cat) -> None:
+        """The grads `cat` (the chunk-cat, if it ran) left into their rank pieces of the
+        reduce input: one foreach copy of those that are one span of it (a solo
+        group's, Owned, chained pieces), a few ops per other param whatever the world
+        size (see copyplan.py)."""
         spanned = [(j, grads[j]) for j in self._spanned if grads[j] is not None]
         if len(spanned) == len(self._spanned) and spanned:
             foreach_copy_([v for v, _ in zip(split_views(send, self._spans), spanned)],
                           [g.reshape(-1) for _, g in spanned])
         else:
             self._single_copies(send, spanned)
-        self._single_copies(send, [(j, grads[j]) for j in self._single if grads[j] is not None])
+        single = self._single if cat is not None or self._chunk_cat is None \
+            else self._single + self._chunk_cat.members
+        single = [(j, grads[j]) for j in single if grads[j] is not None]
+        self._single_copies(send, single)
         self.counters.copy_in_bytes += sum(self._copies[j].numel * self._copies[j].dtype.itemsize
-                                           for j, g in enumerate(grads) if g is not None)
+                                           for j, _ in spanned + single)
 
     def _single_copies(self, send: torch.Tensor, grads: list) -> None:
         for j, grad in grads:
@@ -230,8 +247,10 @@ class GradReduce:
         self.counters.reduce_wire_bytes += self.layout.wire_bytes
         self.counters.reduce_ideal_bytes += self.layout.ideal_bytes
         kwargs = {} if op.op == dist.ReduceOp.SUM else {"op": op.op}  # a Comm may not take op
-        return self.comm.reduce_scatter(self.typed(out), self.typed(send), self.group,
-                                        async_op=True, **kwargs)
+        return self.comm.reduce_scatter_groups(
+            self.layout.group_parts(self.typed(out)),
+            self.layout.group_parts(self.typed(send), self.world_size), self.group,
+            async_op=True, **kwargs)
 
     # Step 3: finish.
 
@@ -329,8 +348,23 @@ class GradReduce:
 
 
 def _one_dtype(grads: list) -> bool:
+    """Whether every grad is present and of the first one's dtype."""
+    if any(g is None for g in grads):
+        return False
     first = grads[0].dtype
     return all(g.dtype == first for g in grads)
+
+
+def _few(gaps: tuple) -> Optional[tuple]:
+    """`gaps` when few enough to zero one by one, else None (zero the whole buffer)."""
+    return gaps if len(gaps) <= _FEW_GAPS else None
+
+
+def _inside(start: int, stop: int, cat, layout: BucketLayout) -> bool:
+    """Whether bytes [start, stop) of the reduce input lie in `cat`'s block, which
+    the chunk-cat writes whole."""
+    block = layout.block(len(layout.spans) - 1)
+    return block[0] <= start and stop <= block[1]
 
 
 class ReduceTarget(Protocol):

@@ -66,6 +66,8 @@ class UnshardedParams:
     def __init__(self, layout: BucketLayout, plans: LayoutPlans, world_size: int,
                  device: torch.device) -> None:
         self.gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
+        # what each gather group's collective writes, made once as the params are
+        self.gathered_parts = layout.group_parts(self.gathered, world_size)
         runs = _runs(plans)
         self._copies, columns = (column_copies(self.gathered, runs, world_size) if runs.runs
                                  else ((), {}))
