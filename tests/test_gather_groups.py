@@ -126,3 +126,17 @@ def _assert_solo_params_were_not_copied(results, dtype) -> None:
                      if layout.gathered_range(j) is None)
         assert counters["gathers"] > 0
         assert counters["copy_out_bytes"] == copied * counters["gathers"], name
+
+
+def test_the_dry_run_shows_each_buckets_collectives_and_copy_out():
+    plan = fs.describe(make_model(**BIG), mesh_shape=(1, 4))
+    block = plan.buckets[0]
+    assert block.name == "layers.0" and block.gather_groups == 1 + sum(block.solo)
+    matrices = [fqn for fqn, shape in zip(block.params, block.shapes) if len(shape) == 2]
+    assert [fqn for fqn, alone in zip(block.params, block.solo) if alone] == matrices
+    sizes = dict(make_model(**BIG).named_parameters())
+    assert block.copy_out_bytes == sum(sizes[f].numel() * 4 for f, alone
+                                       in zip(block.params, block.solo) if not alone)
+    text = str(plan)
+    assert f"layers.0: {block.gather_groups} collective(s) per gather, copy-out" in text
+    assert text.count("gathered alone (a view)") == sum(sum(b.solo) for b in plan.buckets)

@@ -42,6 +42,9 @@ class BucketPlan(NamedTuple):
     all_reduces_per_step: int  # gradient all-reduces in one backward (replicate dim)
     all_reduce_bytes: int  # per step, replicate dim: the all-reduced reduce segment
     wire_formats: tuple = ()  # WireFormat per param (Cast: sent as itself, in its gather dtype)
+    gather_groups: int = 1  # collectives per gather (launched as one): planning/layout.py
+    solo: tuple = ()  # per param: gathered alone, its unsharded param a view of its output
+    copy_out_bytes: int = 0  # per gather: the unsharded params that are no view (copied out)
 
     @property
     def quantized(self) -> int:
@@ -148,7 +151,12 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         reduce_wire_bytes=reduces * reduce.wire_bytes,
         all_reduces_per_step=all_reduces,
         all_reduce_bytes=all_reduces * reduce.segment_bytes,
-        wire_formats=wire.formats)
+        wire_formats=wire.formats, gather_groups=len(gather.spans) if shards > 1 else 0,
+        solo=tuple(len(gather.spans) > 1 and sum(r.group == gather.regions[k].group
+                                                 for r in gather.regions) == 1
+                   for k in wire.first[:-1]),
+        copy_out_bytes=sum(sum(gather.regions[k].nbytes) for k in range(len(gather.regions))
+                           if gather.gathered_range(k) is None))
 
 
 def _unsharded_dtype(fmt, first_part: torch.dtype) -> torch.dtype:
@@ -233,10 +241,15 @@ def _table(plan: ShardingPlan, per_param: bool) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for b in plan.buckets if per_param else ():
-        lines.append(f"{b.name}:")
+        lines.append(f"{b.name}: {b.gather_groups} collective(s) per gather, copy-out "
+                     f"{human(b.copy_out_bytes)} per gather")
         formats = b.wire_formats or (None,) * len(b.params)
-        for fqn, shape, pl, dt, fmt in zip(b.params, b.shapes, b.placements, b.dtypes, formats):
+        solo = b.solo or (False,) * len(b.params)
+        for fqn, shape, pl, dt, fmt, alone in zip(b.params, b.shapes, b.placements, b.dtypes,
+                                                  formats, solo):
             sent = "" if fmt is None or isinstance(fmt, Cast) else f"  sent as {fmt!r}"
-            lines.append(f"  {fqn}  {tuple(shape)}  {pl!r}  {str(dt).replace('torch.', '')}{sent}")
+            own = "  gathered alone (a view)" if alone else ""
+            lines.append(f"  {fqn}  {tuple(shape)}  {pl!r}  {str(dt).replace('torch.', '')}"
+                         f"{sent}{own}")
     lines.append(_summary(plan))
     return "\n".join(lines)
