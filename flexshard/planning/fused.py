@@ -288,6 +288,7 @@ class CopyInPlan(NamedTuple):
     cast: tuple  # slots sent as they are (placements/wire.py Cast), non-empty here
     dst: TypedSplit  # their pieces in this rank's segment of the gather layout
     src: TypedSplit  # their pieces in the storage buffer (or its staged copy)
+    in_output: TypedSplit  # their pieces where this rank's segment lies in the gather output
 
 
 def plan_copy_in(storage: BucketLayout, storage_bytes: int, gather: BucketLayout, wire,
@@ -295,5 +296,9 @@ def plan_copy_in(storage: BucketLayout, storage_bytes: int, gather: BucketLayout
     """The copy-in of `rank` from its storage (of `storage_bytes`) into the gather input."""
     cast = tuple(i for i, f in enumerate(wire.formats)
                  if isinstance(f, Cast) and storage.regions[i].nbytes[rank])
-    return CopyInPlan(cast, segment_split(gather, rank, [wire.first[i] for i in cast]),
-                      segment_split(storage, rank, cast, storage_bytes))
+    regions = [wire.first[i] for i in cast]
+    in_output = plan_split(gather.wire_bytes, [
+        (gather.piece_start(j, rank), gather.regions[j].dtype,
+         gather.regions[j].nbytes[rank] // gather.regions[j].dtype.itemsize) for j in regions])
+    return CopyInPlan(cast, segment_split(gather, rank, regions),
+                      segment_split(storage, rank, cast, storage_bytes), in_output)

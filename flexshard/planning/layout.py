@@ -154,9 +154,15 @@ class BucketLayout(NamedTuple):
         """Whether the bucket hands out views of the gathered buffer. A view pins
         the whole buffer, so when the params that need copies anyway exceed
         1/16 of the bucket, copying everything out saves more memory than the
-        views save copies, and the bucket copies every param."""
+        views save copies, and the bucket copies every param. With gather groups
+        the views are the large params (solo groups) and what they pin beyond
+        themselves is the packed block, copied out anyway: they are kept while
+        that block is no larger than they are (the memory pinned is at most the
+        copy avoided)."""
         copied = sum(sum(self.regions[i].nbytes) for i in range(len(self.regions))
                      if self.gathered_range(i) is None)
+        if self.groups:
+            return copied <= self.ideal_bytes - copied
         return not _heavy(copied, self.ideal_bytes)
 
     @property

@@ -162,7 +162,7 @@ class BucketGather:
             self._in_place = fits(plans) and not (
                 self.world_size == 1 and plans.is_storage and self.offload is None)
         if self._in_place and self.unsharded is None:
-            self.unsharded = UnshardedParams(layout, plans, self.world_size, device)
+            self.unsharded = UnshardedParams(layout, plans, self.world_size, device, self.rank)
         return self.unsharded if self._in_place else None
 
     def drop_unsharded(self) -> None:
@@ -345,11 +345,13 @@ class BucketGather:
             return None
         group, ranks = (self.group, 1) if source is None else (source.group, source.ranks)
         unsharded = self.unsharded
-        outputs = (unsharded.gathered_parts if unsharded is not None
-                   and gathered is unsharded.gathered else
-                   layout.group_parts(gathered, self.world_size))
-        return self.comm.all_gather_groups(outputs, layout.group_parts(send, ranks), group,
-                                           async_op=async_op)
+        if unsharded is not None and gathered is unsharded.gathered:
+            outputs = unsharded.gathered_parts
+            inputs = unsharded.send_parts if send is gathered else layout.group_parts(send, ranks)
+        else:
+            outputs = layout.group_parts(gathered, self.world_size)
+            inputs = layout.group_parts(send, ranks)
+        return self.comm.all_gather_groups(outputs, inputs, group, async_op=async_op)
 
     def _buffers(self, layout: BucketLayout, plans: LayoutPlans,
                  source: Optional[PostForwardShard], device: torch.device,
@@ -374,8 +376,10 @@ class BucketGather:
             gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
         if self.world_size == 1:
             return (gathered if copy_in else send), gathered
-        if copy_in and len(layout.spans) > 1:  # the segment is not one range of the output
-            send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+        if copy_in and len(layout.spans) > 1:  # the segment is not one range of the output:
+            # in place into the params made once (their views of it made once), else its own
+            send = gathered if unsharded is not None and unsharded.send_parts is not None \
+                else torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
         elif copy_in:
             send = gathered[self.rank * layout.segment_bytes:][:layout.segment_bytes]
         return send, gathered
@@ -402,7 +406,11 @@ class BucketGather:
             flat = self.storage.flat
             srcs = ([flat[i] for i in fused.cast] if staged is None
                     else split_views(staged, fused.src))
-            foreach_copy_(split_views(send, fused.dst), srcs)
+            unsharded = self.unsharded
+            in_output = unsharded is not None and send is unsharded.gathered \
+                and unsharded.copy_in_dst is not None  # in place, per group (_buffers)
+            foreach_copy_(unsharded.copy_in_dst if in_output else split_views(send, fused.dst),
+                          srcs)
         if plans.wires.encodes:  # the other formats, batched where they batch (wire_plan.py)
             views = (self.storage.views if staged is None
                      else segment_views(staged, self.storage.layout, self.slots, self.rank))

@@ -30,7 +30,7 @@ import torch
 
 from ..compat import preserve_versions
 from ..planning.bucket_plan import LayoutPlans
-from ..planning.fused import column_copies, column_full
+from ..planning.fused import column_copies, column_full, split_views
 from ..planning.layout import BucketLayout
 
 
@@ -64,10 +64,16 @@ class UnshardedParams:
     module docstring); made with their storages freed."""
 
     def __init__(self, layout: BucketLayout, plans: LayoutPlans, world_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, rank: int) -> None:
         self.gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
-        # what each gather group's collective writes, made once as the params are
+        # what each gather group's collective writes, made once as the params are; with
+        # several groups this rank's segment is several ranges of the output: the gather
+        # inputs (each group's range) and the copy-in's destinations in them, made once
         self.gathered_parts = layout.group_parts(self.gathered, world_size)
+        self.send_parts = self.copy_in_dst = None
+        if len(self.gathered_parts) > 1 and not plans.same_bytes:
+            self.send_parts = [part.view(world_size, -1)[rank] for part in self.gathered_parts]
+            self.copy_in_dst = split_views(self.gathered, plans.copy_in.in_output)
         runs = _runs(plans)
         self._copies, columns = (column_copies(self.gathered, runs, world_size) if runs.runs
                                  else ((), {}))
