@@ -384,7 +384,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
         bucket.tp_specs = slot_specs(planned.slots, tp_specs)
-        bucket.norm_groups = [norm_groups(bucket, tp) if i in bucket.grad_slots else None
+        bucket.norm_groups = [norm_groups(bucket, i, tp) if i in bucket.grad_slots else None
                               for i, tp in enumerate(bucket.tp_specs or [None] * len(planned.slots))]
         bucket.attach(planned.aliases)
         state.buckets.append(bucket)
