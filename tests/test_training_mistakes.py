@@ -7,6 +7,7 @@ docs/troubleshooting.md lists them."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT, batch, loss_fn
 from reference import make_model
-from training_helpers import check_against_reference
+from training_helpers import CountingComm, check_against_reference
 
 STEPS = 3
 LR = 0.05
@@ -453,3 +454,69 @@ def optimizer_before_to_empty():
 def test_optimizer_built_before_to_empty_trains():
     assert_matches_reference(run_world(WORLD, optimizer_before_to_empty)[0],
                              step_fn=torch_clip(2.0, None))
+
+
+# A tensor swapped under a sharded param (issue 45): `p.data = t` or `p.set_(t)` after
+# wrapping left the gather reading the storage while the optimizer stepped `t`. The
+# next forward (or module.unshard()) raises on every rank before any collective.
+
+
+def same_size_clone(model):
+    model.head.weight.data = model.head.weight.data.clone()
+
+
+def full_size_tensor(model):
+    model.head.weight.data = torch.randn(37, 30)
+
+
+def set_storage(model):
+    with torch.no_grad():
+        model.layers[0].up.weight.set_(torch.zeros_like(model.layers[0].up.weight))
+
+
+def swap_then_forward(swap, unshard: bool = False):
+    """One step, the swap, then a forward that must raise without a collective."""
+    comm = CountingComm()
+    model = fs.flex_shard(make_model(), comm=comm)
+    sgd_train(model, sgd(model.parameters()), steps=1)
+    swap(model)
+    comm.reset()
+    try:
+        model.unshard() if unshard else model(batch(1, dist.get_rank())[0])
+    finally:
+        assert not any(comm.calls.values()), comm.calls
+
+
+@pytest.mark.parametrize("swap,fqn", [(same_size_clone, "head.weight"),
+                                      (full_size_tensor, "head.weight"),
+                                      (set_storage, "layers.0.up.weight")])
+def test_tensor_swapped_under_a_param_raises(swap, fqn):
+    expect_all_ranks_raise(WORLD, swap_then_forward, ValueError,
+                           rf"parameter '{re.escape(fqn)}' \(bucket '.*'\) no longer views its "
+                           r"bucket's storage: its tensor was swapped after flex_shard .*"
+                           rf"p.copy_\(shard\).*load_state_dict\(\{{'{re.escape(fqn)}'", swap)
+
+
+def test_tensor_swapped_before_unshard_raises():
+    expect_all_ranks_raise(WORLD, swap_then_forward, ValueError,
+                           r"parameter 'head.weight' .* no longer views its bucket's storage",
+                           same_size_clone, unshard=True)
+
+
+def write_in_place(model):
+    """What the error points to, and what optimizers do: writes into the storage."""
+    with torch.no_grad():
+        model.head.weight.mul_(0.5)
+        model.layers[0].up.weight.copy_(model.layers[0].up.weight + 0.01)
+    model.layers[1].down.weight.data.copy_(model.layers[1].down.weight.data * 0.9)
+    model.tok.weight.data.add_(-0.01)
+
+
+def in_place_writes():
+    model = fs.flex_shard(make_model())
+    return sgd_train(model, sgd(model.parameters()), step_fn=write_in_place), \
+        fs.full_state_dict(model)
+
+
+def test_in_place_writes_to_params_train():
+    assert_matches_reference(run_world(WORLD, in_place_writes)[0], step_fn=write_in_place)
