@@ -7,7 +7,11 @@ docs/troubleshooting.md lists them."""
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,19 +103,19 @@ def test_optimizer_built_before_wrapping_trains():
 # Under torchrun with no process group: flex_shard initialises the default one.
 
 
-def test_torchrun_without_init_process_group(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def torchrun(script: str, *args: str):
+    """`script` (in tests/) under torchrun at WORLD ranks: the finished process."""
     tests = Path(__file__).resolve().parent
-    out = tmp_path / "rank0.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(tests / "torchrun_no_init.py"), str(out), str(LR), str(STEPS)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={WORLD}", str(tests / script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_torchrun_without_init_process_group(tmp_path):
+    out = tmp_path / "rank0.pt"
+    proc = torchrun("torchrun_no_init.py", str(out), str(LR), str(STEPS))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     seen = torch.load(out)
     assert (seen["world"], seen["backend"]) == (2, "gloo")
@@ -501,6 +505,17 @@ def test_tensor_swapped_before_unshard_raises():
     expect_all_ranks_raise(WORLD, swap_then_forward, ValueError,
                            r"parameter 'head.weight' .* no longer views its bucket's storage",
                            same_size_clone, unshard=True)
+
+
+def test_one_rank_swapping_ends_the_job():
+    """Only rank 1 swaps: it raises before its gather; rank 0, in the gather, fails
+    as its peer exits (gloo: connection closed; torchrun stops the others)."""
+    proc = torchrun("torchrun_one_rank_swaps.py")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert re.search(r"\[rank1\]: ValueError: parameter 'head.weight' \(bucket 'root'\) no longer "
+                     r"views its bucket's storage", out), out[-4000:]
+    assert "[rank0]: ValueError" not in out, out[-4000:]
 
 
 def write_in_place(model):
