@@ -40,17 +40,20 @@ def _matcher(spec: BucketSpec) -> re.Pattern:
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in spec.patterns))
 
 
-def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
+def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec],
+                  aliases: Sequence[str] = ()) -> list:
     """The FQNs of each spec's bucket; every FQN in exactly one bucket, every
-    pattern matching at least one FQN."""
+    pattern matching at least one FQN or one of `aliases` (the other names of
+    tied or shared params: plan_wrap warns when a bucket claims one)."""
     matchers = [_matcher(s) for s in specs]
     hits = {fqn: [i for i, m in enumerate(matchers) if m.match(fqn)] for fqn in fqns}
     matched: list = [[] for _ in specs]  # per spec: the FQNs its patterns match
     for fqn, found in hits.items():
         for i in found:
             matched[i].append(fqn)
+    every = list(fqns) + list(aliases)
     for spec, names in zip(specs, matched):  # a typo names itself, before its fallout
-        check_patterns(spec, names, fqns)
+        check_patterns(spec, names, aliases, every)
     members: list = [[] for _ in specs]
     for fqn, found in hits.items():
         if not found:
@@ -70,23 +73,31 @@ def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
 _WILDCARDS = re.compile(r"[*?[]")
 
 
-def check_patterns(spec: BucketSpec, matched: Sequence[str], fqns: Sequence[str]) -> None:
-    """Raise naming the first of `spec`'s patterns that matches no FQN (`matched`:
-    the FQNs the spec matches) and the parameter names nearest to it."""
+def check_patterns(spec: BucketSpec, matched: Sequence[str], aliases: Sequence[str],
+                   every: Sequence[str]) -> None:
+    """Raise naming the first of `spec`'s patterns that matches none of the
+    FQNs the spec matches (`matched`) nor, in a bucket with params, the
+    `aliases`; and the names (of `every`) nearest to it."""
     if len(spec.patterns) == 1 and matched:
         return
-    exact = set(matched)
     for pattern in spec.patterns:
-        if pattern in exact if not _WILDCARDS.search(pattern) else \
-                any(fnmatch.fnmatchcase(f, pattern) for f in matched):
+        if _matches_any(pattern, matched) or (matched and _matches_any(pattern, aliases)):
             continue
-        near = difflib.get_close_matches(pattern, _names_and_prefixes(fqns), n=3, cutoff=0.6)
+        alias = next((a for a in aliases if fnmatch.fnmatchcase(a, pattern)), None)
+        near = difflib.get_close_matches(pattern, _names_and_prefixes(every), n=3, cutoff=0.6)
         hint = f" (nearest: {', '.join(map(repr, near))})" if near else ""
+        if alias is not None:
+            hint = f" but {alias!r}, the second name of a parameter registered first elsewhere"
         raise ValueError(
             f"pattern {pattern!r} of bucket {spec.label!r} matches no parameter{hint}; fix the "
             "pattern or drop it. Patterns are fnmatch strings matched against FQNs as "
-            "module.named_parameters() reports them (a tied parameter under its first name "
-            "only)")
+            "module.named_parameters() reports them")
+
+
+def _matches_any(pattern: str, names: Sequence[str]) -> bool:
+    if not _WILDCARDS.search(pattern):
+        return pattern in names
+    return any(fnmatch.fnmatchcase(f, pattern) for f in names)
 
 
 def _names_and_prefixes(fqns: Sequence[str]) -> list:
@@ -94,6 +105,12 @@ def _names_and_prefixes(fqns: Sequence[str]) -> list:
     pattern that matches nothing was probably meant to be."""
     prefixes = {".".join(f.split(".")[:i]) + ".*" for f in fqns for i in range(1, f.count(".") + 1)}
     return list(fqns) + sorted(prefixes)
+
+
+def alias_names(module: nn.Module) -> list:
+    """The names params are registered under beyond their first (tied, shared)."""
+    first = {fqn for fqn, _ in module.named_parameters()}
+    return [fqn for fqn, _ in module.named_parameters(remove_duplicate=False) if fqn not in first]
 
 
 def param_aliases(module: nn.Module) -> dict:
