@@ -17,7 +17,7 @@ from .checkpoint.unset_buffers import UnsetBuffers, meta_buffers
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from .placements.contract import Placement
 from .placements.shard import Shard
-from .planning.assign import assign_params, default_buckets
+from .planning.assign import alias_names, assign_params, default_buckets
 from .planning.fingerprint import check_ranks_agree
 from .config import check_reshard
 from .planning.options import check_options, check_params, check_specs, resolve_reshard
@@ -196,7 +196,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())
     check_params(named, allow_dtensor=True)
-    check_dtensor_params(named, mesh, _bucket_mesh_of(named, specs))
+    check_dtensor_params(named, mesh, _bucket_mesh_of(module, named, specs))
     local = to_local_params(module, named)  # DTensor params: their TP-local tensors
     try:
         _plan_and_build(module, mesh, local, specs, placement, mp_policy,
@@ -296,9 +296,9 @@ def _init_from_launcher(module: nn.Module) -> None:
     dist.init_process_group(backend)
 
 
-def _bucket_mesh_of(named: dict, specs) -> dict:
+def _bucket_mesh_of(module: nn.Module, named: dict, specs) -> dict:
     """FQN -> its BucketSpec's own mesh, for the params in buckets that have one."""
-    members = assign_params(list(named), specs)
+    members = assign_params(list(named), specs, alias_names(module))
     return {fqn: spec.mesh for spec, fqns in zip(specs, members) if spec.mesh is not None
             for fqn in fqns}
 
@@ -384,7 +384,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
         bucket.tp_specs = slot_specs(planned.slots, tp_specs)
-        bucket.norm_groups = [norm_groups(bucket, tp) if i in bucket.grad_slots else None
+        bucket.norm_groups = [norm_groups(bucket, i, tp) if i in bucket.grad_slots else None
                               for i, tp in enumerate(bucket.tp_specs or [None] * len(planned.slots))]
         bucket.attach(planned.aliases)
         state.buckets.append(bucket)

@@ -27,6 +27,12 @@ def _wrap(**kwargs):
     return lambda comm: fs.flex_shard(_model(), comm=comm, **kwargs)
 
 
+def _tied_head_alone(comm):
+    torch.manual_seed(0)
+    fs.flex_shard(TinyGPT(tied=True), comm=comm,
+                  buckets=[fs.BucketSpec(["layers.*", *ROOT]), fs.BucketSpec("head.*")])
+
+
 def _twice(comm):
     model = fs.flex_shard(_model())  # a valid first wrap, with its collectives
     fs.flex_shard(model, comm=comm)
@@ -61,7 +67,19 @@ WRAP_CASES = {
                              ValueError, r"parameter 'layers\.0\.norm1\.weight' matches several "
                                          r"buckets \('all', 'layers\.0\.\*'\); make the patterns disjoint"),
     "bucket matching nothing": (_wrap(buckets=[fs.BucketSpec("*"), fs.BucketSpec("blocks.*", name="b")]),
-                                ValueError, r"bucket 'b' \(patterns \['blocks\.\*'\]\) matches no parameter"),
+                                ValueError, r"pattern 'blocks\.\*' of bucket 'b' matches no parameter"),
+    # issue 45: the typo is named, not the parameter it leaves out (nor a catch-all)
+    "pattern typo": (_wrap(buckets=[fs.BucketSpec("layer.0.*"), fs.BucketSpec(["layers.1.*", *ROOT])]),
+                     ValueError, r"^pattern 'layer\.0\.\*' of bucket 'layer\.0\.\*' matches no "
+                                 r"parameter \(nearest: 'layers\.0\.\*', .*\); fix the pattern or drop it"),
+    "one pattern of several matching nothing": (
+        _wrap(buckets=[fs.BucketSpec(["layers.*", "layers.0.norm1.weigth"], name="blocks"),
+                       fs.BucketSpec(ROOT)]),
+        ValueError, r"^pattern 'layers\.0\.norm1\.weigth' of bucket 'blocks' matches no parameter "
+                    r"\(nearest: 'layers\.0\.norm1\.weight'"),
+    "pattern matching only a tied name": (
+        _tied_head_alone, ValueError, r"^pattern 'head\.\*' of bucket 'head\.\*' matches no parameter "
+                                      r"but 'head\.weight', the second name of a parameter"),
     "duplicate bucket names": (_wrap(buckets=[fs.BucketSpec("layers.*", name="x"), fs.BucketSpec(ROOT, name="x")]),
                                ValueError, r"two buckets are named 'x'; give each BucketSpec a unique name"),
     "buckets is a string": (_wrap(buckets="layers.*"), TypeError,

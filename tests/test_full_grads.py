@@ -39,7 +39,10 @@ def grads_body(name: str, norm_type: float):
     model.layers[1].up.weight.requires_grad_(False)  # no grad: None by FQN
     x, y = batch(0, dist.get_rank())
     loss_fn(model(x), y).backward()
-    return fs.full_grads(model), fs.grad_norms(model, norm_type)
+    # FSDP2's spelling, one collective per grad (every rank, the same order)
+    spelled = {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()
+               if p.grad is not None}
+    return fs.full_grads(model), fs.grad_norms(model, norm_type), spelled
 
 
 @pytest.mark.parametrize("name,norm_type", [("shard0", 2.0), ("shard1", 1.0),
@@ -49,8 +52,11 @@ def test_full_grads_match_one_process(name, norm_type):
     results = run_world(WORLD, grads_body, name, norm_type)
     _, _, ref = reference_run(WORLD, 1, model_kw={"bf16_pos": name == "mixed"})
     ref["layers.1.up.weight"] = None
-    for grads, norms in results:
+    for grads, norms, spelled in results:
         assert grads.keys() == ref.keys() == norms.keys()
+        assert spelled.keys() == {k for k, v in ref.items() if v is not None}
+        for fqn, full in spelled.items():  # p.grad.full_tensor() is fs.full_grads' tensor
+            assert full.shape == ref[fqn].shape and torch.equal(full, grads[fqn]), fqn
         for fqn, want in ref.items():
             if want is None:
                 assert grads[fqn] is None and norms[fqn] is None, fqn

@@ -7,6 +7,11 @@ docs/troubleshooting.md lists them."""
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +22,7 @@ import flexshard as fs
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT, batch, loss_fn
 from reference import make_model
-from training_helpers import check_against_reference
+from training_helpers import CountingComm, check_against_reference
 
 STEPS = 3
 LR = 0.05
@@ -98,19 +103,19 @@ def test_optimizer_built_before_wrapping_trains():
 # Under torchrun with no process group: flex_shard initialises the default one.
 
 
-def test_torchrun_without_init_process_group(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def torchrun(script: str, *args: str):
+    """`script` (in tests/) under torchrun at WORLD ranks: the finished process."""
     tests = Path(__file__).resolve().parent
-    out = tmp_path / "rank0.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(tests / "torchrun_no_init.py"), str(out), str(LR), str(STEPS)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={WORLD}", str(tests / script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_torchrun_without_init_process_group(tmp_path):
+    out = tmp_path / "rank0.pt"
+    proc = torchrun("torchrun_no_init.py", str(out), str(LR), str(STEPS))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     seen = torch.load(out)
     assert (seen["world"], seen["backend"]) == (2, "gloo")
@@ -453,3 +458,80 @@ def optimizer_before_to_empty():
 def test_optimizer_built_before_to_empty_trains():
     assert_matches_reference(run_world(WORLD, optimizer_before_to_empty)[0],
                              step_fn=torch_clip(2.0, None))
+
+
+# A tensor swapped under a sharded param (issue 45): `p.data = t` or `p.set_(t)` after
+# wrapping left the gather reading the storage while the optimizer stepped `t`. The
+# next forward (or module.unshard()) raises on every rank before any collective.
+
+
+def same_size_clone(model):
+    model.head.weight.data = model.head.weight.data.clone()
+
+
+def full_size_tensor(model):
+    model.head.weight.data = torch.randn(37, 30)
+
+
+def set_storage(model):
+    with torch.no_grad():
+        model.layers[0].up.weight.set_(torch.zeros_like(model.layers[0].up.weight))
+
+
+def swap_then_forward(swap, unshard: bool = False):
+    """One step, the swap, then a forward that must raise without a collective."""
+    comm = CountingComm()
+    model = fs.flex_shard(make_model(), comm=comm)
+    sgd_train(model, sgd(model.parameters()), steps=1)
+    swap(model)
+    comm.reset()
+    try:
+        model.unshard() if unshard else model(batch(1, dist.get_rank())[0])
+    finally:
+        assert not any(comm.calls.values()), comm.calls
+
+
+@pytest.mark.parametrize("swap,fqn", [(same_size_clone, "head.weight"),
+                                      (full_size_tensor, "head.weight"),
+                                      (set_storage, "layers.0.up.weight")])
+def test_tensor_swapped_under_a_param_raises(swap, fqn):
+    expect_all_ranks_raise(WORLD, swap_then_forward, ValueError,
+                           rf"parameter '{re.escape(fqn)}' \(bucket '.*'\) no longer views its "
+                           r"bucket's storage: its tensor was swapped after flex_shard .*"
+                           rf"p.copy_\(shard\).*load_state_dict\(\{{'{re.escape(fqn)}'", swap)
+
+
+def test_tensor_swapped_before_unshard_raises():
+    expect_all_ranks_raise(WORLD, swap_then_forward, ValueError,
+                           r"parameter 'head.weight' .* no longer views its bucket's storage",
+                           same_size_clone, unshard=True)
+
+
+def test_one_rank_swapping_ends_the_job():
+    """Only rank 1 swaps: it raises before its gather; rank 0, in the gather, fails
+    as its peer exits (gloo: connection closed; torchrun stops the others)."""
+    proc = torchrun("torchrun_one_rank_swaps.py")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert re.search(r"\[rank1\]: ValueError: parameter 'head.weight' \(bucket 'root'\) no longer "
+                     r"views its bucket's storage", out), out[-4000:]
+    assert "[rank0]: ValueError" not in out, out[-4000:]
+
+
+def write_in_place(model):
+    """What the error points to, and what optimizers do: writes into the storage."""
+    with torch.no_grad():
+        model.head.weight.mul_(0.5)
+        model.layers[0].up.weight.copy_(model.layers[0].up.weight + 0.01)
+    model.layers[1].down.weight.data.copy_(model.layers[1].down.weight.data * 0.9)
+    model.tok.weight.data.add_(-0.01)
+
+
+def in_place_writes():
+    model = fs.flex_shard(make_model())
+    return sgd_train(model, sgd(model.parameters()), step_fn=write_in_place), \
+        fs.full_state_dict(model)
+
+
+def test_in_place_writes_to_params_train():
+    assert_matches_reference(run_world(WORLD, in_place_writes)[0], step_fn=write_in_place)

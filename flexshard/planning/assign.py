@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from typing import Sequence
@@ -39,29 +40,77 @@ def _matcher(spec: BucketSpec) -> re.Pattern:
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in spec.patterns))
 
 
-def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec]) -> list:
-    """The FQNs of each spec's bucket; every FQN in exactly one bucket."""
-    members: list = [[] for _ in specs]
+def assign_params(fqns: Sequence[str], specs: Sequence[BucketSpec],
+                  aliases: Sequence[str] = ()) -> list:
+    """The FQNs of each spec's bucket; every FQN in exactly one bucket, every
+    pattern matching at least one FQN or one of `aliases` (the other names of
+    tied or shared params: plan_wrap warns when a bucket claims one)."""
     matchers = [_matcher(s) for s in specs]
-    for fqn in fqns:
-        hits = [i for i, m in enumerate(matchers) if m.match(fqn)]
-        if not hits:
+    hits = {fqn: [i for i, m in enumerate(matchers) if m.match(fqn)] for fqn in fqns}
+    matched: list = [[] for _ in specs]  # per spec: the FQNs its patterns match
+    for fqn, found in hits.items():
+        for i in found:
+            matched[i].append(fqn)
+    every = list(fqns) + list(aliases)
+    for spec, names in zip(specs, matched):  # a typo names itself, before its fallout
+        check_patterns(spec, names, aliases, every)
+    members: list = [[] for _ in specs]
+    for fqn, found in hits.items():
+        if not found:
             raise ValueError(
                 f"parameter {fqn!r} matches no BucketSpec; add a pattern that matches it "
-                f"(e.g. BucketSpec('{fqn}')) or a catch-all bucket")
-        if len(hits) > 1:
-            names = ", ".join(repr(specs[i].label) for i in hits)
+                f"(e.g. BucketSpec('{fqn}'), or '{fqn}' among a bucket's patterns): every "
+                "parameter falls in exactly one bucket")
+        if len(found) > 1:
+            names = ", ".join(repr(specs[i].label) for i in found)
             raise ValueError(
                 f"parameter {fqn!r} matches several buckets ({names}); make the patterns "
                 "disjoint so each parameter falls in exactly one bucket")
-        members[hits[0]].append(fqn)
-    for spec, names in zip(specs, members):
-        if not names:
-            raise ValueError(
-                f"bucket {spec.label!r} (patterns {list(spec.patterns)}) matches no parameter; "
-                "fix its patterns or drop the BucketSpec (patterns match FQNs as "
-                "module.named_parameters() reports them)")
+        members[found[0]].append(fqn)
     return members
+
+
+_WILDCARDS = re.compile(r"[*?[]")
+
+
+def check_patterns(spec: BucketSpec, matched: Sequence[str], aliases: Sequence[str],
+                   every: Sequence[str]) -> None:
+    """Raise naming the first of `spec`'s patterns that matches none of the
+    FQNs the spec matches (`matched`) nor, in a bucket with params, the
+    `aliases`; and the names (of `every`) nearest to it."""
+    if len(spec.patterns) == 1 and matched:
+        return
+    for pattern in spec.patterns:
+        if _matches_any(pattern, matched) or (matched and _matches_any(pattern, aliases)):
+            continue
+        alias = next((a for a in aliases if fnmatch.fnmatchcase(a, pattern)), None)
+        near = difflib.get_close_matches(pattern, _names_and_prefixes(every), n=3, cutoff=0.6)
+        hint = f" (nearest: {', '.join(map(repr, near))})" if near else ""
+        if alias is not None:
+            hint = f" but {alias!r}, the second name of a parameter registered first elsewhere"
+        raise ValueError(
+            f"pattern {pattern!r} of bucket {spec.label!r} matches no parameter{hint}; fix the "
+            "pattern or drop it. Patterns are fnmatch strings matched against FQNs as "
+            "module.named_parameters() reports them")
+
+
+def _matches_any(pattern: str, names: Sequence[str]) -> bool:
+    if not _WILDCARDS.search(pattern):
+        return pattern in names
+    return any(fnmatch.fnmatchcase(f, pattern) for f in names)
+
+
+def _names_and_prefixes(fqns: Sequence[str]) -> list:
+    """The FQNs, and each module prefix as a pattern ('layers.0.*'): what a
+    pattern that matches nothing was probably meant to be."""
+    prefixes = {".".join(f.split(".")[:i]) + ".*" for f in fqns for i in range(1, f.count(".") + 1)}
+    return list(fqns) + sorted(prefixes)
+
+
+def alias_names(module: nn.Module) -> list:
+    """The names params are registered under beyond their first (tied, shared)."""
+    first = {fqn for fqn, _ in module.named_parameters()}
+    return [fqn for fqn, _ in module.named_parameters(remove_duplicate=False) if fqn not in first]
 
 
 def param_aliases(module: nn.Module) -> dict:

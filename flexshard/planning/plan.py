@@ -21,6 +21,7 @@ from ..placements.subclass import check_pieces, subclass_gather
 from .bucket_plan import hooks_needed
 from .layout import SlotPlan, bind_placements
 from .assign import (
+    alias_names,
     assign_params,
     claimed_elsewhere,
     param_aliases,
@@ -74,7 +75,7 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     `offload_policy`: flex_shard's, which a BucketSpec's overrides (False: none).
     `dtensors`: FQNs of params that were DTensors (their buckets always hook: forward
     installs them as DTensors again)."""
-    members = assign_params(list(named), specs)
+    members = assign_params(list(named), specs, alias_names(module))
     shapes = [(replicas, world_size) if spec.mesh is None else mesh_shape(spec.mesh)
               for spec in specs]
     loads: dict = {}  # bytes per rank so far, per group size: placements balance over the model

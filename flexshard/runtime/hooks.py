@@ -204,6 +204,7 @@ class RootHooks:
     def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets) -> None:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
         self.stray: Optional[StrayCallHooks] = None  # armed between forwards
+        self.all_buckets = list(buckets)
         self.buckets = [b for b in buckets if b.needs_hooks]
         self.handles = [
             # prepend: before the ModuleHooks of the root's own bucket, which must
@@ -213,6 +214,8 @@ class RootHooks:
         ]
 
     def pre_forward(self, module, args):
+        for bucket in self.all_buckets:  # before any collective: each rank raises alike
+            bucket.storage.check_viewed(bucket.params, bucket.name)
         if self.stray is not None:
             self.stray.disarm()
         if not in_backward():
@@ -288,6 +291,7 @@ def unshard_explicitly(buckets: Sequence[Bucket], async_op: bool):
     """Launch the gathers of `buckets` (module.unshard()); see UnshardHandle."""
     buckets = [b for b in buckets if b.held is None and b.hold_handle is None]
     for bucket in buckets:
+        bucket.storage.check_viewed(bucket.params, bucket.name)
         if bucket.state is not BucketState.SHARDED:
             raise RuntimeError(f"module.unshard() called while bucket {bucket.name!r} is "
                                f"{bucket.state.value} (inside its forward?); call it between steps")

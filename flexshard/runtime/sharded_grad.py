@@ -15,6 +15,7 @@ collective, as a DTensor's is: every rank must take it.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -36,6 +37,7 @@ class NormGroups(NamedTuple):
     device: Callable[[], torch.device]  # the collective's device: the bucket's compute
     #                                     device now (grads may be on host; meta at wrap time)
     refusal: Optional[str] = None  # why its norm cannot be completed here (raised instead)
+    full_of: Optional[Callable] = None  # this piece -> the full grad (ShardedGrad.full_tensor)
 
     def __deepcopy__(self, memo):
         return self  # process groups are not copied; the copy's pieces lie where these do
@@ -53,6 +55,13 @@ class ShardedGrad(torch.Tensor):
             if func in _FULL_NORMS and _full_reduction(func, args, kwargs):
                 return _norm(func, args, kwargs)
             return func(*args, **kwargs)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The full gradient, as FSDP2's DTensor grads spell it: a collective
+        (one all-gather of the bucket's pieces) that every rank holding a piece
+        calls. For many grads, fs.full_grads(model) gathers each bucket once."""
+        with record_function("FlexShard::grad_full_tensor"):
+            return _spec_of(self).full_of(plain(self))
 
     def __reduce_ex__(self, protocol):
         # torch.save, pickling: a plain tensor (the piece); the groups stay behind
@@ -144,8 +153,8 @@ def _reduce_op(ord_: float) -> Any:
     return dist.ReduceOp.SUM
 
 
-def norm_groups(bucket, tp_spec) -> NormGroups:
-    """One slot's NormGroups: its bucket's shard group, and the TP mesh dims
+def norm_groups(bucket, index: int, tp_spec) -> NormGroups:
+    """Slot `index`'s NormGroups: its bucket's shard group, and the TP mesh dims
     its DTensor param is split over."""
     groups = (bucket.group,) if bucket.world_size > 1 else ()
     if tp_spec is not None and tp_spec.sharded_over_tp:
@@ -160,4 +169,13 @@ def norm_groups(bucket, tp_spec) -> NormGroups:
                    "(other experts) under the same names, so a per-rank total of torch's "
                    "norms would differ across ranks. Use fs.clip_grad_norm_(model, max_norm) "
                    "for clipping, fs.grad_norms(model) for logging")
-    return NormGroups(groups, bucket.comm, lambda: bucket.compute_device, refusal)
+    return NormGroups(groups, bucket.comm, lambda: bucket.compute_device, refusal,
+                      functools.partial(_full_grad, bucket, index, tp_spec))
+
+
+def _full_grad(bucket, index: int, tp_spec, piece: torch.Tensor) -> torch.Tensor:
+    """Slot `index`'s full grad from this rank's `piece` (gathered as fs.full_grads does)."""
+    pieces = [None] * len(bucket.slots)
+    pieces[index] = piece
+    full = bucket.gather_pieces(pieces)[index]
+    return full if tp_spec is None else tp_spec.full_of(full)
