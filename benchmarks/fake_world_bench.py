@@ -133,7 +133,8 @@ def build_sides(mode: str, args, shape, mesh, device) -> list:
     for kind in sides_of(mode):
         gc.collect()
         before = _allocated(device)
-        side = Side(kind, mode, shape, mesh, device, args.seed)
+        side = Side(kind, mode, shape, mesh, device, args.seed,
+                    placement=args.placement)
         for _ in range(args.warmup):
             side.step()
         side.persistent = _allocated(device) - before
@@ -170,7 +171,8 @@ def run_mode(mode: str, args, shape, mesh, device) -> dict:
             out[side.kind]["peak_bytes"] = peak_bytes(side)
     del sides
     gc.collect()
-    return {"mode": mode, "sides": out, "ratios": ratios(out, *sides_of(mode)),
+    return {"mode": mode, "placement": args.placement, "sides": out,
+            "ratios": ratios(out, *sides_of(mode)),
             "graphs_in_timed_steps": graphs}
 
 
@@ -233,7 +235,8 @@ def run(args, device: torch.device) -> dict:
                           else None, "threads": torch.get_num_threads()},
               "model": {"preset": args.preset, **shape._asdict(), "hf": "LlamaForCausalLM"},
               "config": {"device": device.type, "world": args.fake_world, "rank": args.rank,
-                         "param_dtype": "bf16", "reduce_dtype": "fp32", "steps": args.steps,
+                         "placement": args.placement, "param_dtype": "bf16",
+                         "reduce_dtype": "fp32", "steps": args.steps,
                          "warmup": args.warmup, "counts": args.counts},
               "modes": []}
     with fake_world(args.fake_world, args.rank, device) as mesh:
@@ -274,7 +277,10 @@ def mode_text(m: dict, device: torch.device) -> str:
     num, den = sides_of(m["mode"])
     a, b = _measures(m["sides"][num]), _measures(m["sides"][den])
     x, y = LABELS.get(num, num), LABELS.get(den, den)
-    lines = [f"### mode {m['mode']} ({where})", "",
+    placed = f"flexshard placement {m.get('placement', 'shard')}"
+    if den == "fsdp2":
+        placed += ", FSDP2 Shard(0)"
+    lines = [f"### mode {m['mode']}, {placed} ({where})", "",
              f"| measure | {x} | {y} | {x} / {y} |", "|---|---|---|---|"]
     for key, label, fmt in _ROWS:
         if key in a and key in b:
@@ -331,7 +337,8 @@ def text(result: dict) -> str:
     lines = [f"fake world of {c['world']} (rank {c['rank']}), {c['device']}: HF Llama "
              f"dim {m['dim']}, ffn {m['ffn']}, {m['heads']} heads ({m['kv_heads']} KV), "
              f"{m['layers']} layers, vocab {m['vocab']}, seq {m['seq']}, batch {m['batch']}/rank; "
-             f"bf16 params, fp32 reduce, reshard after forward"]
+             f"bf16 params, fp32 reduce, reshard after forward; flexshard placement "
+             f"{c.get('placement', 'shard')}, FSDP2 Shard(0)"]
     for mode, measure, value, target, verdict in result["targets"]:
         names = "/".join(LABELS.get(k, k) for k in sides_of(mode))
         lines.append(f"target {mode} {measure} {names}: {_ratio(value)} "
