@@ -27,6 +27,8 @@ call (its own fake world):
     from benchmarks.gpu import count_step
     c = count_step("flexshard", world=8)      # HF Llama hidden 384, 4 layers, seq 256
     c.ops, c.copy_bytes, c.by_op.get("aten::copy_", (0, 0))
+    c.engine_copy_bytes                       # the copies inside FlexShard::* ranges
+    count_step("flexshard", world=8, placement="ragged")   # FSDP2 stays Shard(0)
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class Counts(NamedTuple):
     collectives: int
     by_op: dict  # name -> (count, copy bytes)
     by_region: dict  # FlexShard::* / FSDP::* range (or OUTSIDE) -> (ops, copy bytes)
+    engine_copy_bytes: int  # copy bytes inside the library's labelled regions (not OUTSIDE)
 
     @classmethod
     def of(cls, counter: OpCounter) -> "Counts":
@@ -199,7 +202,8 @@ class Counts(NamedTuple):
                    sum(counter.ops.values()) - sum(counter.views.values()),
                    sum(c for n, c in counter.ops.items() if n in COPY_OPS),
                    sum(counter.copy_bytes.values()),
-                   sum(c for n, c in counter.ops.items() if is_collective(n)), by_op, by_region)
+                   sum(c for n, c in counter.ops.items() if is_collective(n)), by_op, by_region,
+                   sum(b for r, b in counter.region_bytes.items() if r != OUTSIDE))
 
 
 @contextlib.contextmanager
