@@ -74,15 +74,21 @@ def _under_collective(e) -> bool:
     return any(is_collective(p.name) for p in _ancestors(e))
 
 
-def engine_label_us(cpu_events) -> dict:
-    """GPU time per library label (FlexShard::*, FSDP::*) less the time of the
-    collective ops under it: under the fake backend those kernels are its own writes
-    (`_allgather_base_` copies the input into each rank's chunk, standing in for
-    NCCL), not the engine's work."""
+def _label_us(cpu_events) -> dict:
+    """GPU time per library label (FlexShard::*, FSDP::*), most first."""
     labels: dict = {}
     for e in cpu_events:
         if e.name.startswith(LIBRARY_LABELS):
             labels[e.name] = labels.get(e.name, 0.0) + e.device_time_total
+    return dict(sorted(labels.items(), key=lambda kv: -kv[1]))
+
+
+def engine_label_us(cpu_events) -> dict:
+    """GPU time per library label less the time of the collective ops under it:
+    under the fake backend those kernels are its own writes (`_allgather_base_`
+    copies the input into each rank's chunk, standing in for NCCL), not the
+    engine's work."""
+    labels = _label_us(cpu_events)
     for c in _top_level(cpu_events, {e.name for e in cpu_events if is_collective(e.name)}):
         for p in _ancestors(c):
             if p.name in labels:
@@ -101,19 +107,16 @@ def device_summary(events) -> dict:
     kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
     cpu = [e for e in events if e.device_type.name == "CPU"]
     copies = _top_level(cpu, COPY_OPS)
-    labels: dict = {}
-    for e in cpu:
-        if e.name.startswith(LIBRARY_LABELS):
-            labels[e.name] = labels.get(e.name, 0.0) + e.device_time_total
     copy_us = sum(e.device_time_total for e in copies)
     backend_us = sum(e.device_time_total for e in copies if _under_collective(e))
     return {"kernels": len(kernels), "memcpy_memset": len(device) - len(kernels),
             "device_us": sum(e.device_time_total for e in device),
             "copy_device_us": copy_us,
-            # copy-family time less the fake backend's own copies (inside collective ops)
+            # copy-family time less the fake backend's own copies (inside collective ops);
+            # the model's own copies (the same on both sides) stay in
             "engine_device_us": copy_us - backend_us,
             "copy_kernels": sum(_kernel_count(e) for e in copies),
-            "label_device_us": dict(sorted(labels.items(), key=lambda kv: -kv[1])),
+            "label_device_us": _label_us(cpu),
             "engine_label_device_us": engine_label_us(cpu),
             "compiled_graph_calls": sum(e.name.startswith("## Call CompiledFxGraph") for e in cpu)}
 

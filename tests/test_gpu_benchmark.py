@@ -397,6 +397,17 @@ def test_fake_world_defaults():
     args = parse_args(["--fake-world", "8", "--device", "cpu", "--counts"])
     assert (args.preset, args.modes) == ("cpu", ["eager"])
     assert parse_args([]).preset == "1b"  # the real-world mode keeps its default
+    assert args.placement == "shard"
+    for name in ("ragged", "owned", "mixed"):  # flexshard's placement; FSDP2 stays Shard(0)
+        assert parse_args(["--fake-world", "8", "--device", "cpu", "--placement",
+                           name]).placement == name
+
+
+def test_fake_world_refuses_an_unknown_placement():
+    from benchmarks.fake_world import wrap
+
+    with pytest.raises(ValueError, match=r"unknown placement 'rows'; use one of"):
+        wrap("flexshard", None, None, placement="rows")
 
 
 def test_fake_world_presets_are_what_the_issues_ask():
