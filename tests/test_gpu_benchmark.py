@@ -221,10 +221,10 @@ def test_fake_world_counts_both_sides(fake_run):
 
 def test_engine_copy_bytes_are_what_fsdp2_writes_by_hand(fake_run):
     """The engine meter on a case whose answer is known: FSDP2's labelled regions write,
-    per gather, the bf16 shards into the gather input (copy-in) and the unsharded params'
-    bf16 bytes out of the gather output (split_with_sizes_copy), and per reduce the full
-    grads in fp32 into the reduce input (chunk_cat); nothing else (no padding at this
-    shape). flexshard's engine bytes are its labelled regions' and are the total less the
+    per gather, the shards cast to bf16 (`_to_copy`), those copied into the gather input
+    (copy-in) and the unsharded params' bf16 bytes out of the gather output
+    (split_with_sizes_copy), and per reduce the full grads in fp32 into the reduce input
+    (chunk_cat); nothing else (no padding at this shape). flexshard's engine bytes are its labelled regions' and are the total less the
     model's own (the unlabelled row, the same on both sides)."""
     from benchmarks.fake_world import OUTSIDE, PRESETS
 
@@ -236,7 +236,7 @@ def test_engine_copy_bytes_are_what_fsdp2_writes_by_hand(fake_run):
     fsdp = sides["fsdp2"]["counts"]
     assert fsdp["by_op"]["fsdp::split_with_sizes_copy"][1] == FAKE_WORLD * gathered
     assert fsdp["by_op"]["fsdp::chunk_cat"][1] == 2 * FAKE_WORLD * reduced
-    assert fsdp["engine_copy_bytes"] == (1 + FAKE_WORLD) * gathered + 2 * FAKE_WORLD * reduced
+    assert fsdp["engine_copy_bytes"] == (2 + FAKE_WORLD) * gathered + 2 * FAKE_WORLD * reduced
     for side in ("flexshard", "fsdp2"):
         c = sides[side]["counts"]
         assert c["engine_copy_bytes"] == c["copy_bytes"] - c["by_region"][OUTSIDE][1] > 0
