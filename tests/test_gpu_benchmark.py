@@ -224,8 +224,8 @@ def test_engine_copy_bytes_are_what_fsdp2_writes_by_hand(fake_run):
     per gather, the shards cast to bf16 (`_to_copy`), those copied into the gather input
     (copy-in) and the unsharded params' bf16 bytes out of the gather output
     (split_with_sizes_copy), and per reduce the full grads in fp32 into the reduce input
-    (chunk_cat); nothing else (no padding at this shape). flexshard's engine bytes are its labelled regions' and are the total less the
-    model's own (the unlabelled row, the same on both sides)."""
+    (chunk_cat); nothing else (no padding at this shape). On both sides the engine bytes
+    are the total less the model's own (the unlabelled row, the same on both sides)."""
     from benchmarks.fake_world import OUTSIDE, PRESETS
 
     result, _, _ = fake_run
