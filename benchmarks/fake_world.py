@@ -27,6 +27,8 @@ call (its own fake world):
     from benchmarks.gpu import count_step
     c = count_step("flexshard", world=8)      # HF Llama hidden 384, 4 layers, seq 256
     c.ops, c.copy_bytes, c.by_op.get("aten::copy_", (0, 0))
+    c.engine_copy_bytes                       # the copies inside FlexShard::* ranges
+    count_step("flexshard", world=8, placement="ragged")   # FSDP2 stays Shard(0)
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ from torch.utils._pytree import tree_flatten
 import flexshard as fs
 
 from .meters import MemoryMeter, is_collective, nbytes
+from .runners import flexshard_placement
 
 SIDES = ("flexshard", "fsdp2", "flexshard-bf16")
 MODES = ("eager", "compile", "module-compile", "float8", "float8-compile", "int8-gather",
          "fp8-gather")
+# flexshard's placements (benchmarks.runners.flexshard_placement); FSDP2 stays Shard(0)
+PLACEMENTS = ("shard", "ragged", "owned", "mixed")
 # flexshard's QuantizedGather: no FSDP2 counterpart, so its baseline is flexshard's bf16 gathers
 QUANTIZED = {"int8-gather": torch.int8, "fp8-gather": torch.float8_e4m3fn}
 
@@ -186,6 +191,7 @@ class Counts(NamedTuple):
     collectives: int
     by_op: dict  # name -> (count, copy bytes)
     by_region: dict  # FlexShard::* / FSDP::* range (or OUTSIDE) -> (ops, copy bytes)
+    engine_copy_bytes: int  # copy bytes inside the library's labelled regions (not OUTSIDE)
 
     @classmethod
     def of(cls, counter: OpCounter) -> "Counts":
@@ -196,7 +202,8 @@ class Counts(NamedTuple):
                    sum(counter.ops.values()) - sum(counter.views.values()),
                    sum(c for n, c in counter.ops.items() if n in COPY_OPS),
                    sum(counter.copy_bytes.values()),
-                   sum(c for n, c in counter.ops.items() if is_collective(n)), by_op, by_region)
+                   sum(c for n, c in counter.ops.items() if is_collective(n)), by_op, by_region,
+                   sum(b for r, b in counter.region_bytes.items() if r != OUTSIDE))
 
 
 @contextlib.contextmanager
@@ -246,13 +253,17 @@ def blocks(model: nn.Module) -> list:
 
 
 def wrap(side: str, model: nn.Module, mesh, reshard: bool = True,
-         gather_format=None) -> nn.Module:
+         gather_format=None, placement: str = "shard") -> nn.Module:
     """Shard `model` over `mesh` as `side` does by default: bf16 params, fp32 reduce
-    (flexshard: its weights gathered in `gather_format`, if given)."""
+    (flexshard: its params placed by `placement`, one of PLACEMENTS, and its weights
+    gathered in `gather_format`, if given; FSDP2: Shard(0) always, the one it has)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; use one of {PLACEMENTS}")
     if side.startswith("flexshard"):
         mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      gather_format=gather_format)
-        return fs.flex_shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard)
+        return fs.flex_shard(model, mesh, placement=flexshard_placement(placement),
+                             mp_policy=mp, reshard_after_forward=reshard)
     if side != "fsdp2":
         raise ValueError(f"unknown side {side!r}; use one of {SIDES}")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -290,7 +301,7 @@ class Side:
 
     def __init__(self, side: str, mode: str, shape: LlamaShape, mesh, device: torch.device,
                  seed: int = 0, build: Optional[Callable[[], nn.Module]] = None,
-                 reshard: bool = True) -> None:
+                 reshard: bool = True, placement: str = "shard") -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
         self.kind, self.mode, self.device = side, mode, device
@@ -299,7 +310,7 @@ class Side:
             model = to_float8(model)
         quantized = QUANTIZED.get(mode) if side == "flexshard" else None
         wire = fs.QuantizedGather(quantized) if quantized is not None else None
-        self.model = wrap(side, model, mesh, reshard, gather_format=wire)
+        self.model = wrap(side, model, mesh, reshard, gather_format=wire, placement=placement)
         if mode.endswith("compile"):
             compile_blocks(self.model, "module-compile" if mode == "module-compile" else "compile")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -346,18 +357,22 @@ def counted(side: Side) -> Counts:
 
 def count_step(side: str = "flexshard", world: int = 8, *, shape: LlamaShape = PRESETS["cpu"],
                mode: str = "eager", build: Optional[Callable[[], nn.Module]] = None,
-               warmup: int = 1, rank: int = 0, reshard: bool = True) -> Counts:
+               warmup: int = 1, rank: int = 0, reshard: bool = True,
+               placement: str = "shard") -> Counts:
     """Ops and copied bytes of one forward+backward of rank `rank` in a fake world of
     `world` ranks, after `warmup` steps: `side` (one of SIDES) shards an HF
     Llama of `shape` (or `build()`'s model: an HF causal LM, its blocks in a ModuleList),
-    resharding after forward unless `reshard` is False. Creates its own fake world: call it in a process without a process group."""
+    resharding after forward unless `reshard` is False; flexshard's params placed by
+    `placement` (one of PLACEMENTS; FSDP2's are Shard(0) whatever it says). Creates its
+    own fake world: call it in a process without a process group."""
     if mode.endswith("compile"):
         raise ValueError(f"count_step: mode {mode!r} compiles the blocks, and under the "
                          "counting dispatch mode they would run eagerly; count an eager mode "
                          "('eager' or 'float8')")
     device = torch.device("cpu")
     with fake_world(world, rank, device) as mesh:
-        s = Side(side, mode, shape, mesh, device, build=build, reshard=reshard)
+        s = Side(side, mode, shape, mesh, device, build=build, reshard=reshard,
+                 placement=placement)
         for _ in range(warmup):
             s.step()
         counts = counted(s)

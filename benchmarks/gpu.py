@@ -57,7 +57,7 @@ import flexshard as fs
 
 from .compare import _spread, time_steps
 from .fake_world import PRESETS as FAKE_PRESETS
-from .fake_world import MODES, count_step  # noqa: F401  (count_step: for engine tests)
+from .fake_world import MODES, PLACEMENTS, count_step  # noqa: F401  (count_step: engine tests)
 from .gpu_profile import profile_step
 from .model import BenchLlama, ModelShape, loss_fn
 from .runners import StepTime, flexshard_placement
@@ -318,7 +318,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (preset's)")
     p.add_argument("--ac", choices=("none", "full"), default="none",
                    help="activation checkpointing of every block (default none)")
-    p.add_argument("--placement", choices=("shard", "ragged", "owned"), default="shard")
+    p.add_argument("--placement", choices=PLACEMENTS, default="shard",
+                   help="flexshard's placement (default shard); with --fake-world FSDP2 "
+                        "stays Shard(0), the one it has")
     p.add_argument("--no-reshard", action="store_true", help="keep blocks unsharded until backward")
     p.add_argument("--offload", action="store_true",
                    help="also run flexshard with fs.OffloadPolicy() (GPU memory saved)")
@@ -365,8 +367,7 @@ def _check_fake_world(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     for flag, given in (("--runners", args.runners), ("--offload", args.offload),
                         ("--ac full", args.ac != "none"), ("--profile", args.profile),
                         ("--timing sequential", args.timing != "alternate"),
-                        ("--no-reshard", args.no_reshard),
-                        ("--placement", args.placement != "shard")):
+                        ("--no-reshard", args.no_reshard)):
         if given:
             p.error(f"{flag} is for the real-world mode; --fake-world compares flexshard's "
                     "default buckets with FSDP2, reshard after forward (drop the flag)")

@@ -2,17 +2,25 @@
 # Issue 34's GPU measurements as one command for a session lent a GPU (the device tool:
 # one call, 15 minutes of device time in all, 10 per command). Run from the repo root:
 #
-#   bash benchmarks/gpu_battery.sh [OUT]          # OUT: where results go (default runs/gpu)
+#   bash benchmarks/gpu_battery.sh [PLACEMENT] [OUT]
+#
+# PLACEMENT: flexshard's placement in the fake-world runs, shard (Shard(0), the default),
+# ragged (RaggedShard), owned (Owned) or mixed; FSDP2 stays Shard(0). OUT: where results
+# go (default runs/gpu). The log ends with the engine rows of every mode: the GPU time in
+# copy-family ops outside collective ops, and per labelled region (all of it, and the
+# engine's: the fake backend's writes under collective ops set apart), both sides.
 #
 # Each step has its own time limit, so a slow step costs its limit and the rest still
 # run; the whole battery ends within about 9 minutes. Results (7 files, as the device tool
 # brings back at most 8): OUT/battery.log (every step's output, then a summary line per
 # step) and each fake-world mode's JSON report as OUT/<mode>.json. A CPU smoke run:
-#   FAKE_ARGS="--device cpu --preset tiny" MODES=eager bash benchmarks/gpu_battery.sh /tmp/b
+#   FAKE_ARGS="--device cpu --preset tiny" MODES=eager bash benchmarks/gpu_battery.sh shard /tmp/b
 # torchao's
 # wheel (the float8 modes) is installed from .whl/ when that folder holds it; without it
 # the float8 step fails fast and says so. Order: what is cheapest and most asked first.
 set -u
+placement=shard
+case ${1:-} in shard|ragged|owned|mixed) placement=$1; shift ;; esac
 out=${1:-runs/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -22,6 +30,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
   torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO GPU')" | tee "$out/battery.log"
+echo "flexshard placement: $placement (FSDP2: Shard(0))" | tee -a "$out/battery.log"
 
 log=$out/battery.log
 summary=()
@@ -40,7 +49,7 @@ fake() {  # fake MODE SECONDS: one fake-world mode, its JSON report kept as OUT/
   rm -rf "runs/fake-world-$1"
   # shellcheck disable=SC2086  # FAKE_ARGS is a list of words
   step "fake-$1" "$2" python3 -m benchmarks.gpu --fake-world 8 --modes "$1" \
-    --steps 6 --warmup 2 --out "runs/fake-world-$1" ${FAKE_ARGS:-}
+    --steps 6 --warmup 2 --placement "$placement" --out "runs/fake-world-$1" ${FAKE_ARGS:-}
   cp "runs/fake-world-$1"/*.json "$out/$1.json" 2>/dev/null
 }
 
@@ -49,4 +58,7 @@ declare -A limits=([eager]=90 [compile]=120 [int8-gather]=60 [fp8-gather]=60 [fl
 for mode in ${MODES:-eager compile int8-gather fp8-gather float8-compile}; do
   fake "$mode" "${limits[$mode]:-120}"
 done
+# the engine rows of every mode (its heading, the engine measures, the per-label times, targets)
+engine=$(grep -E '^### mode|\(engine\)|^\| (label|FlexShard::|FSDP::|fsdp::)|^target .*engine' "$log")
+printf '%s\n' "===== engine rows" "$engine" | tee -a "$log"
 printf '%s\n' "===== summary" "${summary[@]}" "battery done in $SECONDS s" >>"$log"

@@ -210,9 +210,39 @@ def test_fake_world_counts_both_sides(fake_run):
     assert fs_regions[OUTSIDE][1] == fsdp_regions[OUTSIDE][1] > 0
     assert any(r.startswith("FlexShard::") and b > 0 for r, (_, b) in fs_regions.items())
     assert any(r.startswith("FSDP::") and b > 0 for r, (_, b) in fsdp_regions.items())
-    assert [t[:2] for t in result["targets"]] == [["eager", "ops"], ["eager", "copy_bytes"]]
+    assert [t[:2] for t in result["targets"]] == [["eager", "ops"], ["eager", "copy_bytes"],
+                                                  ["eager", "engine_copy_bytes"]]
+    assert result["config"]["placement"] == "shard"
+    assert "flexshard placement shard, FSDP2 Shard(0)" in stdout
+    assert "| " + "  of them in the library's labelled regions (engine) |" in stdout
     assert "| aten ops per forward+backward |" in stdout and "| fsdp::chunk_cat |" in stdout
     assert "target eager ops flexshard/FSDP2" in stdout
+
+
+def test_engine_copy_bytes_are_what_fsdp2_writes_by_hand(fake_run):
+    """The engine meter on a case whose answer is known: FSDP2's labelled regions write,
+    per gather, the shards cast to bf16 (`_to_copy`), those copied into the gather input
+    (copy-in) and the unsharded params' bf16 bytes out of the gather output
+    (split_with_sizes_copy), and per reduce the full grads in fp32 into the reduce input
+    (chunk_cat); nothing else (no padding at this shape). On both sides the engine bytes
+    are the total less the model's own (the unlabelled row, the same on both sides)."""
+    from benchmarks.fake_world import OUTSIDE, PRESETS
+
+    result, _, _ = fake_run
+    shape, sides = PRESETS["tiny"], result["modes"][0]["sides"]
+    layer, root = _shard_bytes_bf16(shape, FAKE_WORLD)
+    gathered = 2 * shape.layers * layer + root  # each layer twice (reshard after forward)
+    reduced = shape.layers * layer + root  # each param's grad once
+    fsdp = sides["fsdp2"]["counts"]
+    assert fsdp["by_op"]["fsdp::split_with_sizes_copy"][1] == FAKE_WORLD * gathered
+    assert fsdp["by_op"]["fsdp::chunk_cat"][1] == 2 * FAKE_WORLD * reduced
+    assert fsdp["engine_copy_bytes"] == (2 + FAKE_WORLD) * gathered + 2 * FAKE_WORLD * reduced
+    for side in ("flexshard", "fsdp2"):
+        c = sides[side]["counts"]
+        assert c["engine_copy_bytes"] == c["copy_bytes"] - c["by_region"][OUTSIDE][1] > 0
+    ratio = result["modes"][0]["ratios"]["engine_copy_bytes"]
+    assert ratio == pytest.approx(sides["flexshard"]["counts"]["engine_copy_bytes"]
+                                  / fsdp["engine_copy_bytes"])
 
 
 def test_count_step_matches_the_cli(fake_run):
@@ -292,6 +322,42 @@ def test_device_summary_attributes_kernels_to_copies():
     assert s["label_device_us"] == {"FSDP::all_gather_copy_in": 7.0}
 
 
+def test_engine_gpu_time_leaves_out_the_kernels_under_collectives():
+    """The fake backend's own writes (kernels launched under c10d's collective ops,
+    standing in for NCCL) are not engine work: per label and in the copy-family time
+    they are set apart (made-up events, as torch.profiler's FunctionEvents)."""
+    from types import SimpleNamespace
+
+    from benchmarks.fake_world_bench import device_summary, engine_label_us
+
+    cpu, cuda = SimpleNamespace(name="CPU"), SimpleNamespace(name="CUDA")
+
+    def ev(name, device, us=0.0, parent=None, kernels=0):
+        e = SimpleNamespace(name=name, device_type=device, device_time_total=us,
+                            cpu_parent=parent, kernels=[None] * kernels, cpu_children=[])
+        if parent is not None:
+            parent.cpu_children.append(e)
+        return e
+    gather = ev("FlexShard::all_gather", cpu, 10.0)
+    coalesced = ev("c10d::allgather_into_tensor_coalesced_", cpu, 8.0, gather)
+    backend_copy = ev("aten::copy_", cpu, 8.0, coalesced, kernels=2)  # the backend's writes
+    cast = ev("aten::_to_copy", cpu, 2.0, gather, kernels=1)  # the engine's cast, same label
+    reduce = ev("FSDP::post_backward_reduce", cpu, 9.0)
+    base = ev("c10d::_reduce_scatter_base_", cpu, 5.0, reduce)
+    base_copy = ev("aten::copy_", cpu, 5.0, base, kernels=1)
+    pack = ev("fsdp::chunk_cat", cpu, 4.0, reduce, kernels=1)
+    events = [gather, coalesced, backend_copy, cast, reduce, base, base_copy, pack,
+              ev("kernel", cuda, 27.0)]
+    assert engine_label_us(events) == {"FlexShard::all_gather": 2.0,
+                                       "FSDP::post_backward_reduce": 4.0}
+    s = device_summary(events)
+    assert s["copy_device_us"] == 8.0 + 2.0 + 5.0 + 4.0
+    assert s["engine_device_us"] == 2.0 + 4.0
+    assert s["label_device_us"] == {"FlexShard::all_gather": 10.0,
+                                    "FSDP::post_backward_reduce": 9.0}
+    assert s["engine_label_device_us"] == engine_label_us(events)
+
+
 def test_device_summary_reads_real_profiler_events():
     """The attributes device_summary reads are torch.profiler's (a CPU profile:
     no device events, the labelled copy found with nothing under it)."""
@@ -306,6 +372,8 @@ def test_device_summary_reads_real_profiler_events():
     s = device_summary(prof.events())
     assert (s["kernels"], s["copy_kernels"], s["compiled_graph_calls"]) == (0, 0, 0)
     assert s["label_device_us"] == {"FlexShard::all_gather_copy_in": 0}
+    assert s["engine_label_device_us"] == {"FlexShard::all_gather_copy_in": 0}
+    assert s["engine_device_us"] == s["copy_device_us"] == 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -329,6 +397,17 @@ def test_fake_world_defaults():
     args = parse_args(["--fake-world", "8", "--device", "cpu", "--counts"])
     assert (args.preset, args.modes) == ("cpu", ["eager"])
     assert parse_args([]).preset == "1b"  # the real-world mode keeps its default
+    assert args.placement == "shard"
+    for name in ("ragged", "owned", "mixed"):  # flexshard's placement; FSDP2 stays Shard(0)
+        assert parse_args(["--fake-world", "8", "--device", "cpu", "--placement",
+                           name]).placement == name
+
+
+def test_fake_world_refuses_an_unknown_placement():
+    from benchmarks.fake_world import wrap
+
+    with pytest.raises(ValueError, match=r"unknown placement 'rows'; use one of"):
+        wrap("flexshard", None, None, placement="rows")
 
 
 def test_fake_world_presets_are_what_the_issues_ask():
