@@ -39,6 +39,15 @@ class LocalComm(fs.Comm):
     def reduce_scatter(self, output, input, group, async_op=False, op=None):
         output.copy_(input.view(-1, output.numel())[self.rank])
 
+    def all_gather_groups(self, outputs, inputs, group, async_op=False):
+        """A bucket's gather groups: one copy each (a coalesced launch's stand-in)."""
+        for output, input in zip(outputs, inputs):
+            self.all_gather(output, input, group)
+
+    def reduce_scatter_groups(self, outputs, inputs, group, async_op=False, op=None):
+        for output, input in zip(outputs, inputs):
+            self.reduce_scatter(output, input, group)
+
 
 def block_shapes(hidden: int = HIDDEN) -> list:
     """A transformer block: attention and MLP matrices, norms, a bias."""

@@ -155,6 +155,7 @@ def in_backward() -> bool:
 # shapes; chunk_cat (below) with n chunks writes chunk k of each tensor's dim 0
 # (torch.chunk sizes, zero-padded) into row k of out, back to back, cast.
 foreach_copy_ = resolve("torch:_foreach_copy_", "to copy a bucket's pieces in one op")
+foreach_zero_ = resolve("torch:_foreach_zero_", "to zero a reduce input's gaps in one op")
 tree_map = resolve("torch.utils._pytree:tree_map", "to cast forward inputs and outputs")
 make_wrapper_subclass = resolve(  # checkpoint/pieces.py: ShardedPieces holds no full tensor
     "torch:Tensor._make_wrapper_subclass", "to build ShardedPieces for DCP")

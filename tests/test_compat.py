@@ -413,6 +413,12 @@ def test_foreach_copy_casts_pairs():
     assert [d.tolist() for d in dst] == [[0., 1., 2.], [0., 1.]]
 
 
+def test_foreach_zero_zeroes_every_view_in_place():
+    buffer = torch.arange(8.)
+    compat.foreach_zero_([buffer[1:3], buffer[5:6]])
+    assert buffer.tolist() == [0., 0., 0., 3., 4., 0., 6., 7.]
+
+
 def test_module_compile_and_the_compiled_graphs_autograd_node():
     """runtime/compiled.py tells a compiled forward from an eager one by these."""
     module = nn.Linear(2, 2)

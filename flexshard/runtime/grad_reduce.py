@@ -43,18 +43,20 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..compat import chunk_cat, current_graph_task_id, foreach_copy_, in_backward, queue_callback
+from ..compat import (chunk_cat, current_graph_task_id, foreach_copy_, foreach_zero_,
+                      in_backward, queue_callback)
 from .comm import Comm
 from ..planning.copyplan import plan_copies
-from ..planning.fused import plan_chunk_cat, segment_split, span_split, split_views
+from ..planning.fused import (plan_chunk_cat, plan_split, segment_split, span_split,
+                              split_views)
 from .counters import BucketCounters
 from .device import HostContext, on_stream
 from .inflight import PendingReduce, ReduceOp
 from ..planning.layout import BucketLayout, SlotPlan
 
-# Up to this many unwritten ranges of a reduce input are zeroed one by one each
-# step (Owned's segment tails: one per rank); more, and one memset of the
-# whole buffer costs less Python than the loop.
+# Up to this many unwritten ranges of a reduce input are zeroed each step by one
+# foreach op over views of them (Owned's segment tails: one per rank; a solo gather
+# group's padding); more, and one fill of the whole buffer costs less.
 _FEW_GAPS = 64
 
 
@@ -100,9 +102,11 @@ class GradReduce:
         self._single = tuple(j for j in rest if self._copies[j].kind != "view")
         # What the pack leaves unwritten, zeroed per step: nothing (dense), each gap
         # (a few: Owned's segment tails, solo groups' padding), or all of it (many gaps).
-        self._gaps = _few(layout.gaps())
-        self._gaps_beside_cat = None if cat is None else _few(tuple(
-            (a, b) for a, b in layout.gaps() if not _inside(a, b, cat, layout)))
+        dtype = layout.regions[0].dtype if layout.regions else torch.uint8
+        self._gaps = _gap_split(layout.gaps(), layout.wire_bytes, dtype)
+        self._gaps_beside_cat = None if cat is None else _gap_split(tuple(
+            (a, b) for a, b in layout.gaps() if not _inside(a, b, cat, layout)),
+            layout.wire_bytes, dtype)
 
     def move(self, fn) -> None:
         """nn.Module._apply's `fn` (to_empty, .to): the unreduced and partial sums follow."""
@@ -147,15 +151,14 @@ class GradReduce:
         ctx.wait(packed)
         return (send, op) if sync else None
 
-    def _zero(self, send: torch.Tensor, gaps: Optional[tuple]) -> None:
-        """Zero what the pack leaves unwritten: `gaps` (byte ranges), or all of it (None)."""
+    def _zero(self, send: torch.Tensor, gaps) -> None:
+        """Zero what the pack leaves unwritten: the `gaps` (a TypedSplit of them, one
+        split and one foreach zero), or all of it (None)."""
         typed = self.typed(send)
         if gaps is None:
             typed.zero_()
-            return
-        size = typed.element_size()
-        for start, stop in gaps:
-            typed[start // size:stop // size].zero_()
+        elif gaps.count:
+            foreach_zero_(split_views(typed, gaps))
 
     def _chunk_cat_pack(self, send: torch.Tensor, grads: list, plan) -> None:
         """The packed group's grads (dim-0 chunks) into its block of the reduce input,
@@ -355,9 +358,14 @@ def _one_dtype(grads: list) -> bool:
     return all(g.dtype == first for g in grads)
 
 
-def _few(gaps: tuple) -> Optional[tuple]:
-    """`gaps` when few enough to zero one by one, else None (zero the whole buffer)."""
-    return gaps if len(gaps) <= _FEW_GAPS else None
+def _gap_split(gaps: tuple, nbytes: int, dtype: torch.dtype):
+    """The `gaps` (byte ranges) of a reduce input of `nbytes` as one TypedSplit of
+    `dtype` pieces, zeroed by one foreach op; None when there are so many that one
+    fill of the whole buffer costs less."""
+    if len(gaps) > _FEW_GAPS:
+        return None
+    size = dtype.itemsize
+    return plan_split(nbytes, [(a, dtype, (b - a) // size) for a, b in gaps])
 
 
 def _inside(start: int, stop: int, cat, layout: BucketLayout) -> bool:
