@@ -118,7 +118,7 @@ def _raise_on_difference(table: torch.Tensor, names: Sequence[str], what: str) -
     more = f" and {len(differs) - _SHOWN} more" if len(differs) > _SHOWN else ""
     raise ValueError(
         f"{what}: the ranks' sources hold different values for {shown}{more} (for "
-        f"{shown[0]!r}: {read}), so their pieces would come from different tensors and training would be "
-        "silently wrong; nothing was loaded. Every rank must load the same source: the same "
-        "files, or a state dict built alike on every rank (seed the model that makes it, e.g. "
-        "torch.manual_seed(0) before building it, or load it from one file)")
+        f"{shown[0]!r}: {read}), so their pieces would come from different tensors and "
+        "training would be silently wrong; nothing was loaded. Every rank must load the same "
+        "source: the same files, or a state dict built alike on every rank (seed the model that "
+        "makes it, e.g. torch.manual_seed(0) before building it, or load it from one file)")
