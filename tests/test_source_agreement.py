@@ -1,5 +1,5 @@
-"""Ranks that load a full source (fs.load_pretrained, fs.load_full_state_dict)
-from sources that disagree raise on every rank, naming the tensors, before
+"""Ranks that load a full source (fs.load_pretrained, fs.load_full_state_dict,
+model.load_state_dict of full tensors) from sources that disagree raise on every rank, naming the tensors, before
 anything is written; ranks with equal sources load as one process would."""
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def _load(loader: str, model: nn.Module, sd: dict, directory: str = "", strict: 
         return fs.load_pretrained(model, path, strict=strict)
     if loader == "pretrained":
         return fs.load_pretrained(model, sd, strict=strict)
+    if loader == "state_dict":
+        return model.load_state_dict(sd)
     return fs.load_full_state_dict(model, sd)
 
 
@@ -72,12 +74,13 @@ def _per_rank(loader: str, directory: str, case: str):
     return _load_catching(loader, sd, directory)
 
 
-LOADERS = ["pretrained", "full", "safetensors"]
+LOADERS = ["pretrained", "full", "safetensors", "state_dict"]
+WHAT = {"full": "load_full_state_dict", "state_dict": "load_state_dict"}
 
 
 @pytest.mark.parametrize("loader", LOADERS)
 def test_rank_dependent_sources_raise_on_every_rank(tmp_path, loader):
-    what = "load_full_state_dict" if loader == "full" else "load_pretrained"
+    what = WHAT.get(loader, "load_pretrained")
     results = run_world(2, _per_rank, loader, str(tmp_path), "seeds")
     for kind, message, kept in results:
         assert (kind, message, kept) == ("ValueError", results[0][1], True)  # same everywhere
@@ -129,7 +132,7 @@ def test_equal_sources_load_as_one_process(tmp_path, loader):
     ids = torch.randint(0, 37, (2, 11), generator=torch.Generator().manual_seed(3))
     expected = reference(ids)
     for keys, full, out in run_world(2, _load_equal, loader, str(tmp_path)):
-        assert keys == (None if loader == "full" else fs.PretrainedKeys([], []))
+        assert keys == (None if loader == "full" else ([], []))  # missing, unexpected
         for k, v in reference.state_dict().items():
             assert torch.equal(full[k], v), k
         torch.testing.assert_close(out, expected)

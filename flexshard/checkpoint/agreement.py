@@ -29,6 +29,7 @@ import torch
 from ..runtime.state import FlexShardState, files_group
 
 ABSENT = -1  # the checksum of a tensor this rank's source does not have (checksums are >= 0)
+UNCOMPARED = -2  # on every rank, for a tensor each group loads its own values of (experts)
 _SAMPLE_ELEMENTS = 1 << 18  # elements read per tensor: 1 MiB of float32
 _MODULUS = (1 << 61) - 1  # checksums fit an int64
 _SHOWN = 3  # tensors named in the error; the rest are counted

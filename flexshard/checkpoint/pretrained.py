@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 
 from ..runtime.state import get_state
-from .agreement import ABSENT, check_sources_agree, checksum
+from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
 from .pieces import box_views
-from .state_dict import (SlotRef, check_tied_values, named_slots, persistent_buffers,
-                         slot_boxes)
+from .state_dict import (SlotRef, check_tied_values, group_values, named_slots,
+                         persistent_buffers, slot_boxes)
 
 
 class PretrainedKeys(NamedTuple):
@@ -106,7 +106,8 @@ def _plan(model, state, reader, key_map, strict: bool) -> _Plan:
     _check_shapes(reader, params, buffers, state)
     for keys, ref in params:
         _check_tied(reader, keys, ref.shape)
-    sums = [checksum(functools.partial(reader.read, e.keys[0]), reader.shape(e.keys[0]))
+    sums = [UNCOMPARED if isinstance(e.target, SlotRef) and group_values(e.target) else
+            checksum(functools.partial(reader.read, e.keys[0]), reader.shape(e.keys[0]))
             if e.keys else ABSENT for e in entries]
     return _Plan(params, buffers, missing, sums)
 

@@ -29,7 +29,7 @@ from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from ..runtime.dtensor_param import shift_boxes
-from .agreement import ABSENT, check_sources_agree, checksum
+from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
 from .pieces import LivePieces, ShardedPieces, dtensor_shard, live_dtensor, piece_boxes
 
 
@@ -53,6 +53,13 @@ class SlotRef(NamedTuple):
     def shape(self) -> tuple:
         """The full shape: the global one for a DTensor param."""
         return tuple(self.tp.shape) if self.tp is not None else tuple(self.slot.shape)
+
+
+def group_values(ref: SlotRef) -> bool:
+    """Whether each group of ranks holds its own values under this name: a
+    plain tensor in a bucket on its own sub-mesh (experts), which the ranks of
+    other groups load from other tensors."""
+    return ref.bucket.on_sub_mesh and ref.tp is None
 
 
 def slot_refs(state: FlexShardState) -> dict:
@@ -316,7 +323,9 @@ class StateDictHooks:
 
     def __init__(self, module: nn.Module, state: FlexShardState) -> None:
         self.optimizers = OptimizerHooks(state)
-        self.handles: list = []
+        # first: it must see the full tensors before the owners' hooks take their pieces
+        self.handles: list = [module.register_load_state_dict_pre_hook(
+            functools.partial(_full_values_agree, state))]
         for owner, owned in _owner_refs(state):
             hooks = _OwnerHooks(state, owned)
             self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
@@ -326,6 +335,26 @@ class StateDictHooks:
     def remove(self) -> None:
         for handle in self.handles + self.optimizers.optimizer_handles:
             handle.remove()
+
+
+def _full_values_agree(state: FlexShardState, module, state_dict, prefix, *args) -> None:
+    """load_state_dict's pre-hook on the root: when the state dict holds full
+    plain tensors for sharded params (each rank's own source), every rank checks
+    that the ranks hold the same values before any piece is copied."""
+    from torch.distributed.tensor import DTensor
+
+    names = names_by_slot(module, state)
+    found = {fqn: next((state_dict[prefix + n] for n in aliases if prefix + n in state_dict),
+                       None) for fqn, aliases in names.items()}
+    full = {fqn: v for fqn, v in found.items() if isinstance(v, torch.Tensor)
+            and not isinstance(v, (ShardedPieces, DTensor))}
+    if not full:  # DCP's and DSD's sharded values: nothing read from a full source
+        return
+    refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
+    sums = [UNCOMPARED if group_values(refs[fqn]) else ABSENT if fqn not in full else
+            checksum(lambda s, v=full[fqn]: v if s is None else v[s], full[fqn].shape)
+            for fqn in names]
+    check_sources_agree(state, list(names), sums, None, "load_state_dict")
 
 
 # Full state dicts.
@@ -368,7 +397,9 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
     present, sums, error = {}, [], None
     try:  # a failure here is raised after the collective, so no rank waits in it
         present = _check_full_state_dict(state, names, buffers, state_dict)
-        sums = [_full_checksum(state_dict, present[name][0] if name in present else name)
+        refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
+        sums = [UNCOMPARED if name in refs and group_values(refs[name]) else
+                _full_checksum(state_dict, present[name][0] if name in present else name)
                 for name in entries]
     except Exception as e:  # noqa: BLE001 (re-raised as it is by check_sources_agree)
         error = e
