@@ -87,7 +87,7 @@ def _publish_step(tmp: str, final: str, directory: str, keep, writer: bool, grou
     return final
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
+def load_checkpoint(path: str, model: nn.Module, optimizer=None, *, strict: bool = True) -> int:
     """Load the newest complete checkpoint under `path` (or the checkpoint
     `path` itself) into `model` (and `optimizer`), in place. Returns its step.
 
@@ -95,14 +95,20 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     from DSD's state dicts: `{"model", "optim" or "optimizer"}`, `{"app":
     {...}}`, or the model's keys at the top level (checkpoint/layouts.py).
 
-    Collective. The checkpoint may come from any world size and placements;
-    keys and shapes are checked on every rank before any collective.
+    Collective. The checkpoint may come from any world size and placements.
+    Before any collective, every rank compares the checkpoint's keys, shapes
+    and dtypes with the model's and raises a ValueError naming those that
+    differ. With `strict=False` the keys both hold are loaded (the others are
+    named in a warning) and a dtype that differs is cast to the model's; the
+    shapes must still match, and an optimizer is refused when model keys are
+    missing (it would have no state for them).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load_checkpoint: path must be a str or os.PathLike, got {path!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"load_checkpoint: strict must be True or False, got {strict!r}")
     state = get_state(model)
     async_saves(state).wait()
     _check_bucket_meshes(state, "load_checkpoint")
@@ -110,16 +116,37 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None) -> int:
     metadata = _read_metadata(ckpt)
     model_sd, optim_sd = _state_dicts(model, optimizer)
     saved = metadata.state_dict_metadata
-    layout = layouts.find_layout(ckpt, saved, model_sd, optim_sd)  # flexshard's, or FSDP2 users'
-    layouts.check_shapes(ckpt, saved, layout, model_sd, optim_sd)
-    holder = layouts.holder(layout, saved, model_sd, optim_sd)
+    found = layouts.match(ckpt, saved, model_sd, optim_sd, strict)  # flexshard's, FSDP2 users'
+    holder = layouts.holder(found.layout, saved, found.model_sd, optim_sd)
     with _single_process_quiet(state):
         dcp.load(holder, checkpoint_id=ckpt, process_group=files_group(state)[0])
-    if optimizer is None:
-        set_model_state_dict(model, model_sd)
-    else:
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _set_state_dicts(model, optimizer, found.model_sd, optim_sd, strict)
+    if not strict:
+        _warn_partial(ckpt, found, len(model_sd))
     return layouts.loaded_step(ckpt, saved, holder)
+
+
+def _set_state_dicts(model, optimizer, model_sd: dict, optim_sd: dict, strict: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_state_dict)
+
+    options = StateDictOptions(strict=strict)
+    if optimizer is None:
+        set_model_state_dict(model, model_sd, options=options)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=options)
+
+
+def _warn_partial(ckpt: str, found, wanted: int) -> None:
+    """load_checkpoint(strict=False)'s report: what it left out or cast."""
+    if not (found.missing or found.unexpected or found.cast):
+        return
+    warnings.warn(f"load_checkpoint(strict=False) loaded {len(found.model_sd)} of the model's "
+                  f"{wanted} keys from {ckpt!r}; not in the checkpoint (left as they were): "
+                  f"{layouts.few(found.missing)}; in the checkpoint but not the model (not "
+                  f"loaded): {layouts.few(found.unexpected)}; cast to the model's dtype: "
+                  f"{layouts.few(found.cast)}", stacklevel=3)
 
 
 def _read_metadata(ckpt: str):

@@ -4,12 +4,14 @@ a wrapped model, one parameter at a time.
 Each rank reads only the boxes of the full tensors its pieces cover (for
 safetensors, straight from the file through `get_slice`), so no rank ever
 holds the whole model, nor with safetensors even one whole parameter it does
-not own. No collective runs: every rank reads the source itself.
+not own. Every rank reads the source itself; one small all-gather checks that
+the ranks read the same values (agreement.py) before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import math
 import os
@@ -19,8 +21,10 @@ import torch
 import torch.nn as nn
 
 from ..runtime.state import get_state
+from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
 from .pieces import box_views
-from .state_dict import check_tied_values, named_slots, persistent_buffers, slot_boxes
+from .state_dict import (SlotRef, check_tied_values, group_values, named_slots,
+                         persistent_buffers, slot_boxes)
 
 
 class PretrainedKeys(NamedTuple):
@@ -44,51 +48,85 @@ def load_pretrained(model: nn.Module, source, *, key_map: Optional[Callable] = N
     must be equal (ValueError naming both otherwise), and all count as used. With
     `strict`, every parameter and persistent buffer must be found (ValueError
     naming them otherwise); unused source keys are returned, never an error.
+
+    Collective (one small all-gather): before anything is written, the ranks
+    compare checksums of what they read, and every rank raises a ValueError
+    naming the tensors whose sources differ (checkpoint/agreement.py).
     """
     if key_map is not None and not callable(key_map):
         raise TypeError(f"load_pretrained: key_map must be a callable name -> source key, "
                         f"got {key_map!r}")
     state = get_state(model)
-    with _open(source) as reader:
-        params, buffers, missing = _match(model, state, reader, key_map or (lambda name: name))
-        if strict and missing:
-            raise ValueError(f"load_pretrained: the source has no tensor for {missing[:5]}"
-                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} missing); "
-                             "pass key_map to rename, or strict=False")
-        _check_shapes(reader, params, buffers, state)
-        for keys, ref in params:
-            _check_tied(reader, keys, ref.shape)
+    names = [e.name for e in _entries(model, state, set(), lambda name: None)]
+    with contextlib.ExitStack() as stack:
+        plan, error = None, None
+        try:  # a failure here is raised after the collective, so no rank waits in it
+            reader = stack.enter_context(_open(source))
+            plan = _plan(model, state, reader, key_map or (lambda name: name), strict)
+        except Exception as e:  # noqa: BLE001 (re-raised as it is by check_sources_agree)
+            error = e
+        check_sources_agree(state, names, [] if plan is None else plan.checksums, error,
+                            "load_pretrained")
         with torch.no_grad():
-            for keys, ref in params:
+            for keys, ref in plan.params:
                 _load_piece(reader, keys[0], ref, state)
-            for key, buf in buffers:
+            for key, buf in plan.buffers:
                 buf.copy_(reader.read(key, None))
-        used = {key for keys, _ in params for key in keys} | {key for key, _ in buffers}
-        return PretrainedKeys(missing, sorted(set(reader.keys()) - used))
+        used = {key for keys, _ in plan.params for key in keys} | {k for k, _ in plan.buffers}
+        return PretrainedKeys(plan.missing, sorted(set(reader.keys()) - used))
 
 
-def _match(model, state, reader, key_map) -> tuple:
-    """([(source keys, SlotRef)], [(source key, buffer)], missing names); a
-    tied parameter's source keys are all its names the source holds."""
-    keys = set(reader.keys())
+class _Entry(NamedTuple):
+    """One parameter (its first name) or persistent buffer and the source keys holding it."""
+
+    name: str
+    keys: list  # empty: the source has no tensor for it
+    target: object  # SlotRef for a sharded parameter, the tensor for a buffer
+
+
+class _Plan(NamedTuple):
+    params: list  # [(source keys, SlotRef)]
+    buffers: list  # [(source key, buffer)]
+    missing: list  # names without a source tensor
+    checksums: list  # one per _Entry, agreement.ABSENT where missing
+
+
+def _plan(model, state, reader, key_map, strict: bool) -> _Plan:
+    """Match the source to the model and check it: everything that can fail
+    before a tensor is written."""
+    entries = _entries(model, state, set(reader.keys()), key_map)
+    missing = [e.name for e in entries if not e.keys]
+    if strict and missing:
+        raise ValueError(f"load_pretrained: the source has no tensor for {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} ({len(missing)} missing); "
+                         "pass key_map to rename, or strict=False")
+    params = [(e.keys, e.target) for e in entries if e.keys and isinstance(e.target, SlotRef)]
+    buffers = [(e.keys[0], e.target) for e in entries
+               if e.keys and not isinstance(e.target, SlotRef)]
+    _check_shapes(reader, params, buffers, state)
+    for keys, ref in params:
+        _check_tied(reader, keys, ref.shape)
+    sums = [UNCOMPARED if isinstance(e.target, SlotRef) and group_values(e.target) else
+            checksum(functools.partial(reader.read, e.keys[0]), reader.shape(e.keys[0]))
+            if e.keys else ABSENT for e in entries]
+    return _Plan(params, buffers, missing, sums)
+
+
+def _entries(model, state, keys: set, key_map) -> list:
+    """[_Entry]: every sharded parameter (tied names together), then every
+    persistent buffer, in the model's order; a tied parameter's source keys are
+    all its names the source holds."""
     names_of: dict = {}
     for name, ref in named_slots(model, state).items():
         names_of.setdefault((id(ref.bucket), ref.index), (ref, []))[1].append(name)
-    params, missing = [], []
+    entries = []
     for ref, names in names_of.values():
         found = [k for k in (key_map(n) for n in names) if k is not None and k in keys]
-        if found:
-            params.append((list(dict.fromkeys(found)), ref))  # key_map may merge names
-        else:
-            missing.append(names[0])
-    buffers = []
+        entries.append(_Entry(names[0], list(dict.fromkeys(found)), ref))  # key_map may merge
     for name, buf in persistent_buffers(model).items():
         key = key_map(name)
-        if key is not None and key in keys:
-            buffers.append((key, buf))
-        else:
-            missing.append(name)
-    return params, buffers, missing
+        entries.append(_Entry(name, [key] if key is not None and key in keys else [], buf))
+    return entries
 
 
 def _check_shapes(reader, params, buffers, state) -> None:

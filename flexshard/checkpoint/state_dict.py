@@ -29,6 +29,7 @@ from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from ..runtime.dtensor_param import shift_boxes
+from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
 from .pieces import LivePieces, ShardedPieces, dtensor_shard, live_dtensor, piece_boxes
 
 
@@ -52,6 +53,13 @@ class SlotRef(NamedTuple):
     def shape(self) -> tuple:
         """The full shape: the global one for a DTensor param."""
         return tuple(self.tp.shape) if self.tp is not None else tuple(self.slot.shape)
+
+
+def group_values(ref: SlotRef) -> bool:
+    """Whether each group of ranks holds its own values under this name: a
+    plain tensor in a bucket on its own sub-mesh (experts), which the ranks of
+    other groups load from other tensors."""
+    return ref.bucket.on_sub_mesh and ref.tp is None
 
 
 def slot_refs(state: FlexShardState) -> dict:
@@ -315,7 +323,9 @@ class StateDictHooks:
 
     def __init__(self, module: nn.Module, state: FlexShardState) -> None:
         self.optimizers = OptimizerHooks(state)
-        self.handles: list = []
+        # first: it must see the full tensors before the owners' hooks take their pieces
+        self.handles: list = [module.register_load_state_dict_pre_hook(
+            functools.partial(_full_values_agree, state))]
         for owner, owned in _owner_refs(state):
             hooks = _OwnerHooks(state, owned)
             self.handles += [  # a partial: torch tags the hook, a bound method takes no tag
@@ -325,6 +335,26 @@ class StateDictHooks:
     def remove(self) -> None:
         for handle in self.handles + self.optimizers.optimizer_handles:
             handle.remove()
+
+
+def _full_values_agree(state: FlexShardState, module, state_dict, prefix, *args) -> None:
+    """load_state_dict's pre-hook on the root: when the state dict holds full
+    plain tensors for sharded params (each rank's own source), every rank checks
+    that the ranks hold the same values before any piece is copied."""
+    from torch.distributed.tensor import DTensor
+
+    names = names_by_slot(module, state)
+    found = {fqn: next((state_dict[prefix + n] for n in aliases if prefix + n in state_dict),
+                       None) for fqn, aliases in names.items()}
+    full = {fqn: v for fqn, v in found.items() if isinstance(v, torch.Tensor)
+            and not isinstance(v, (ShardedPieces, DTensor))}
+    if not full:  # DCP's and DSD's sharded values: nothing read from a full source
+        return
+    refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
+    sums = [UNCOMPARED if group_values(refs[fqn]) else ABSENT if fqn not in full else
+            checksum(lambda s, v=full[fqn]: v if s is None else v[s], full[fqn].shape)
+            for fqn in names]
+    check_sources_agree(state, list(names), sums, None, "load_state_dict")
 
 
 # Full state dicts.
@@ -354,13 +384,35 @@ def full_state_dict(module: nn.Module) -> dict:
 
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
     """Load full tensors (keyed by FQN) into the sharded parameters, and the
-    persistent buffers the state dict holds into the module's; no collective.
-    A tied parameter loads from any of its names; the state dict of the
-    unwrapped model, which holds every name of it, is accepted when those
-    tensors are equal."""
+    persistent buffers the state dict holds into the module's. A tied
+    parameter loads from any of its names; the state dict of the unwrapped
+    model, which holds every name of it, is accepted when those tensors are
+    equal. Collective (one small all-gather): before anything is written, the
+    ranks compare checksums of their state dicts, and every rank raises a
+    ValueError naming the tensors that differ (checkpoint/agreement.py)."""
     state = get_state(module)
     names = names_by_slot(module, state)
     buffers = persistent_buffers(module)
+    entries = list(names) + list(buffers)  # the same names, in the same order, on every rank
+    present, sums, error = {}, [], None
+    try:  # a failure here is raised after the collective, so no rank waits in it
+        present = _check_full_state_dict(state, names, buffers, state_dict)
+        refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
+        sums = [UNCOMPARED if name in refs and group_values(refs[name]) else
+                _full_checksum(state_dict, present[name][0] if name in present else name)
+                for name in entries]
+    except Exception as e:  # noqa: BLE001 (re-raised as it is by check_sources_agree)
+        error = e
+    check_sources_agree(state, entries, sums, error, "load_full_state_dict")
+    _load_buffers(buffers, state_dict)
+    refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
+    for bucket in state.buckets:
+        bucket.load_full(lambda fqn: _tp_local(refs[fqn], state_dict[present[fqn][0]]))
+
+
+def _check_full_state_dict(state, names: dict, buffers: dict, state_dict: dict) -> dict:
+    """Every check before load_full_state_dict writes: keys, shapes, tied
+    values. Returns slot FQN -> the names of it the state dict holds."""
     present = {fqn: [n for n in aliases if n in state_dict] for fqn, aliases in names.items()}
     missing = sorted(fqn for fqn, found in present.items() if not found)
     unexpected = sorted(set(state_dict) - {n for aliases in names.values() for n in aliases}
@@ -370,8 +422,7 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
                        f"{unexpected}; the state dict must hold every parameter of the module "
                        "(a tied parameter under one or more of its names) and may hold its "
                        "persistent buffers")
-    refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
-    shapes = {fqn: ref.shape for fqn, ref in refs.items()}
+    shapes = {ref.slot.fqn: ref.shape for ref in slot_refs(state).values()}
     for fqn, found in present.items():
         for key in found:
             if tuple(state_dict[key].shape) != tuple(shapes[fqn]):
@@ -379,9 +430,16 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
                                  f"{tuple(state_dict[key].shape)} but the parameter is "
                                  f"{tuple(shapes[fqn])}")
         check_tied_values(found, state_dict.__getitem__, "load_full_state_dict")
-    _load_buffers(buffers, state_dict)
-    for bucket in state.buckets:
-        bucket.load_full(lambda fqn: _tp_local(refs[fqn], state_dict[present[fqn][0]]))
+    _check_buffer_shapes(buffers, state_dict)
+    return present
+
+
+def _full_checksum(state_dict: dict, key: str) -> int:
+    """The agreement checksum of state_dict[key] (ABSENT for a buffer it lacks)."""
+    if key not in state_dict:
+        return ABSENT
+    value = state_dict[key]
+    return checksum(lambda slices: value if slices is None else value[slices], value.shape)
 
 
 def persistent_buffers(module: nn.Module) -> dict:
@@ -391,17 +449,21 @@ def persistent_buffers(module: nn.Module) -> dict:
             for name in persistent_buffer_names(sub)}
 
 
+def _check_buffer_shapes(buffers: dict, state_dict: dict) -> None:
+    for fqn, buf in buffers.items():
+        if fqn in state_dict and tuple(state_dict[fqn].shape) != tuple(buf.shape):
+            raise ValueError(f"load_full_state_dict: buffer {fqn!r} has shape "
+                             f"{tuple(state_dict[fqn].shape)} in the state dict but "
+                             f"{tuple(buf.shape)} in the module; load a state dict of the same "
+                             "model configuration")
+
+
 def _load_buffers(buffers: dict, state_dict: dict) -> None:
     """Copy the persistent buffers `state_dict` holds into the module's, in place."""
-    loaded = [(fqn, buf, state_dict[fqn]) for fqn, buf in buffers.items() if fqn in state_dict]
-    for fqn, buf, value in loaded:  # every shape checked before anything is written
-        if tuple(value.shape) != tuple(buf.shape):
-            raise ValueError(f"load_full_state_dict: buffer {fqn!r} has shape "
-                             f"{tuple(value.shape)} in the state dict but {tuple(buf.shape)} in "
-                             "the module; load a state dict of the same model configuration")
     with torch.no_grad():
-        for _, buf, value in loaded:
-            buf.copy_(value)
+        for fqn, buf in buffers.items():
+            if fqn in state_dict:
+                buf.copy_(state_dict[fqn])
 
 
 def _tp_local(ref: SlotRef, full: torch.Tensor) -> torch.Tensor:
