@@ -46,7 +46,7 @@ class LocalComm(fs.Comm):
 
     def reduce_scatter_groups(self, outputs, inputs, group, async_op=False, op=None):
         for output, input in zip(outputs, inputs):
-            self.reduce_scatter(output, input, group)
+            self.reduce_scatter(output, input, group, **({} if op is None else {"op": op}))
 
 
 def block_shapes(hidden: int = HIDDEN) -> list:
