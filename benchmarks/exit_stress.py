@@ -122,7 +122,9 @@ def _parse(argv):
     parser.add_argument("--cases", nargs="*", default=None,
                         help="run only these case names (see --list), instead of the suite")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds one launch may take")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one launch may take (a 4-rank launch on a loaded 2-core "
+                             "machine takes minutes)")
     parser.add_argument("--log-dir", default=os.path.join("runs", "exit_stress"),
                         help="where the output of each failing launch is written")
     parser.add_argument("--cores", default="",
@@ -157,13 +159,16 @@ def _rounds(args, cases: dict) -> dict:
     os.makedirs(args.log_dir, exist_ok=True)
     for i in range(args.runs):
         for case, (nproc, argv) in cases.items():  # interleaved: every case sees the same load
+            began = time.time()
             ok, out = run_once(argv, nproc or args.nproc, args.timeout, args.cores)
             tally[case]["launches"] += 1
+            kind = "ok" if ok else _failure(out)
             if not ok:
-                tally[case][_failure(out)] += 1
+                tally[case][kind] += 1
                 name = re.sub(r"[^\w.-]+", "_", case)
                 with open(os.path.join(args.log_dir, f"{name}-{i}.log"), "w") as f:
                     f.write(out)
+            print(f"  {case}: {kind} ({time.time() - began:.0f} s)", flush=True)  # a partial run counts
         print(f"round {i + 1}/{args.runs}: nonzero " + ", ".join(
             f"{c} {sum(t.values()) - t['launches']}" for c, t in tally.items() if
             sum(t.values()) > t["launches"]), flush=True)
