@@ -22,7 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 import torch.distributed as dist
@@ -191,8 +196,10 @@ def _worker(rank: int, world: int, port: int, model: str, breakdown: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama", help="a name in benchmarks/model.py")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--port", type=int, default=29617)
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks to spawn (gloo, CPU; default 2)")
+    parser.add_argument("--port", type=int, default=29617,
+                        help="MASTER_PORT of the spawned ranks' process group (default 29617)")
     parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                         help="also print the N largest groups live at the backward's peak")
     parser.add_argument("--placement", default="shard", choices=("shard", "ragged", "owned", "mixed"),

@@ -17,10 +17,16 @@ Rank 0 prints the medians and the ratio flexshard / FSDP2.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 import torch.distributed as dist
@@ -77,9 +83,12 @@ def _train_step(model, opt, name: str, step: int, rank: int) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama", choices=sorted(SHAPES))
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--model", default="llama", choices=sorted(SHAPES),
+                        help="model shape from benchmarks/model.py (default llama)")
+    parser.add_argument("--steps", type=int, default=12,
+                        help="training steps to time (default 12)")
+    parser.add_argument("--every", type=int, default=2,
+                        help="save a checkpoint every N steps (default 2)")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

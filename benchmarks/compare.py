@@ -30,6 +30,10 @@ import tempfile
 import time
 import warnings
 
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
+
 import torch
 import torch.distributed as dist
 
@@ -246,13 +250,15 @@ def machine(device: str) -> dict:
 
 def _parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4],
+                   help="world sizes to run, each in its own spawned group (default 1 2 4)")
     p.add_argument("--placements", nargs="+", default=None,
                    help="only these flexshard placements (shard ragged owned mixed); "
                         "naming one this checkout lacks is an error")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default",
                    help="default: one change at a time from Shard/fp32/reshard/odd; engine: "
-                        "shard, ragged and owned x fp32 and bf16, reshard on (issue 12's targets); "
+                        "shard, ragged and owned x fp32 and bf16, reshard on (RESULTS.md's "
+                        "engine targets); "
                         "gather: fp32 and bf16 x flexshard gathering param_dtype, int8 or fp8")
     p.add_argument("--models", nargs="+", choices=MODELS, default=None,
                    help="run the grid on these models (default grid: odd and even as it "
@@ -265,8 +271,11 @@ def _parse(argv) -> argparse.Namespace:
                    help="flexshard's collectives on gloo: rooted (one broadcast / reduce per "
                         "rank, the default) and/or plain (all-gather / reduce-scatter)")
     p.add_argument("--steps", type=int, default=12, help="timed (paired) steps per configuration")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps before the timed ones (default 2)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the models train: auto = CUDA when available, else CPU "
+                        "(default auto)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "runs", "compare"),
                    help="where results.json, .md and .png go (default runs/compare, ignored by git)")

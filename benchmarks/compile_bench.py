@@ -24,7 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 import torch.distributed as dist
@@ -131,13 +136,19 @@ def _fmt(spread: tuple) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="even", help="a name in benchmarks/model.py")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--peak-steps", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks to spawn (gloo, CPU; default 2)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps before the timed ones, compilation included "
+                             "(default 3)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="timed steps (default 8)")
+    parser.add_argument("--peak-steps", type=int, default=2,
+                        help="steps whose peak memory is read after the timed ones (default 2)")
     parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES + ("in-graph-aot",)))
     parser.add_argument("--reshard", default="on,off", help="on, off or on,off")
-    parser.add_argument("--port", type=int, default=29613)
+    parser.add_argument("--port", type=int, default=29613,
+                        help="MASTER_PORT of the spawned ranks' process group (default 29613)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.multiprocessing.spawn(_worker, (args.world_size, args.port, args),

@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import sys
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 
@@ -26,10 +32,14 @@ MIB = 2 ** 20
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=8)
-    parser.add_argument("--modes", nargs="+", default=["eager", "compile"])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--world", type=int, default=8,
+                        help="ranks of the fake world (default 8)")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compile"],
+                        help="eager and/or compile (torch.compile of each block) (default both)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="forward+backward passes before the measured one (default 3)")
+    parser.add_argument("--top", type=int, default=6,
+                        help="largest live allocation groups printed at the peak (default 6)")
     args = parser.parse_args(argv)
     device = torch.device("cpu")
     with fake_world(args.world, 0, device) as mesh:

@@ -22,8 +22,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
+import sys
 from typing import NamedTuple, Optional
 from unittest import mock
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 
@@ -131,8 +137,10 @@ def table(counts: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=8)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--world", type=int, default=8,
+                        help="ranks of the fake world (default 8)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
+                        help="model size from benchmarks/fake_world.py's PRESETS (default cpu)")
     args = parser.parse_args()
     shape = PRESETS[args.preset]
     print(f"one rank of a fake world of {args.world}, HF Llama {shape}")

@@ -50,7 +50,8 @@ def _row(kib: int, rank: int, world: int) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 256, 1024, 4096, 16384])
+    p.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 256, 1024, 4096, 16384],
+                   help="per-rank segment sizes in KiB (default 64 256 1024 4096 16384)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -1,4 +1,4 @@
-"""flexshard against FSDP2 and the plain model on a GPU (issue 16).
+"""flexshard against FSDP2 and the plain model on a GPU.
 
     python -m benchmarks.gpu                                    # 1.2 B Llama, one GPU
     python -m benchmarks.gpu --ac full --offload --profile runs/gpu-profile
@@ -47,6 +47,10 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 import torch.distributed as dist
@@ -309,7 +313,8 @@ def text(result: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto = CUDA when available, else CPU (default auto)")
     p.add_argument("--preset", default=None,
                    help=f"model size: {sorted(PRESETS)} (default 1b); with --fake-world "
                         f"{sorted(FAKE_PRESETS)} (default cpu on a CPU, 8b on a GPU)")
@@ -324,11 +329,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-reshard", action="store_true", help="keep blocks unsharded until backward")
     p.add_argument("--offload", action="store_true",
                    help="also run flexshard with fs.OffloadPolicy() (GPU memory saved)")
-    p.add_argument("--runners", nargs="+", choices=KINDS, default=None)
-    p.add_argument("--timing", choices=("alternate", "sequential"), default="alternate")
+    p.add_argument("--runners", nargs="+", choices=KINDS, default=None,
+                   help="which sides to run: plain, fsdp2, flexshard, flexshard-offload "
+                        "(default plain fsdp2 flexshard)")
+    p.add_argument("--timing", choices=("alternate", "sequential"), default="alternate",
+                   help="alternate = one step of each side in turn (the same machine state); "
+                        "sequential = all of one side's steps, then the next (default alternate)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per runner")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps before the timed ones (default 3)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the model initialisation and the data (default 0)")
     p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                    help="the GPU's dense bf16 peak, for MFU (default: H100 SXM, 989)")
     p.add_argument("--profile", default=None, help="directory for one profiled step per runner")
@@ -336,7 +347,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     fake = p.add_argument_group("fake world (one rank of an N-rank job in one process)")
     fake.add_argument("--fake-world", type=int, default=None, metavar="N",
                       help="measure rank --rank of N ranks: flexshard against FSDP2")
-    fake.add_argument("--rank", type=int, default=0)
+    fake.add_argument("--rank", type=int, default=0,
+                      help="which rank of the fake world this process plays (default 0)")
     fake.add_argument("--counts", action="store_true",
                       help="count aten ops and bytes copied per forward+backward (eager modes)")
     fake.add_argument("--modes", nargs="+", choices=MODES, default=None,

@@ -97,9 +97,13 @@ PLACEMENTS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS),
+                        help="world sizes to time, each a fake world in this process "
+                             "(default 2 8 64 256 1024)")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="steps timed per world size (default 200)")
+    parser.add_argument("--hidden", type=int, default=HIDDEN,
+                        help="model width: small, so the time is the Python side (default 64)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     casts = {"fp32": None, "bf16 cast": fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16)}

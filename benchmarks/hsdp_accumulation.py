@@ -15,6 +15,12 @@ with its largest buffer), the same meter for both libraries.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -59,7 +65,8 @@ def row(library: str, defer: bool, micro: int, mesh) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=4,
+                        help="micro-batches accumulated per optimizer step (default 4)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),

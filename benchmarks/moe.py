@@ -22,10 +22,16 @@ library's first step (the compiles) and its count of dynamo graphs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 import warnings
 from unittest import mock
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 import torch.distributed as dist

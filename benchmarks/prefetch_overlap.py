@@ -85,9 +85,13 @@ def _worker(rank, world, port, args, queue):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--delay", type=float, default=0.02)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--delay", type=float, default=0.02,
+                        help="seconds every collective is held back, to stand for a slow network "
+                             "(default 0.02)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="training steps timed (default 8)")
+    parser.add_argument("--layers", type=int, default=6,
+                        help="blocks of the model, one bucket each (default 6)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -16,7 +16,12 @@ import cProfile
 import io
 import os
 import pstats
+import sys
 import time
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 import torch.distributed as dist
@@ -49,10 +54,15 @@ def main(argv=None) -> None:
     from .runners import Runner
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
-    p.add_argument("--model", choices=("odd", "even", "llama"), default="odd")
-    p.add_argument("--placement", choices=("shard", "ragged", "owned"), default="shard")
-    p.add_argument("--sort", choices=("cumulative", "tottime"), default="cumulative")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
+                   help="fp32, or bf16 mixed precision (default bf16)")
+    p.add_argument("--model", choices=("odd", "even", "llama"), default="odd",
+                   help="model shape from benchmarks/model.py: odd pads at every world size, "
+                        "even divides evenly, llama is Llama-like (default odd)")
+    p.add_argument("--placement", choices=("shard", "ragged", "owned"), default="shard",
+                   help="flexshard's placement for every parameter (default shard)")
+    p.add_argument("--sort", choices=("cumulative", "tottime"), default="cumulative",
+                   help="cProfile column the listing is sorted by (default cumulative)")
     p.add_argument("--steps", type=int, default=20, help="steps timed per runner")
     p.add_argument("--top", type=int, default=12, help="functions listed per profile")
     args = p.parse_args(argv)

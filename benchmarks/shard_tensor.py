@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import sys
 import warnings
 from pathlib import Path
+
+if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    __package__ = "benchmarks"
 
 import torch
 import torch.distributed as dist

@@ -75,7 +75,7 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
                         "fs.save_checkpoint, one step_* sub-directory per save; saves are atomic)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="save a checkpoint every N steps and at the last step "
-                        "(needs --checkpoint-dir; 0 = never)")
+                        "(needs --checkpoint-dir; 0 = never; default 0)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir: same "
                         "model, optimizer, step and loss curve as an uninterrupted run")
@@ -90,8 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     _checkpoint_flags(p)
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the model initialisation and the data order (default 0)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step (default 16)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
     p.add_argument("--plot", type=Path, default=Path("runs/loss.png"),
                    help="where to write the loss curve PNG (default runs/loss.png)")
     args = p.parse_args(argv)

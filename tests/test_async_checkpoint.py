@@ -97,3 +97,17 @@ def _bad_async(root):
 def test_async_flag_checked(tmp_path):
     expect_all_ranks_raise(2, _bad_async, TypeError, r"async_ must be True or False, got 'yes'",
                            str(tmp_path))
+
+
+def test_async_save_without_a_process_group_warns_nothing(tmp_path, recwarn):
+    """At world 1 DCP's "torch.distributed is disabled" note is flexshard's doing, not
+    the script's: the background write does not show it (the synchronous save never did)."""
+    model = fs.flex_shard(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    fs.save_checkpoint(str(tmp_path), model, opt, 1, async_=True).result()
+    assert fs.load_checkpoint(str(tmp_path), model, opt) == 1
+    notes = [str(w.message) for w in recwarn if "distributed is disabled" in str(w.message)]
+    assert not notes, notes
+

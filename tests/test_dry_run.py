@@ -8,6 +8,7 @@ against the (1, S) plan it extends."""
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -239,6 +240,21 @@ def test_print_shows_a_table_and_the_totals():
     assert [line.split()[0] for line in lines[2:5]] == ["layers.0", "layers.1", "root"]
     assert "world size 6 as mesh (replicate 2, shard 3): 5 all-gathers and 3 reduce-scatters" in text
     assert "per rank: params " in text and "AdamW state" in text and "replicate dim" in text
+
+
+def test_byte_columns_name_their_unit():
+    plan = fs.describe(make_model(), mesh_shape=(2, 3), placement=fs.RaggedShard())
+    header, _, first = str(plan).splitlines()[:3]
+    columns = re.split(r"\s{2,}", header)
+    cells = dict(zip(columns, re.split(r"\s{2,}", first)))
+    bucket = plan.buckets[0]
+    assert cells["unsharded (B)"] == f"{bucket.unsharded_bytes:,}"
+    assert cells["padding (B)"] == f"{bucket.padding_bytes:,}"
+    assert cells["shard wire (B/step)"] == f"{bucket.gather_wire_bytes + bucket.reduce_wire_bytes:,}"
+    assert cells["replicate wire (B/step)"] == f"{bucket.all_reduce_bytes:,}"
+    byte_columns = [c for c, v in cells.items() if re.fullmatch(r"[\d,]+(\.\.[\d,]+)?", v)
+                    and c not in ("params", "gathers", "reduces", "all-reduces")]
+    assert len(byte_columns) == 6 and all(c.endswith(("(B)", "(B/step)")) for c in byte_columns)
 
 
 def test_the_short_table_leaves_out_the_parameters_only():

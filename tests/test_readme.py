@@ -320,6 +320,20 @@ def test_local_links_and_named_files_exist(page):
     assert not missing, f"{page.name} names missing files: {missing}"
 
 
+LOWERCASE_NAMES = {"flexshard", "flexshard's", "flex_shard", "dynamo", "torchtitan", "torchtitan's",
+                   "torch", "torchao", "torchrun"}  # names a sentence may start with as spelled
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
+def test_paragraphs_start_as_sentences(page):
+    """A paragraph of prose starts with a capital, a `code` span or a name spelled in
+    lowercase, not mid-sentence (a fragment left by an edit)."""
+    prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    starts = [p.split(None, 1)[0] for p in re.split(r"\n\s*\n", prose) if p.strip()]
+    fragments = [w for w in starts if w[0].islower() and w.rstrip(":,") not in LOWERCASE_NAMES]
+    assert not fragments, f"{page.name}: paragraphs start mid-sentence: {fragments}"
+
+
 def test_the_readme_links_every_page_of_docs():
     linked = set(re.findall(r"\(docs/([\w-]+\.md)\)", README.read_text()))
     assert linked == {p.name for p in DOCS if p.parent.name == "docs"}, "a docs/ page the map misses"

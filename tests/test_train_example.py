@@ -130,6 +130,18 @@ def test_help_describes_every_flag(capsys):
         assert choice in text
 
 
+def test_help_states_every_default(capsys):
+    """Each flag that takes a value names its default in --help."""
+    train = load_train_module()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    options = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:", 1)[1])
+    for flag, shown in (("--steps", "200"), ("--seed", "0"), ("--batch-size", "16"),
+                        ("--lr", "3e-3"), ("--checkpoint-every", "0"), ("--plot", "runs/loss.png")):
+        help_ = " ".join(next(o for o in options if o.startswith(flag + " ")).split())
+        assert f"default {shown})" in help_, f"{flag}'s help does not name its default {shown}"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint-every", "2"], "need --checkpoint-dir"),
     (["--resume"], "need --checkpoint-dir"),

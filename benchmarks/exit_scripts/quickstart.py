@@ -1,6 +1,8 @@
 """The README quickstart as written (no destroy_process_group), sharded by argv[1]
-("flexshard": one flex_shard call; "fsdp2": fully_shard per layer plus the root);
-argv[2]: all-reduces right before exit (default 0)."""
+("flexshard": one flex_shard call; "fsdp2": fully_shard per layer plus the root;
+"flexshard-pause50": flexshard with the exit handler's first version, a fixed 50 ms
+pause instead of waiting for gloo's threads to sleep); argv[2]: all-reduces right
+before exit (default 0)."""
 import os
 import sys
 
@@ -11,8 +13,14 @@ if "RANK" in os.environ:
     dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-if sys.argv[1] == "flexshard":
+if sys.argv[1].startswith("flexshard"):
+    import time
+
     import flexshard as fs
+    from flexshard.runtime import teardown
+
+    if sys.argv[1] == "flexshard-pause50":
+        teardown.settle_threads = lambda: time.sleep(0.05)
 
     model = fs.flex_shard(model, buckets=[fs.BucketSpec(f"{i}.*") for i in range(4)])
 else:

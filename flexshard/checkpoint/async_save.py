@@ -17,6 +17,8 @@ rank 0 renames to its final name once every rank wrote its files.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -71,9 +73,29 @@ class AsyncSaves:
 def _write(staged: dict, tmp: str, group, publish: Callable):
     import torch.distributed.checkpoint as dcp
 
-    with torch.profiler.record_function("FlexShard::checkpoint_write"):
+    with torch.profiler.record_function("FlexShard::checkpoint_write"), _quiet_without_group(group):
         dcp.save(staged, checkpoint_id=tmp, process_group=group)
     return publish(group)
+
+
+@contextlib.contextmanager
+def _quiet_without_group(group):
+    """Without a process group DCP warns that it assumes one process: that is the
+    intent (a model wrapped without torch.distributed). warnings.catch_warnings
+    swaps the process-wide filter list back on exit, which from this thread would
+    drop a filter the training thread adds meanwhile: one entry goes in, exactly
+    it comes out, and only DCP's own note matches it."""
+    if group is not None:
+        yield
+        return
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                            module=r"torch\.distributed\.checkpoint")
+    entry = warnings.filters[0]
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            warnings.filters.remove(entry)
 
 
 def async_saves(state: FlexShardState) -> AsyncSaves:

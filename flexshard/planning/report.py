@@ -201,8 +201,9 @@ def _summary(plan: ShardingPlan) -> str:
         f"{human(plan.replicate_wire_bytes)} (all-reduce)"])
 
 
-_COLUMNS = ("bucket", "module", "params", "dtype", "storage/rank", "local bytes/rank", "unsharded",
-            "padding", "reshard", "gathers", "reduces", "all-reduces", "shard wire", "replicate wire")
+_COLUMNS = ("bucket", "module", "params", "dtype", "storage/rank (B)", "local/rank (B)",
+            "unsharded (B)", "padding (B)", "reshard", "gathers", "reduces", "all-reduces",
+            "shard wire (B/step)", "replicate wire (B/step)")  # exact counts: the unit in the header
 
 
 def _row(b: BucketPlan) -> tuple:

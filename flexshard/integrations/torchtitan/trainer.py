@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -84,6 +85,41 @@ def clip_before_step(optimizer, models, max_norm: float, pp_group=None) -> Globa
     return hook
 
 
+def schedule_takes_microbatches(schedule) -> bool:
+    """Whether `schedule.step` takes the per-microbatch lists torchtitan 0.3.0 passes
+    (`arg_mbs=`, `kwarg_mbs=`, `target_mbs=`); torch 2.13's schedules take the whole
+    batch (`step(*args, target=, **kwargs)`) and split it themselves."""
+    return "arg_mbs" in inspect.signature(schedule.step).parameters
+
+
+def pp_whole_batch_step(trainer, input_dict_mbs: list, label_mbs: list,
+                        global_valid_tokens: torch.Tensor) -> torch.Tensor:
+    """torchtitan's `pp_forward_backward_step` through a schedule that takes the whole
+    batch: the microbatches are joined along dim 0 (post-processed once, so attention
+    masks cover the whole batch) and the schedule splits them back into the same
+    microbatches, masks included (its default chunk spec: dim 0, equal chunks).
+    Returns the summed loss on the last stage's ranks, -1 elsewhere, as torchtitan."""
+    if len({len(labels) for labels in label_mbs}) != 1:
+        raise ValueError(f"pipeline microbatches of unequal sizes {[len(x) for x in label_mbs]}: "
+                         "the installed torch's schedule splits the batch into equal chunks")
+    untensored = sorted(k for k, v in input_dict_mbs[0].items() if not isinstance(v, torch.Tensor))
+    if untensored:
+        raise NotImplementedError(f"pipeline inputs {untensored} are not tensors: they cannot be "
+                                  "joined into the whole batch the installed torch's schedule takes")
+    joined = {k: torch.cat([mb[k] for mb in input_dict_mbs]) for k in input_dict_mbs[0]}
+    inputs, labels, extra_kwargs = trainer.post_dataloading_process(joined, torch.cat(label_mbs))
+    losses = [] if trainer.pp_has_last_stage else None
+    with trainer.train_context():
+        trainer.pp_schedule.step(
+            *((inputs,) if trainer.pp_has_first_stage else ()),
+            target=labels if trainer.pp_has_last_stage else None, losses=losses,
+            loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False,
+            **extra_kwargs)
+    if trainer.pp_has_last_stage:
+        return torch.sum(torch.stack(losses)).to(trainer.device)
+    return torch.tensor([-1.0], device=trainer.device)
+
+
 class FlexShardTrainer(Trainer):
     """Trainer whose parallelize and pipelining functions are flexshard's,
     configured by `--flex_shard.*`.
@@ -92,6 +128,10 @@ class FlexShardTrainer(Trainer):
     gradients, so it is switched off (max_norm = inf) and the global norm over
     every rank and pipeline stage clips right before each optimizer step, with
     `--training.max_norm`; that global norm is the grad_norm torchtitan logs.
+
+    Pipeline parallelism: torchtitan 0.3.0 steps its schedule with per-microbatch
+    lists, which torch 2.13's schedules do not take ("Expecting N arg_mbs but got 1");
+    where the installed schedule does not, the step goes through `pp_whole_batch_step`.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -112,3 +152,11 @@ class FlexShardTrainer(Trainer):
             next(iter(self.optimizers)), self.model_parts, max_norm if max_norm > 0 else math.inf,
             None if pp_mesh is None else pp_mesh.get_group())
         self.metrics_processor.log = self.grad_norm.log_with_global_norm(self.metrics_processor.log)
+
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+        if schedule_takes_microbatches(self.pp_schedule):
+            return super().pp_forward_backward_step(
+                input_dict_mbs=input_dict_mbs, label_mbs=label_mbs,
+                global_valid_tokens=global_valid_tokens)
+        return pp_whole_batch_step(self, input_dict_mbs, label_mbs, global_valid_tokens)
+
