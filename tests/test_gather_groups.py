@@ -141,3 +141,59 @@ def test_the_dry_run_shows_each_buckets_collectives_and_copy_out():
     text = str(plan)
     assert f"layers.0: {block.gather_groups} collective(s) per gather, copy-out" in text
     assert text.count("gathered alone (a view)") == sum(sum(b.solo) for b in plan.buckets)
+
+
+def _train_save_load(root: str, save_grouped: bool, load_world_grouped: bool) -> dict:
+    """Train one step and save with gather groups on or off (off: the one-group
+    layout every checkpoint before them was written from), then load into a fresh
+    model with the other setting: the loaded params and AdamW state equal the saved."""
+    import torch.distributed as dist
+
+    from flexshard.planning import layout
+
+    from reference import adamw
+    from models import batch, loss_fn
+
+    default = layout.SOLO_MIN_BYTES
+    try:
+        layout.SOLO_MIN_BYTES = default if save_grouped else 1 << 62
+        model = fs.flex_shard(make_model(**BIG))
+        opt = adamw(model)
+        x, y = batch(0, dist.get_rank())
+        loss_fn(model(x), y).backward()
+        opt.step()
+        fs.save_checkpoint(root, model, opt, step=1)
+        saved = fs.full_state_dict(model)
+        layout.SOLO_MIN_BYTES = default if load_world_grouped else 1 << 62
+        fresh = fs.flex_shard(make_model(seed=1, **BIG))
+        fresh_opt = adamw(fresh)
+        loss_fn(fresh(x), y).backward()
+        fresh_opt.step()  # AdamW state to load into
+        fresh_opt.zero_grad()
+        assert fs.load_checkpoint(root, fresh, fresh_opt) == 1
+        loaded = fs.full_state_dict(fresh)
+        groups = [len(b.gather_layout.spans) for b in fs_buckets(fresh)]
+        state = all(torch.equal(opt.state[a][k], fresh_opt.state[b][k])
+                    for a, b in zip(model.parameters(), fresh.parameters()) if a.numel()
+                    for k in ("exp_avg", "exp_avg_sq"))
+        return {"equal": all(torch.equal(saved[k], loaded[k]) for k in saved),
+                "state": state, "groups": groups}
+    finally:
+        layout.SOLO_MIN_BYTES = default
+
+
+def fs_buckets(model):
+    from flexshard.runtime.state import get_state
+
+    return get_state(model).buckets
+
+
+@pytest.mark.parametrize("save_grouped", [False, True])
+def test_checkpoints_load_across_the_one_group_and_grouped_layouts(tmp_path, save_grouped):
+    from harness import run_world
+
+    results = run_world(2, _train_save_load, str(tmp_path), save_grouped, not save_grouped,
+                        timeout=180)
+    for r in results:
+        assert r["equal"] and r["state"]
+        assert max(r["groups"]) > 1 if save_grouped is False else max(r["groups"]) == 1
