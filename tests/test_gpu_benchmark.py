@@ -293,6 +293,17 @@ def test_ops_are_attributed_to_the_innermost_library_range():
     assert counter.region_bytes == {"FSDP::all_gather": 32}
 
 
+def _event(name, device, us=0.0, parent=None, kernels=0):
+    """A made-up profiler event (as torch.profiler's FunctionEvent), linked to `parent`."""
+    from types import SimpleNamespace
+
+    e = SimpleNamespace(name=name, device_type=device, device_time_total=us,
+                        cpu_parent=parent, kernels=[None] * kernels, cpu_children=[])
+    if parent is not None:
+        parent.cpu_children.append(e)
+    return e
+
+
 def test_device_summary_attributes_kernels_to_copies():
     """On a GPU: kernels counted, copy time taken once per outermost copy op,
     and per library label (made-up events, as torch.profiler's FunctionEvents)."""
@@ -301,13 +312,7 @@ def test_device_summary_attributes_kernels_to_copies():
     from benchmarks.fake_world_bench import device_summary
 
     cpu, cuda = SimpleNamespace(name="CPU"), SimpleNamespace(name="CUDA")
-
-    def ev(name, device, us=0.0, parent=None, kernels=0):
-        e = SimpleNamespace(name=name, device_type=device, device_time_total=us,
-                            cpu_parent=parent, kernels=[None] * kernels, cpu_children=[])
-        if parent is not None:
-            parent.cpu_children.append(e)
-        return e
+    ev = _event
     label = ev("FSDP::all_gather_copy_in", cpu, 7.0)
     copy_in = ev("fsdp::all_gather_copy_in", cpu, 7.0, label)
     inner = ev("aten::_foreach_copy_", cpu, 7.0, copy_in, kernels=2)
@@ -331,13 +336,7 @@ def test_engine_gpu_time_leaves_out_the_kernels_under_collectives():
     from benchmarks.fake_world_bench import device_summary, engine_label_us
 
     cpu, cuda = SimpleNamespace(name="CPU"), SimpleNamespace(name="CUDA")
-
-    def ev(name, device, us=0.0, parent=None, kernels=0):
-        e = SimpleNamespace(name=name, device_type=device, device_time_total=us,
-                            cpu_parent=parent, kernels=[None] * kernels, cpu_children=[])
-        if parent is not None:
-            parent.cpu_children.append(e)
-        return e
+    ev = _event
     gather = ev("FlexShard::all_gather", cpu, 10.0)
     coalesced = ev("c10d::allgather_into_tensor_coalesced_", cpu, 8.0, gather)
     backend_copy = ev("aten::copy_", cpu, 8.0, coalesced, kernels=2)  # the backend's writes
