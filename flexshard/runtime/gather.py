@@ -361,9 +361,10 @@ class BucketGather:
         than the segment); otherwise the copy-in writes this rank's segment of the
         gather output and the all-gather reads it there, in place (as FSDP2's), so
         no segment-sized temporary exists beside the output; where the layout has
-        several gather groups the segment is several ranges of the output, and the
-        copy-in writes a segment of its own. The output is that of the params made
-        once (`unsharded`), reallocated, where they are."""
+        several gather groups the segment is several ranges of the output: the params
+        made once hold those ranges (and the copy-in's views of them) and gather in
+        place, a new-tensor gather copies in to a segment of its own. The output is
+        that of the params made once (`unsharded`), reallocated, where they are."""
         send = self.storage.buffer if source is None else source.send
         copy_in = source is None and (not plans.is_storage or self.offload is not None)
         if unsharded is not None:
