@@ -330,3 +330,13 @@ def test_training_example_bf16(tmp_path, extra):
     assert float(first.group(2)) < float(first.group(1)) - 1.0, out[-2000:]
     assert "on 1 rank(s), cuda" in out and "mp bf16" in out
     assert re.search(r"peak memory per rank \(CUDA max allocated\) r0: [\d.]+ MiB", out)
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["to_bf16", "to_fp32"])
+def test_fused_quantized_gather_kernels_write_the_eager_bits(qdtype, dtype, out_dtype):
+    from fused_quant_check import check
+
+    for block_rows in (1, 2):
+        check("cuda", qdtype, dtype, out_dtype, block_rows)

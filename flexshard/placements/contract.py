@@ -115,6 +115,13 @@ class WireFormat(abc.ABC):
         raise AssertionError(f"{type(self).__name__} has a batch_key but no encode_batch "
                              "(refused at wrap time: planning/wire_plan.py)")
 
+    def encode_batch_into(self, formats: Sequence["WireFormat"], pieces: Sequence[torch.Tensor],
+                          outs: Sequence[Sequence[torch.Tensor]], mesh, cache: dict) -> Optional[list]:
+        """encode_batch writing each piece's parts straight into `outs` (its parts'
+        views in the gather input): the metas, or None (the default) where this
+        format cannot here, and encode_batch runs instead."""
+        return None
+
     def decode_batch(self, formats: Sequence["WireFormat"], fulls: Sequence[Sequence[torch.Tensor]],
                      metas: Sequence[Any], cache: dict) -> list:
         """The unsharded parameters of a batch (decode of each, by default)."""

@@ -42,6 +42,9 @@ from .wire import WirePolicy
 
 # Largest magnitude each wire dtype holds: int8 symmetric (-127..127), e4m3's max.
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# A scale is amax times 1/qmax (a float32 multiply, what CUDA's eager divide by a
+# Python number computes): the same bits on CPU, on CUDA and in the fused kernels.
+_INV_QMAX = {dtype: 1.0 / qmax for dtype, qmax in _QMAX.items()}
 _UP_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32
 # The dtype a batch's gathered data is joined in before its multiply promotes it to
 # float32: int8 itself; float8 types do not promote, so e4m3 is joined as bf16
@@ -69,7 +72,7 @@ class BlockQuantized(WireFormat):
     def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor], mesh=None) -> None:
         data, scales = outs
         blocks = piece.float().reshape(scales.numel(), self._width(piece.shape))
-        scale = blocks.abs().amax(dim=1).clamp(min=_EPS) / _QMAX[self.dtype]
+        scale = blocks.abs().amax(dim=1).clamp(min=_EPS) * _INV_QMAX[self.dtype]
         data.copy_(self._quantize(blocks / scale[:, None]).view(data.shape))
         scales.copy_(scale)
 
@@ -90,19 +93,36 @@ class BlockQuantized(WireFormat):
         widths = lambda: _widths(formats, [p.shape for p in pieces])  # noqa: E731 (on first use)
         lengths, _ = counts(cache, "piece widths", flat.device, widths)
         amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True).float()
-        scale = amax.clamp(min=_EPS) / _QMAX[self.dtype]
+        scale = amax.clamp(min=_EPS) * _INV_QMAX[self.dtype]
         spread_scale = spread(scale, cache, "piece widths", widths)
         # out of a view of the params: float32 out of place (promotion upcasts exactly)
         scaled = flat.div_(spread_scale) if joins else torch.div(flat, spread_scale)
         return (self._quantize(scaled, True), scale), [None] * len(pieces)
 
+    def encode_batch_into(self, formats, pieces, outs, mesh, cache) -> Optional[list]:
+        """On CUDA: each piece quantized by one fused kernel straight into its
+        parts in the gather input (`outs`); None elsewhere (encode_batch runs)."""
+        if not _fused(pieces[0].device) or not all(p.is_contiguous() for p in pieces):
+            return None
+        from .quantized_kernels import quantize_rows
+
+        for fmt, piece, (data, scales) in zip(formats, pieces, outs):
+            width = fmt._width(piece.shape)
+            quantize_rows(piece.view(-1, width), data.view(-1, width), scales,
+                          _QMAX[self.dtype], _INV_QMAX[self.dtype], _EPS)
+        return [None] * len(pieces)
+
     def decode_batch(self, formats, fulls, metas, cache) -> list:
         """decode of every param at once, each a view of one new buffer: the
         params joined in order of their blocks' width, so that one multiply by
-        the scales (broadcast over a block) covers all params of one width."""
+        the scales (broadcast over a block) covers all params of one width. On
+        CUDA one fused kernel per param reads its gathered parts instead."""
         plan = cache.get("decode")
         if plan is None:
             plan = cache["decode"] = _DecodePlan(formats, [parts[0].shape for parts in fulls])
+        if _fused(fulls[0][0].device) and all(f.is_contiguous() for parts in fulls
+                                               for f in parts):
+            return self._decode_fused(formats, fulls, plan)
         data = joined([fulls[i][0] for i in plan.order], _JOIN_AS[self.dtype])
         scales = joined([fulls[i][1] for i in plan.order], torch.float32)
         out = torch.empty(data.numel(), dtype=self.out_dtype, device=data.device)
@@ -114,6 +134,20 @@ class BlockQuantized(WireFormat):
         params = [None] * len(fulls)
         for i, piece in zip(plan.order, out.split_with_sizes(plan.numels)):
             params[i] = piece.view(fulls[i][0].shape)
+        return params
+
+    def _decode_fused(self, formats, fulls, plan: "_DecodePlan") -> list:
+        """decode_batch's params, laid out as the eager path lays them out, each
+        written by one kernel from its gathered parts (no join, no float32 copy)."""
+        from .quantized_kernels import dequantize_rows
+
+        out = torch.empty(sum(plan.numels), dtype=self.out_dtype, device=fulls[0][0].device)
+        params = [None] * len(fulls)
+        for i, piece in zip(plan.order, out.split_with_sizes(plan.numels)):
+            data, scales = fulls[i]
+            width = formats[i]._width(data.shape)
+            dequantize_rows(data.view(-1, width), scales, piece.view(-1, width))
+            params[i] = piece.view(data.shape)
         return params
 
     def _width(self, shape: torch.Size) -> int:
@@ -128,6 +162,16 @@ class BlockQuantized(WireFormat):
             return rounded.clamp_(-127, 127).to(torch.int8)
         clamped = scaled.clamp_(-448.0, 448.0) if in_place else scaled.clamp(-448.0, 448.0)
         return clamped.to(self.dtype)
+
+
+def _fused(device: torch.device) -> bool:
+    """Whether the fused kernels (quantized_kernels.py) run on `device`: CUDA only,
+    so a CPU run never imports Triton."""
+    if device.type != "cuda":
+        return False
+    from .quantized_kernels import fused_available
+
+    return fused_available(device)
 
 
 class _DecodePlan:

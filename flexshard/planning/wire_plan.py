@@ -79,8 +79,11 @@ class ParamWire:
 
     def encode(self, send: torch.Tensor, piece: torch.Tensor, mesh=None) -> None:
         """Write this rank's sharded `piece` into the gather input `send` (its segment)."""
-        self.meta = self.format.encode(piece, [typed_view(send, start, dtype, shape)
-                                               for start, dtype, shape in self._sends], mesh)
+        self.meta = self.format.encode(piece, self.part_views(send), mesh)
+
+    def part_views(self, send: torch.Tensor) -> list:
+        """This rank's piece of each part in the gather input `send`, typed and shaped."""
+        return [typed_view(send, start, dtype, shape) for start, dtype, shape in self._sends]
 
     def decode(self, gathered: torch.Tensor, view_ok: bool = True,
                columns: Optional[dict] = None) -> tuple:
@@ -216,6 +219,13 @@ class WireBatch:
         if not self.live:
             return
         live = [params[i].format for i in self.live]
+        metas = live[0].encode_batch_into(live, [pieces[i] for i in self.live],
+                                          [params[i].part_views(send) for i in self.live],
+                                          mesh, self.cache)
+        if metas is not None:
+            for i, meta in zip(self.live, metas):
+                params[i].meta = meta
+            return
         flats, metas = live[0].encode_batch(live, [pieces[i] for i in self.live], mesh, self.cache)
         for writer, flat in zip(self.writers, flats):
             writer.write(send, flat)

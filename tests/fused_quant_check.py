@@ -1,0 +1,68 @@
+"""The fused quantize/dequantize kernels (flexshard/placements/quantized_kernels.py)
+against the eager path of `BlockQuantized`, bit for bit: the gather input's bytes
+(data and scales) and the decoded params.
+
+Run on CUDA by tests/test_cuda.py (every wire dtype, input and output dtype), and
+on CPU by tests/test_quantized_kernels.py through Triton's interpreter:
+
+    TRITON_INTERPRET=1 python tests/fused_quant_check.py
+
+The interpreter rounds bfloat16 and float8 stores unlike a GPU (it truncates), so
+on CPU only int8 into float32 is compared; the GPU compares every pair.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from flexshard.placements import quantized
+from flexshard.placements.quantized import BlockQuantized
+
+# widths below, at and above one step of a kernel's loop (2048 elements), and a
+# param with an all-zero block
+SHAPES = [(64, 80), (48, 16), (8, 2048), (6, 5000)]
+
+
+def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch.dtype,
+          block_rows: int = 1) -> None:
+    """Raise AssertionError unless the fused path writes what the eager one does."""
+    gen = torch.Generator().manual_seed(0)
+    pieces = [(torch.randn(s, generator=gen) * 3).to(device=device, dtype=dtype) for s in SHAPES]
+    pieces[1][:block_rows].zero_()
+    formats = [BlockQuantized(qdtype, out_dtype, block_rows) for _ in SHAPES]
+    fmt = formats[0]
+    (data, scales), _ = fmt.encode_batch(formats, pieces, None, {})
+    outs = [(torch.full(p.shape, 3, dtype=torch.int8, device=device).view(qdtype),
+             torch.full((p.shape[0] // block_rows,), -1.0, device=device)) for p in pieces]
+    assert fmt.encode_batch_into(formats, pieces, outs, None, {}) is not None, \
+        "the fused encode did not run"
+    fused_data = torch.cat([d.reshape(-1).view(torch.uint8) for d, _ in outs])
+    assert torch.equal(fused_data, data.view(torch.uint8)), \
+        f"{qdtype} data differs at {(fused_data != data.view(torch.uint8)).sum()} elements"
+    assert torch.equal(torch.cat([s for _, s in outs]), scales), f"{qdtype} scales differ"
+    fulls = [list(parts) for parts in outs]
+    fused = fmt._decode_fused(formats, fulls, quantized._DecodePlan(formats, SHAPES))
+    eager = _eager_decode(fmt, formats, fulls)
+    for got, want in zip(fused, eager):
+        assert got.dtype == want.dtype == out_dtype and got.shape == want.shape
+        assert torch.equal(got, want), f"{qdtype} -> {out_dtype}: decoded params differ"
+
+
+def _eager_decode(fmt, formats, fulls) -> list:
+    """decode_batch with the fused kernels switched off."""
+    fused = quantized._fused
+    quantized._fused = lambda device: False
+    try:
+        return fmt.decode_batch(formats, fulls, [None] * len(fulls), {})
+    finally:
+        quantized._fused = fused
+
+
+if __name__ == "__main__":  # the interpreter run on CPU: the kernels take CPU tensors
+    quantized._fused = lambda device: True
+    for block_rows in (1, 2):
+        check("cpu", torch.int8, torch.float32, torch.float32, block_rows)
+    print("fused int8 encode/decode: bit-equal to eager (Triton interpreter, CPU)")
+    sys.exit(0)
