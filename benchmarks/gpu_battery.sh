@@ -53,12 +53,22 @@ fake() {  # fake MODE SECONDS: one fake-world mode, its JSON report kept as OUT/
   cp "runs/fake-world-$1"/*.json "$out/$1.json" 2>/dev/null
 }
 
-step cuda-tests 60 python3 -m pytest -q -rs -x tests/test_cuda.py
+step cuda-tests 150 python3 -m pytest -q -rs -x tests/test_cuda.py
 declare -A limits=([eager]=90 [compile]=120 [int8-gather]=60 [fp8-gather]=60 [float8-compile]=120)
 for mode in ${MODES:-eager compile int8-gather fp8-gather float8-compile}; do
   fake "$mode" "${limits[$mode]:-120}"
 done
+# the int8 gathers again with the fused quantize/dequantize kernels switched off (the
+# eager path beside them: placements/quantized_kernels.py), same table, own report
+if [[ " ${MODES:-int8-gather} " == *" int8-gather "* ]]; then
+  rm -rf runs/fake-world-int8-eager
+  # shellcheck disable=SC2086
+  step fake-int8-unfused 60 env FLEXSHARD_FUSED_QUANT=0 python3 -m benchmarks.gpu --fake-world 8 \
+    --modes int8-gather --steps 6 --warmup 2 --placement "$placement" \
+    --out runs/fake-world-int8-eager ${FAKE_ARGS:-}
+  cp runs/fake-world-int8-eager/*.json "$out/int8-gather-unfused.json" 2>/dev/null
+fi
 # the engine rows of every mode (its heading, the engine measures, the per-label times, targets)
-engine=$(grep -E '^### mode|\(engine\)|^\| (label|FlexShard::|FSDP::|fsdp::)|^target .*engine' "$log")
+engine=$(grep -E '^### mode|\(engine\)|\(the model|^\| (label|FlexShard::|FSDP::|fsdp::)|^target .*engine' "$log")
 printf '%s\n' "===== engine rows" "$engine" | tee -a "$log"
 printf '%s\n' "===== summary" "${summary[@]}" "battery done in $SECONDS s" >>"$log"

@@ -2,7 +2,8 @@
 against the eager path of `BlockQuantized`, bit for bit: the gather input's bytes
 (data and scales) and the decoded params.
 
-Run on CUDA by tests/test_cuda.py (every wire dtype, input and output dtype), and
+Also torchao's float8 weight cast (`check_float8`). Run on CUDA by
+tests/test_cuda.py (every wire dtype, input and output dtype), and
 on CPU by tests/test_quantized_kernels.py through Triton's interpreter:
 
     TRITON_INTERPRET=1 python tests/fused_quant_check.py
@@ -48,6 +49,24 @@ def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch
     for got, want in zip(fused, eager):
         assert got.dtype == want.dtype == out_dtype and got.shape == want.shape
         assert torch.equal(got, want), f"{qdtype} -> {out_dtype}: decoded params differ"
+
+
+def check_float8(device: str, dtype: torch.dtype, wire: torch.dtype) -> None:
+    """torchao's float8 weight cast (placements/float8.py): the fused cast_into
+    writes the bits the eager cast joins, scales far apart and one weight zero."""
+    from flexshard.placements import float8
+
+    gen = torch.Generator().manual_seed(1)
+    pieces = [(torch.randn(s, generator=gen) * 10.0 ** (i - 2)).to(device=device, dtype=dtype)
+              for i, s in enumerate(SHAPES)]
+    pieces[0].zero_()
+    scale = float8.scales(float8.amax(pieces, None), wire)
+    eager = float8.cast(pieces, scale, wire, {})
+    outs = [torch.full(p.shape, 3, dtype=torch.int8, device=device).view(wire) for p in pieces]
+    float8.cast_into(pieces, scale, outs)
+    fused = torch.cat([o.reshape(-1).view(torch.uint8) for o in outs])
+    assert torch.equal(fused, eager.view(torch.uint8)), \
+        f"{dtype} -> {wire}: {(fused != eager.view(torch.uint8)).sum()} bytes differ"
 
 
 def _eager_decode(fmt, formats, fulls) -> list:

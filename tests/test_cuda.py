@@ -340,3 +340,11 @@ def test_fused_quantized_gather_kernels_write_the_eager_bits(qdtype, dtype, out_
 
     for block_rows in (1, 2):
         check("cuda", qdtype, dtype, out_dtype, block_rows)
+
+
+@pytest.mark.parametrize("wire", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_float8_weight_cast_writes_the_eager_bits(dtype, wire):
+    from fused_quant_check import check_float8
+
+    check_float8("cuda", dtype, wire)

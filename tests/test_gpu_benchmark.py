@@ -345,13 +345,15 @@ def test_engine_gpu_time_leaves_out_the_kernels_under_collectives():
     base = ev("c10d::_reduce_scatter_base_", cpu, 5.0, reduce)
     base_copy = ev("aten::copy_", cpu, 5.0, base, kernels=1)
     pack = ev("fsdp::chunk_cat", cpu, 4.0, reduce, kernels=1)
-    events = [gather, coalesced, backend_copy, cast, reduce, base, base_copy, pack,
-              ev("kernel", cuda, 27.0)]
+    model = ev("aten::_to_copy", cpu, 3.0, kernels=1)  # the model's own cast: no label
+    events = [gather, coalesced, backend_copy, cast, reduce, base, base_copy, pack, model,
+              ev("kernel", cuda, 30.0)]
     assert engine_label_us(events) == {"FlexShard::all_gather": 2.0,
                                        "FSDP::post_backward_reduce": 4.0}
     s = device_summary(events)
-    assert s["copy_device_us"] == 8.0 + 2.0 + 5.0 + 4.0
+    assert s["copy_device_us"] == 8.0 + 2.0 + 5.0 + 4.0 + 3.0
     assert s["engine_device_us"] == 2.0 + 4.0
+    assert s["model_copy_device_us"] == 3.0
     assert s["label_device_us"] == {"FlexShard::all_gather": 10.0,
                                     "FSDP::post_backward_reduce": 9.0}
     assert s["engine_label_device_us"] == engine_label_us(events)

@@ -219,9 +219,11 @@ class WireBatch:
         if not self.live:
             return
         live = [params[i].format for i in self.live]
-        metas = live[0].encode_batch_into(live, [pieces[i] for i in self.live],
-                                          [params[i].part_views(send) for i in self.live],
-                                          mesh, self.cache)
+        metas = None
+        if send.device.type != "cpu":  # fused kernels are CUDA's: no views made for nothing
+            metas = live[0].encode_batch_into(live, [pieces[i] for i in self.live],
+                                              [params[i].part_views(send) for i in self.live],
+                                              mesh, self.cache)
         if metas is not None:
             for i, meta in zip(self.live, metas):
                 params[i].meta = meta
