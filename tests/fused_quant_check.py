@@ -44,7 +44,8 @@ def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch
         f"{qdtype} data differs at {(fused_data != data.view(torch.uint8)).sum()} elements"
     assert torch.equal(torch.cat([s for _, s in outs]), scales), f"{qdtype} scales differ"
     fulls = [list(parts) for parts in outs]
-    fused = fmt._decode_fused(formats, fulls, quantized._DecodePlan(formats, SHAPES))
+    fused = fmt._decode_fused(formats, fulls, quantized._DecodePlan(formats, SHAPES),
+                              fmt.batch_out(formats, SHAPES, torch.device(device))[0])
     eager = _eager_decode(fmt, formats, fulls)
     for got, want in zip(fused, eager):
         assert got.dtype == want.dtype == out_dtype and got.shape == want.shape

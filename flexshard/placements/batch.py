@@ -24,9 +24,10 @@ def back_to_back(pieces: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """The pieces as one 1-D view when they lie back to back in one storage
     (one dtype, each contiguous, in order): no copy needed to join them. Else None."""
     first, total = pieces[0], 0
-    at = first.data_ptr()
-    for p in pieces:
-        if p.dtype != first.dtype or not p.is_contiguous() or p.data_ptr() != at:
+    at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for p in pieces:  # back to back in memory is not enough: one storage must hold them
+        if (p.dtype != first.dtype or not p.is_contiguous() or p.data_ptr() != at
+                or p.untyped_storage().data_ptr() != storage):
             return None
         at += p.numel() * p.element_size()
         total += p.numel()

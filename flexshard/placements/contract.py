@@ -76,6 +76,9 @@ class WireFormat(abc.ABC):
     back (a frozen value; every rank builds the same one)."""
 
     needs_mesh = False  # encode's `mesh`: the shard group's 1-D DeviceMesh, else None
+    # decode_batch(..., out=) writes a batch's params into a buffer made once by
+    # batch_out: the bucket refills them in place each gather (runtime/unsharded.py)
+    decodes_into = False
 
     @abc.abstractmethod
     def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
@@ -123,6 +126,12 @@ class WireFormat(abc.ABC):
         return None
 
     def decode_batch(self, formats: Sequence["WireFormat"], fulls: Sequence[Sequence[torch.Tensor]],
-                     metas: Sequence[Any], cache: dict) -> list:
-        """The unsharded parameters of a batch (decode of each, by default)."""
+                     metas: Sequence[Any], cache: dict, out: Optional[torch.Tensor] = None) -> list:
+        """The unsharded parameters of a batch (decode of each, by default); with
+        `out` (formats that decode_into): written into it, as batch_out's views."""
         return [f.decode(parts, meta) for f, parts, meta in zip(formats, fulls, metas)]
+
+    def batch_out(self, formats: Sequence["WireFormat"], shapes: Sequence[torch.Size],
+                  device: torch.device) -> tuple:
+        """(flat buffer, each param's view of it) for decode_batch's `out`."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode into a buffer")

@@ -62,6 +62,8 @@ class BlockQuantized(WireFormat):
     out_dtype: torch.dtype
     block_rows: int = 1
 
+    decodes_into = True
+
     def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
         rows = [placement.local_shape(shape, r, world_size)[0] for r in range(world_size)]
         units = tuple(n // self.block_rows for n in rows)
@@ -112,20 +114,31 @@ class BlockQuantized(WireFormat):
                           _QMAX[self.dtype], _INV_QMAX[self.dtype], _EPS)
         return [None] * len(pieces)
 
-    def decode_batch(self, formats, fulls, metas, cache) -> list:
-        """decode of every param at once, each a view of one new buffer: the
-        params joined in order of their blocks' width, so that one multiply by
-        the scales (broadcast over a block) covers all params of one width. On
-        CUDA one fused kernel per param reads its gathered parts instead."""
+    def batch_out(self, formats, shapes, device) -> tuple:
+        """decode_batch's buffer: the params back to back in order of their
+        blocks' width (_DecodePlan), and each param's view of it, in order."""
+        plan = _DecodePlan(formats, shapes)
+        out = torch.empty(sum(plan.numels), dtype=self.out_dtype, device=device)
+        params = [None] * len(shapes)
+        for i, piece in zip(plan.order, out.split_with_sizes(plan.numels)):
+            params[i] = piece.view(shapes[i])
+        return out, params
+
+    def decode_batch(self, formats, fulls, metas, cache, out=None) -> list:
+        """decode of every param at once, each a view of one buffer (`out`, else
+        new): the params joined in order of their blocks' width, so that one
+        multiply by the scales (broadcast over a block) covers all params of one
+        width. On CUDA one fused kernel per param reads its gathered parts instead."""
         plan = cache.get("decode")
         if plan is None:
             plan = cache["decode"] = _DecodePlan(formats, [parts[0].shape for parts in fulls])
+        if out is None:
+            out = torch.empty(sum(plan.numels), dtype=self.out_dtype, device=fulls[0][0].device)
         if _fused(fulls[0][0].device) and all(f.is_contiguous() for parts in fulls
                                                for f in parts):
-            return self._decode_fused(formats, fulls, plan)
+            return self._decode_fused(formats, fulls, plan, out)
         data = joined([fulls[i][0] for i in plan.order], _JOIN_AS[self.dtype])
         scales = joined([fulls[i][1] for i in plan.order], torch.float32)
-        out = torch.empty(data.numel(), dtype=self.out_dtype, device=data.device)
         for start, stop, first, last, width in plan.runs:
             # computed in float32 (type promotion), rounded once into `out`: as
             # decode's float(), multiply and cast, without a float32 copy of the bucket
@@ -136,12 +149,11 @@ class BlockQuantized(WireFormat):
             params[i] = piece.view(fulls[i][0].shape)
         return params
 
-    def _decode_fused(self, formats, fulls, plan: "_DecodePlan") -> list:
-        """decode_batch's params, laid out as the eager path lays them out, each
-        written by one kernel from its gathered parts (no join, no float32 copy)."""
+    def _decode_fused(self, formats, fulls, plan: "_DecodePlan", out: torch.Tensor) -> list:
+        """decode_batch's params in `out`, laid out as the eager path lays them out,
+        each written by one kernel from its gathered parts (no join, no float32 copy)."""
         from .quantized_kernels import dequantize_rows
 
-        out = torch.empty(sum(plan.numels), dtype=self.out_dtype, device=fulls[0][0].device)
         params = [None] * len(fulls)
         for i, piece in zip(plan.order, out.split_with_sizes(plan.numels)):
             data, scales = fulls[i]

@@ -70,15 +70,26 @@ class CopyPlan:
             view = _typed(buffer, self.dtype)[self.span[0] // self.dtype.itemsize:][:self.numel]
             view = view.view(self.shape)
             return view.clone() if copy else view
-        typed = _typed(buffer, self.dtype)
         if self.runs is None:
             block, index = self.index(buffer.device)
-            return _blocks(typed, block)[index].view(self.shape)
+            return _blocks(_typed(buffer, self.dtype), block)[index].view(self.shape)
         out = torch.empty(self.shape, dtype=self.dtype, device=buffer.device)
-        flat = out.view(-1)
-        for run in self.runs:
-            _flat_rows(flat, run).copy_(_strided(typed, run))
+        self.full_into(buffer, out)
         return out
+
+    def full_into(self, buffer: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the full tensor from `buffer` (uint8) into `out` (contiguous, of
+        the plan's shape and dtype): a param made once, refilled (runtime/unsharded.py)."""
+        typed, flat = _typed(buffer, self.dtype), out.view(-1)
+        if self.span is not None:
+            start = self.span[0] // self.dtype.itemsize
+            flat.copy_(typed[start:start + self.numel])
+        elif self.runs is None:
+            block, index = self.index(buffer.device)
+            torch.index_select(_blocks(typed, block), 0, index, out=flat.view(-1, block))
+        else:
+            for run in self.runs:
+                _flat_rows(flat, run).copy_(_strided(typed, run))
 
     def traced_full(self, typed: torch.Tensor) -> torch.Tensor:
         """The full tensor from `typed` (the rank-major buffer already typed as the

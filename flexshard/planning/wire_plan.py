@@ -234,12 +234,24 @@ class WireBatch:
         for i, meta in zip(self.live, metas):
             params[i].meta = meta
 
+    @property
+    def decodes_into(self) -> bool:
+        """Whether its format decodes into a buffer made once (make_out)."""
+        return self.formats[0].decodes_into
+
+    def make_out(self, params: Sequence[ParamWire], device: torch.device) -> tuple:
+        """(flat buffer, each member's param viewing it) for decode's `out`."""
+        shapes = [params[i].copies[0].shape for i in self.members]
+        return self.formats[0].batch_out(self.formats, shapes, device)
+
     def decode(self, params: Sequence[ParamWire], gathered: torch.Tensor,
-               columns: Optional[dict] = None) -> list:
+               columns: Optional[dict] = None, out: Optional[torch.Tensor] = None) -> list:
+        """(param, bytes copied out) per member; into `out` (make_out's) if given."""
         wires = [params[i] for i in self.members]
         fulls = [w.fulls(gathered, columns) for w in wires]
+        kwargs = {} if out is None else {"out": out}
         outs = self.formats[0].decode_batch(self.formats, fulls, [w.meta for w in wires],
-                                            self.cache)
+                                            self.cache, **kwargs)
         return [w.counted(out, parts, gathered) for w, out, parts in zip(wires, outs, fulls)]
 
 

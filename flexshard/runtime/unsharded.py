@@ -1,7 +1,8 @@
 """A bucket's unsharded params, made once per gather layout and refilled in place.
 
-FSDP2's design: the gather output, the fused copy-out's buffers (planning/fused.py)
-and the unsharded params as views of them are made on the bucket's first gather
+FSDP2's design: the gather output, the fused copy-out's buffers (planning/fused.py),
+a quantized gather's decode buffer (placements/quantized.py, `decodes_into`) and
+the unsharded params as views of them are made on the bucket's first gather
 and kept. Each gather writes into them; resharding frees their storages
 (`resize_(0)`: the tensors, and every view of them autograd saved, stay) and the
 next gather reallocates them. No view is made per gather.
@@ -16,9 +17,9 @@ storage version it gathered, held by its graph's unshard node): backward refills
 the version a forward needs or refuses a stale one, and the storages are freed
 once no forward awaiting backward needs them.
 
-A bucket whose params cannot all be such views (another wire format than a
-cast, a copy-out outside the fused runs) gathers into new tensors each time and
-reshards through the saved-tensor hooks (runtime/reshard.py); so does every
+A bucket whose params cannot all be such tensors (a wire format that neither
+casts nor decodes into a buffer: torchao's float8; a copy-out outside the fused
+runs) gathers into new tensors each time and reshards through the saved-tensor hooks (runtime/reshard.py); so does every
 bucket that keeps its params until backward (runtime/gather.py, in_place).
 """
 
@@ -50,13 +51,26 @@ def _runs(plans: LayoutPlans):
     return plans.copy_out[0 if plans.keeps_views else 1]
 
 
+def _decoded(plans: LayoutPlans) -> dict:
+    """{param index: its batch} of the params whose format decodes into a buffer
+    made once (a quantized gather's: placements/quantized.py)."""
+    return {i: batch for batch in plans.wires.batches if batch.decodes_into
+            for i in batch.members}
+
+
 def fits(plans: LayoutPlans) -> bool:
-    """Whether every param of `plans` can be a persistent view: sent as it is (a
-    cast), and either a view of the gather output or in a fused copy-out run."""
-    runs = _runs(plans)
-    return all(w.cast and (w.region in runs.columns
-                           or (plans.keeps_views and w.copies[0].span is not None))
-               for w in plans.wires)
+    """Whether every param of `plans` can be a persistent tensor: sent as it is (a
+    cast: a view of the gather output, in a fused copy-out run, or copied by its
+    copy plan into a tensor made once), or decoded into a buffer made once."""
+    decoded = _decoded(plans)
+    return all(w.cast or i in decoded for i, w in enumerate(plans.wires))
+
+
+def _copied(plans: LayoutPlans, columns: dict) -> list:
+    """The cast params neither viewing the gather output nor in a fused run: each
+    copied by its own copy plan (planning/copyplan.py) into a tensor made once."""
+    return [i for i, w in enumerate(plans.wires) if w.cast and w.region not in columns
+            and not (plans.keeps_views and w.copies[0].span is not None)]
 
 
 class UnshardedParams:
@@ -71,24 +85,46 @@ class UnshardedParams:
         # inputs (each group's range) and the copy-in's destinations in them, made once
         self.gathered_parts = layout.group_parts(self.gathered, world_size)
         self.send_parts = self.copy_in_dst = None
-        if len(self.gathered_parts) > 1 and not plans.same_bytes:
+        # a format that encodes writes its segment offsets: it gets a segment of its own
+        if len(self.gathered_parts) > 1 and not plans.same_bytes and not plans.wires.encodes:
             self.send_parts = [part.view(world_size, -1)[rank] for part in self.gathered_parts]
             self.copy_in_dst = split_views(self.gathered, plans.copy_in.in_output)
         runs = _runs(plans)
-        self._copies, columns = (column_copies(self.gathered, runs, world_size) if runs.runs
-                                 else ((), {}))
-        self.params = [column_full(columns[w.region], w.copies[0].shape) if w.region in columns
-                       else w.copies[0].full(self.gathered) for w in plans.wires]
-        self.copied_bytes = sum(c.numel() * c.element_size() for c in columns.values())
+        self._copies, self._columns = (column_copies(self.gathered, runs, world_size) if runs.runs
+                                       else ((), {}))
+        columns, decoded = self._columns, _decoded(plans)
+        own = _copied(plans, columns)
+        self.params = [None if i in decoded or i in own else
+                       column_full(columns[w.region], w.copies[0].shape) if w.region in columns
+                       else w.copies[0].full(self.gathered) for i, w in enumerate(plans.wires)]
+        self._own = [(plans.wires[i].copies[0], self._made(plans.wires[i].copies[0], device, i))
+                     for i in own]
+        # each decoding batch's buffer, its params views of it (refilled by its decode)
+        self._wires, self._decodes = plans.wires, []
+        for batch in {id(b): b for b in decoded.values()}.values():
+            out, views = batch.make_out(plans.wires, device)
+            self._decodes.append((batch, out))
+            for i, view in zip(batch.members, views):
+                self.params[i] = view
+        outs = [out for _, out in self._decodes] + [out for _, out in self._own]
+        self.copied_bytes = sum(t.numel() * t.element_size() for t in
+                                list(columns.values()) + outs)
         # the gather output stays only while a param views it
-        self.views_gathered = any(w.region not in columns for w in plans.wires)
-        flats = [copy.chunks[0] for copy in self._copies]
+        self.views_gathered = any(w.region not in columns for i, w in enumerate(plans.wires)
+                                  if i not in decoded and i not in own)
+        flats = [copy.chunks[0] for copy in self._copies] + outs
         self._versioned = tuple([self.gathered] + flats)
         self._storages = [(t.untyped_storage(), t.untyped_storage().nbytes())
                           for t in self._versioned]
         self.version = None  # the sharded storage version the buffers hold; None: freed
         self.forwards: weakref.WeakSet = weakref.WeakSet()  # awaiting backward
         self.free()
+
+    def _made(self, plan, device: torch.device, i: int) -> torch.Tensor:
+        """A param's own tensor, refilled by its copy plan."""
+        out = torch.empty(plan.shape, dtype=plan.dtype, device=device)
+        self.params[i] = out
+        return out
 
     @property
     def filled(self) -> bool:
@@ -114,6 +150,10 @@ class UnshardedParams:
         with preserve_versions(self._versioned):
             for copy in self._copies:
                 copy.run()
+            for plan, out in self._own:
+                plan.full_into(self.gathered, out)
+            for batch, out in self._decodes:
+                batch.decode(self._wires, self.gathered, self._columns, out)
         self.version = version
         return list(self.params)
 
