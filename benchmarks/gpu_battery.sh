@@ -53,8 +53,8 @@ fake() {  # fake MODE SECONDS: one fake-world mode, its JSON report kept as OUT/
   cp "runs/fake-world-$1"/*.json "$out/$1.json" 2>/dev/null
 }
 
-step cuda-tests 150 python3 -m pytest -q -rs -x tests/test_cuda.py
-declare -A limits=([eager]=90 [compile]=120 [int8-gather]=60 [fp8-gather]=60 [float8-compile]=120)
+step cuda-tests 110 python3 -m pytest -q -rs -x tests/test_cuda.py
+declare -A limits=([eager]=70 [compile]=90 [int8-gather]=50 [fp8-gather]=50 [float8-compile]=90)
 for mode in ${MODES:-eager compile int8-gather fp8-gather float8-compile}; do
   fake "$mode" "${limits[$mode]:-120}"
 done
@@ -63,7 +63,7 @@ done
 if [[ " ${MODES:-int8-gather} " == *" int8-gather "* ]]; then
   rm -rf runs/fake-world-int8-eager
   # shellcheck disable=SC2086
-  step fake-int8-unfused 60 env FLEXSHARD_FUSED_QUANT=0 python3 -m benchmarks.gpu --fake-world 8 \
+  step fake-int8-unfused 50 env FLEXSHARD_FUSED_QUANT=0 python3 -m benchmarks.gpu --fake-world 8 \
     --modes int8-gather --steps 6 --warmup 2 --placement "$placement" \
     --out runs/fake-world-int8-eager ${FAKE_ARGS:-}
   cp runs/fake-world-int8-eager/*.json "$out/int8-gather-unfused.json" 2>/dev/null

@@ -347,13 +347,13 @@ def test_engine_gpu_time_leaves_out_the_kernels_under_collectives():
     pack = ev("fsdp::chunk_cat", cpu, 4.0, reduce, kernels=1)
     model = ev("aten::_to_copy", cpu, 3.0, kernels=1)  # the model's own cast: no label
     events = [gather, coalesced, backend_copy, cast, reduce, base, base_copy, pack, model,
-              ev("kernel", cuda, 30.0)]
+              ev("kernel", cuda, 30.0), ev("_dequantize", cuda, 1.5)]  # a Triton kernel
     assert engine_label_us(events) == {"FlexShard::all_gather": 2.0,
                                        "FSDP::post_backward_reduce": 4.0}
     s = device_summary(events)
     assert s["copy_device_us"] == 8.0 + 2.0 + 5.0 + 4.0 + 3.0
-    assert s["engine_device_us"] == 2.0 + 4.0
-    assert s["model_copy_device_us"] == 3.0
+    assert s["engine_device_us"] == 2.0 + 4.0 + 1.5
+    assert (s["model_copy_device_us"], s["fused_kernel_device_us"]) == (3.0, 1.5)
     assert s["label_device_us"] == {"FlexShard::all_gather": 10.0,
                                     "FSDP::post_backward_reduce": 9.0}
     assert s["engine_label_device_us"] == engine_label_us(events)
@@ -471,5 +471,5 @@ def test_the_gpu_battery_names_real_modes_and_fits_one_device_call():
     modes = re.search(r"\$\{MODES:-([^}]*)\}", text).group(1).split()
     limits = dict(re.findall(r"\[([\w-]+)\]=(\d+)", text))
     assert modes and set(modes) <= set(MODES) and set(limits) == set(modes), (modes, limits)
-    steps = [int(n) for n in re.findall(r"^step \S+ (\d+)", text, re.M)]
+    steps = [int(n) for n in re.findall(r"^\s*step \S+ (\d+)", text, re.M)]
     assert sum(steps) + sum(int(limits[m]) for m in modes) <= 9 * 60
