@@ -427,3 +427,35 @@ def test_fp8_weights_are_copied_out_in_one_op_per_bucket():
             # one gather (the root bucket keeps its params until backward): one split-copy
             # for all n weights
             assert copy_outs == 1 and names == {"split_with_sizes_copy": 1}, (n, names)
+
+
+def _made_once() -> list:
+    """Rank body: two SGD steps; per resharding bucket that gathers fp8 weights:
+    (its params made once, the saved-tensor hooks saw a save of them, the
+    unsharded float8 weight is the same object in both steps' forwards)."""
+    import torch.distributed as dist
+
+    from flexshard.runtime.state import find_state
+
+    model = _wrap("flexshard", float8_model(), None)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    buckets = [b for b in find_state(model).buckets if b.reshard_after_forward is True
+               and any(not w.cast for w in b._plans_for(b.gather_layout).wires)]
+    seen = []
+    for step in range(2):
+        x, y = data(step, dist.get_rank())
+        (model(x).float() - y).square().mean().backward()
+        seen.append([id(b.gather.unsharded.params[0]) if b.gather.unsharded else None
+                     for b in buckets])
+        opt.step()
+        opt.zero_grad()
+    return [(b.gather.unsharded is not None, b.saved_in_forward, seen[0][i] == seen[1][i])
+            for i, b in enumerate(buckets)]
+
+
+def test_fp8_weights_are_renewed_in_params_made_once_without_saved_tensor_hooks():
+    # torchao's fsdp_post_all_gather(out=): the first gather makes the float8 weight
+    # over the gather output, each later one renews its scale (parity: the FSDP2 test above)
+    for flags in run_world(2, _made_once):
+        assert len(flags) == 2 and all(made and not saved and same for made, saved, same in flags), \
+            flags

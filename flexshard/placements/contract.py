@@ -79,6 +79,9 @@ class WireFormat(abc.ABC):
     # decode_batch(..., out=) writes a batch's params into a buffer made once by
     # batch_out: the bucket refills them in place each gather (runtime/unsharded.py)
     decodes_into = False
+    # refill(fulls, meta, out) renews a param an earlier decode made over the same
+    # storage, refilled (FSDP2's fsdp_post_all_gather(out=) for tensor subclasses)
+    refills = False
 
     @abc.abstractmethod
     def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
@@ -96,6 +99,11 @@ class WireFormat(abc.ABC):
         """The unsharded parameter from every part's full tensor and the
         `meta` this rank's encode returned. May return `fulls[0]` itself
         (then it stays a view of the gathered buffer)."""
+
+    def refill(self, fulls: Sequence[torch.Tensor], meta: Any, out: torch.Tensor) -> None:
+        """Make `out` (decode's result from the same storages, now refilled) the
+        param decode would return for `fulls` and `meta` (formats that refill)."""
+        raise NotImplementedError(f"{type(self).__name__} does not refill a param")
 
     # Batches (optional): on a GPU each op is a kernel launch, so a bucket of N
     # params of one format encoded one by one launches N times the kernels of one

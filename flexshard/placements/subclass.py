@@ -20,6 +20,8 @@ piece (its pre-all-gather reduces over the group): see `check_pieces`.
 from __future__ import annotations
 
 import inspect
+
+import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
@@ -85,6 +87,19 @@ class SubclassGather(WireFormat):
         sub, inner_meta = meta
         out, _ = sub.fsdp_post_all_gather((fulls[0],), inner_meta, self.out_dtype)
         return out
+
+    @property
+    def refills(self) -> bool:
+        """Whether the subclass's fsdp_post_all_gather takes `out` (FSDP2's contract
+        for a param it made before: torchao's float8 weight does)."""
+        try:
+            return "out" in inspect.signature(self.cls.fsdp_post_all_gather).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def refill(self, fulls: Sequence[torch.Tensor], meta: Any, out: torch.Tensor) -> None:
+        sub, inner_meta = meta
+        sub.fsdp_post_all_gather((fulls[0],), inner_meta, self.out_dtype, out=out)
 
 
 def _rebuilt(formats: Sequence[SubclassGather], pieces: Sequence[torch.Tensor],

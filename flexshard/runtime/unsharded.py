@@ -17,9 +17,11 @@ storage version it gathered, held by its graph's unshard node): backward refills
 the version a forward needs or refuses a stale one, and the storages are freed
 once no forward awaiting backward needs them.
 
-A bucket whose params cannot all be such tensors (a wire format that neither
-casts nor decodes into a buffer: torchao's float8; a copy-out outside the fused
-runs) gathers into new tensors each time and reshards through the saved-tensor hooks (runtime/reshard.py); so does every
+A tensor subclass's param (torchao's float8 weight) is made by its first decode
+over the gather output (or a copy-out column) and renewed by each later one
+(`refills`: FSDP2's fsdp_post_all_gather(out=)). A bucket whose params cannot all
+be such tensors (a subclass without that `out`) gathers into new tensors each
+time and reshards through the saved-tensor hooks (runtime/reshard.py); so does every
 bucket that keeps its params until backward (runtime/gather.py, in_place).
 """
 
@@ -58,12 +60,21 @@ def _decoded(plans: LayoutPlans) -> dict:
             for i in batch.members}
 
 
+def _refilled(plans: LayoutPlans, decoded: dict) -> list:
+    """The params whose format renews, each gather, the param its first decode made
+    over the (refilled) gather output or copy-out columns: a tensor subclass's."""
+    return [i for i, w in enumerate(plans.wires)
+            if not w.cast and i not in decoded and w.format.refills]
+
+
 def fits(plans: LayoutPlans) -> bool:
     """Whether every param of `plans` can be a persistent tensor: sent as it is (a
     cast: a view of the gather output, in a fused copy-out run, or copied by its
-    copy plan into a tensor made once), or decoded into a buffer made once."""
+    copy plan into a tensor made once), decoded into a buffer made once, or
+    renewed over the same storages (refills)."""
     decoded = _decoded(plans)
-    return all(w.cast or i in decoded for i, w in enumerate(plans.wires))
+    refilled = _refilled(plans, decoded)
+    return all(w.cast or i in decoded or i in refilled for i, w in enumerate(plans.wires))
 
 
 def _copied(plans: LayoutPlans, columns: dict) -> list:
@@ -93,8 +104,8 @@ class UnshardedParams:
         self._copies, self._columns = (column_copies(self.gathered, runs, world_size) if runs.runs
                                        else ((), {}))
         columns, decoded = self._columns, _decoded(plans)
-        own = _copied(plans, columns)
-        self.params = [None if i in decoded or i in own else
+        own, self._refilled = _copied(plans, columns), _refilled(plans, decoded)
+        self.params = [None if i in decoded or i in own or i in self._refilled else
                        column_full(columns[w.region], w.copies[0].shape) if w.region in columns
                        else w.copies[0].full(self.gathered) for i, w in enumerate(plans.wires)]
         self._own = [(plans.wires[i].copies[0], self._made(plans.wires[i].copies[0], device, i))
@@ -154,8 +165,20 @@ class UnshardedParams:
                 plan.full_into(self.gathered, out)
             for batch, out in self._decodes:
                 batch.decode(self._wires, self.gathered, self._columns, out)
+            self._refill()
         self.version = version
         return list(self.params)
+
+    def _refill(self) -> None:
+        """The refilled formats' params: made by the first decode, renewed after
+        (their storages are the gather output's and the columns', refilled)."""
+        for i in self._refilled:
+            wire = self._wires[i]
+            fulls = wire.fulls(self.gathered, self._columns)
+            if self.params[i] is None:
+                self.params[i] = wire.format.decode(fulls, wire.meta)
+            else:
+                wire.format.refill(fulls, wire.meta, self.params[i])
 
     def free_gathered(self) -> None:
         """Free the gather output once copied out (and an int reshard's slice cut
