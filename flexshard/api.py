@@ -35,7 +35,6 @@ from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single
 from .runtime.prefetch import Prefetcher
 from .runtime.grad_reduce import ReduceQueue
 from .runtime.registration import RegistrationGuard
-from .runtime.reshard import SavedParams
 from .runtime.sharded_grad import norm_groups, wrap_grads
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
 from .runtime.teardown import destroy_gloo_group_at_exit
@@ -392,15 +391,22 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
             by_runner.setdefault(id(planned.runner), (planned.runner, []))[1].append(bucket)
     # when a backward ends, the new sharded grads take full norms (sharded_grad.py)
     reduce_queue.listeners.append(functools.partial(_wrap_grads, state.buckets))
-    saved = SavedParams(state.prefetcher, reduce_queue, state.buckets)
+    # when a backward ends, every bucket lets go of what backward held (an int reshard's
+    # kept slice too, if backward never used it)
+    reduce_queue.listeners.append(functools.partial(_backward_done, state.buckets))
     eager_compiled = EagerCompiledBlocks()  # one warning per model
     for runner, buckets in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, saved, eager_compiled))
+        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
         state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)
+
+
+def _backward_done(buckets) -> None:
+    for bucket in buckets:
+        bucket.backward_done()
 
 
 def _wrap_grads(buckets) -> None:

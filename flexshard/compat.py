@@ -101,24 +101,11 @@ reduce_scatter_single = resolve_first(
 coalescing_manager = resolve("torch.distributed.distributed_c10d:_coalescing_manager",
                              "to launch a bucket's per-group collectives as one")
 
-# Activation checkpointing (runtime/reshard.py): the saved-tensors hooks on top of
+# Activation checkpointing (runtime/hooks.py): the saved-tensors hooks on top of
 # the stack, None when none are active.
 top_saved_tensors_default_hooks = resolve(
     "torch._C._autograd:_top_saved_tensors_default_hooks",
     "to skip the recompute region inside a user's activation checkpoint")
-# Autograd's per-thread node counter (runtime/reshard.py): the next node's sequence
-# number. Inside a pack hook the node being recorded is the newest one, so a saved
-# tensor whose grad_fn has the number just before it is an output of that node.
-next_sequence_nr = resolve("torch._C._autograd:_get_sequence_nr",
-                           "to tell a saved output from a saved input in the pack hook")
-
-
-def saved_output(tensor: torch.Tensor) -> bool:
-    """Whether `tensor`, given to a saved-tensor pack hook, is an output of the
-    node autograd is recording (its grad_fn is that node): holding it as is
-    would make a reference cycle through the node."""
-    node = tensor.grad_fn
-    return node is not None and node._sequence_nr() == next_sequence_nr() - 1
 
 
 # Selective checkpointing's dispatch modes (forward and recompute).

@@ -185,6 +185,28 @@ def test_a_subclass_without_a_readable_wire_dtype_is_refused_at_wrap():
         fs.flex_shard(model)
 
 
+class _NoOut(torch.Tensor):
+    """A subclass with FSDP2's gather hooks whose post-all-gather takes no `out`."""
+
+    def __tensor_flatten__(self):
+        return ["_inner"], {"dtype": torch.float8_e4m3fn}
+
+    def fsdp_pre_all_gather(self, mesh):
+        raise AssertionError("never called: refused at wrap")
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype):
+        raise AssertionError("never called: refused at wrap")
+
+
+def test_a_subclass_whose_post_all_gather_takes_no_out_is_refused_at_wrap():
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(torch.Tensor._make_subclass(_NoOut, model.weight.detach()))
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' is a _NoOut whose "
+                                                  r"fsdp_post_all_gather takes no `out`.*"
+                                                  r"\*, out=None\)"):
+        fs.flex_shard(model)
+
+
 class _TwoInputs:
     """Stands for a subclass whose pre-all-gather hands back two tensors."""
 
@@ -431,8 +453,8 @@ def test_fp8_weights_are_copied_out_in_one_op_per_bucket():
 
 def _made_once() -> list:
     """Rank body: two SGD steps; per resharding bucket that gathers fp8 weights:
-    (its params made once, the saved-tensor hooks saw a save of them, the
-    unsharded float8 weight is the same object in both steps' forwards)."""
+    (its params made once, the unsharded float8 weight is the same object in both
+    steps' forwards)."""
     import torch.distributed as dist
 
     from flexshard.runtime.state import find_state
@@ -449,13 +471,12 @@ def _made_once() -> list:
                      for b in buckets])
         opt.step()
         opt.zero_grad()
-    return [(b.gather.unsharded is not None, b.saved_in_forward, seen[0][i] == seen[1][i])
+    return [(b.gather.unsharded is not None, seen[0][i] == seen[1][i])
             for i, b in enumerate(buckets)]
 
 
-def test_fp8_weights_are_renewed_in_params_made_once_without_saved_tensor_hooks():
+def test_fp8_weights_are_renewed_in_params_made_once():
     # torchao's fsdp_post_all_gather(out=): the first gather makes the float8 weight
     # over the gather output, each later one renews its scale (parity: the FSDP2 test above)
     for flags in run_world(2, _made_once):
-        assert len(flags) == 2 and all(made and not saved and same for made, saved, same in flags), \
-            flags
+        assert len(flags) == 2 and all(made and same for made, same in flags), flags

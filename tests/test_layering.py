@@ -25,7 +25,7 @@ LAYERS = [
     {"runtime.gather"},
     {"runtime.unshard_node"},
     {"runtime.bucket"},
-    {"runtime.prefetch", "runtime.reshard"},
+    {"runtime.prefetch"},
     {"runtime.hooks", "runtime"},
     {"collectives", "collectives.", "clip", "grads", "optim", "experimental", "experimental."},
     {"checkpoint", "checkpoint."},

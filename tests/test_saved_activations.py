@@ -108,11 +108,10 @@ def test_block_forward_runs_once_per_step_under_no_dispatch_mode():
 
 
 def _regathered(bucket) -> bool:
-    """Whether a resharding bucket holds params regathered for backward: new
-    tensors (saved-tensor hooks), or its params made once, filled."""
+    """Whether a resharding bucket holds params refilled for backward: its params
+    made once, filled."""
     unsharded = bucket.gather.unsharded
-    return bucket.regathered is not None or (
-        bool(bucket.reshard_after_forward) and unsharded is not None and unsharded.filled)
+    return bool(bucket.reshard_after_forward) and unsharded is not None and unsharded.filled
 
 
 def backward_window(reshard: str) -> dict:
@@ -134,11 +133,10 @@ def backward_window(reshard: str) -> dict:
     return {"seen": seen, "after": after, "gathers": [b.counters.gathers for b in buckets]}
 
 
-# When block i's input grad is known: the saved-tensor hooks regather block i-1 at its
-# first unpack, later; the params made once are refilled by a hook on block i-1's
-# output, which is block i's input, just before.
+# When block i's input grad is known, the params made once of block i-1 are already
+# refilled (by a hook on block i-1's output, which is block i's input), by either way.
 REGATHERED = {"in place": {2: ["layers.1"], 1: ["layers.0"], 0: []},
-              "saved-tensor hooks": {2: [], 1: [], 0: []}}
+              "refilled by decode": {2: ["layers.1"], 1: ["layers.0"], 0: []}}
 
 
 @pytest.mark.parametrize("reshard", list(RESHARD_PATHS))
@@ -177,7 +175,7 @@ def test_in_place_change_of_a_saved_activation_raises_as_autograd_does(reshard):
     loss = loss_fn(model(x), y)
     with torch.no_grad():
         seen[0].mul_(2)  # gelu saved its input, the up projection's output
-    # autograd's own message (in place), or the hooks' (which name no producing op)
+    # autograd's own message
     with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch."
                                            r"DoubleTensor \[4, 11, 50\]\](, which is output 0 "
                                            r"of \w+,)? is at version 1"):

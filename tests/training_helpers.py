@@ -296,14 +296,13 @@ class _Relayed(fs.WireFormat):
 
 @dataclass(frozen=True)
 class Relayed(fs.WirePolicy):
-    """Every param in `_Relayed`: exact, but a bucket whose params are not all
-    Casts gathers into new tensors each time and reshards after forward through
-    saved-tensor hooks (runtime/reshard.py) instead of refilling params it made
-    once (runtime/unsharded.py)."""
+    """Every param in `_Relayed`, a wire format of the user's own: exact, neither a
+    Cast nor a format that decodes into a buffer, so its params are made by the
+    first decode and renewed by WireFormat.refill's default (runtime/unsharded.py)."""
 
     def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
         return _Relayed(gather_dtype)
 
 
-# The two ways a bucket reshards after forward, as a gather_format to ask for each.
-RESHARD_PATHS = {"in place": None, "saved-tensor hooks": Relayed()}
+# The two ways a bucket refills its params made once, as a gather_format to ask for each.
+RESHARD_PATHS = {"in place": None, "refilled by decode": Relayed()}

@@ -79,7 +79,7 @@ def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
         layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout,
                                 bucket.gather.wire)
         trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
-        regather = bucket.reshard_after_forward and bucket.saved_in_forward is not False
+        regather = bool(bucket.reshard_after_forward)  # refilled before its block's backward
         rows.append(bucket_plan(
             bucket.name, bucket.slots, layouts, trainable, bucket.reshard_after_forward,
             None if runner is None else names.get(id(runner), ""),

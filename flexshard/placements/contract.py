@@ -79,9 +79,6 @@ class WireFormat(abc.ABC):
     # decode_batch(..., out=) writes a batch's params into a buffer made once by
     # batch_out: the bucket refills them in place each gather (runtime/unsharded.py)
     decodes_into = False
-    # refill(fulls, meta, out) renews a param an earlier decode made over the same
-    # storage, refilled (FSDP2's fsdp_post_all_gather(out=) for tensor subclasses)
-    refills = False
 
     @abc.abstractmethod
     def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
@@ -101,9 +98,14 @@ class WireFormat(abc.ABC):
         (then it stays a view of the gathered buffer)."""
 
     def refill(self, fulls: Sequence[torch.Tensor], meta: Any, out: torch.Tensor) -> None:
-        """Make `out` (decode's result from the same storages, now refilled) the
-        param decode would return for `fulls` and `meta` (formats that refill)."""
-        raise NotImplementedError(f"{type(self).__name__} does not refill a param")
+        """Make `out`, the param an earlier decode returned (kept by the bucket and
+        refilled each gather), the one decode returns for `fulls` and `meta`. By
+        default decode again and copy into `out` (nothing when decode handed back a
+        view of `out`'s storage); a format whose decode returns a tensor subclass
+        renews it in place instead (subclass.py: fsdp_post_all_gather(out=))."""
+        new = self.decode(fulls, meta)
+        if new.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+            out.copy_(new)
 
     # Batches (optional): on a GPU each op is a kernel launch, so a bucket of N
     # params of one format encoded one by one launches N times the kernels of one

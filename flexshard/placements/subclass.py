@@ -88,15 +88,6 @@ class SubclassGather(WireFormat):
         out, _ = sub.fsdp_post_all_gather((fulls[0],), inner_meta, self.out_dtype)
         return out
 
-    @property
-    def refills(self) -> bool:
-        """Whether the subclass's fsdp_post_all_gather takes `out` (FSDP2's contract
-        for a param it made before: torchao's float8 weight does)."""
-        try:
-            return "out" in inspect.signature(self.cls.fsdp_post_all_gather).parameters
-        except (TypeError, ValueError):
-            return False
-
     def refill(self, fulls: Sequence[torch.Tensor], meta: Any, out: torch.Tensor) -> None:
         sub, inner_meta = meta
         sub.fsdp_post_all_gather((fulls[0],), inner_meta, self.out_dtype, out=out)
@@ -136,6 +127,12 @@ def subclass_gather(fqn: str, param: torch.Tensor) -> Optional[SubclassGather]:
             "all-gather, whose wire dtype flexshard cannot read at wrap time (it reads a "
             "'dtype' entry of its __tensor_flatten__ context, as torchao's float8 weights "
             "have); unwrap it to a plain tensor before flex_shard")
+    if not _takes_out(cls):
+        raise NotImplementedError(
+            f"parameter {fqn!r} is a {cls.__name__} whose fsdp_post_all_gather takes no "
+            "`out`: flexshard renews the unsharded param it made at the first gather, as "
+            "FSDP2 does; give it FSDP2's signature fsdp_post_all_gather(self, "
+            "all_gather_outputs, metadata, param_dtype, *, out=None)")
     return SubclassGather(cls, names[0], ctx, wire, param.dtype,
                           float8.is_dynamic_float8(cls, names, ctx))
 
@@ -155,3 +152,11 @@ def check_pieces(fqn: str, bucket: str, fmt: SubclassGather, local_shapes: Seque
             f"through its own fsdp_pre_all_gather on every rank, but its placement leaves "
             f"rank(s) {empty} an empty piece; place it with fs.Shard(0) or fs.RaggedShard() "
             "so that every rank holds rows (not fs.Owned)")
+
+
+def _takes_out(cls: type) -> bool:
+    """Whether `cls.fsdp_post_all_gather` takes `out` (FSDP2's contract)."""
+    try:
+        return "out" in inspect.signature(cls.fsdp_post_all_gather).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False

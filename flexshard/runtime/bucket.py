@@ -74,10 +74,6 @@ class Bucket:
         self.grad_slots = [i for i, t in enumerate(trainable) if t]
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
-        self.regathered: Optional[list] = None  # backward's unsharded params (reshard.py)
-        self.saved_in_forward: Optional[bool] = None  # autograd saved a param in the last
-        # resharding forward our hooks saw (None: none seen yet); False: no regather in backward
-        self.saved_version = -1  # storage version when its unsharded params were registered
         self.counters = BucketCounters()
         self.grads = GradReduce(layouts.reduce, slots, self.grad_slots, rank, world_size, group,
                                 comm, self.counters, replicate_group=replicate_group,
@@ -254,35 +250,15 @@ class Bucket:
         return self.grad_route.anchor_for_unshard(self.reduce_queue, self.params,
                                                   bool(self.grad_slots), self.compute_device)
 
-    # What the backward's autograd nodes and saved-tensor hooks change (unshard_node.py,
-    # reshard.py): through these methods, never by writing the fields.
-
-    def note_registered(self) -> None:
-        """Forward registered the unsharded params with the saved-tensor hooks:
-        nothing saved yet; they were gathered at the storage's current version."""
-        self.saved_in_forward = False
-        self.saved_version = tensor_version(self.storage.buffer)
-
-    def note_saved(self) -> None:
-        """Autograd saved one of the unsharded params in this forward."""
-        self.saved_in_forward = True
-
-    def regather(self) -> tuple:
-        """(the unsharded params backward uses, whether they were gathered now):
-        one gather per backward, held until backward_done()."""
-        if self.regathered is not None:
-            return self.regathered, False
-        with torch.no_grad():
-            self.regathered = self.gather_params()
-        return self.regathered, True
+    # What the backward's autograd nodes change (unshard_node.py): through these
+    # methods, never by writing the fields.
 
     def backward_done(self, forward: Optional[Forward] = None) -> None:
-        """Backward no longer needs the regathered params nor the int reshard's
+        """Backward no longer needs the refilled params nor the int reshard's
         slice: `forward`'s (its unshard node ran backward), or any forward's (the
         pass ended). The params made once are freed unless another forward's
         backward is still to come (which would gather them again) or the modules
         hold them."""
-        self.regathered = None
         self.gather.forget_forward()
         unsharded = self.gather.unsharded
         if unsharded is None or self.state is not BucketState.SHARDED:
@@ -318,7 +294,7 @@ class Bucket:
         return True
 
     def check_unchanged_since(self, version: int) -> None:
-        """Backward is about to regather the params a forward gathered at storage
+        """Backward is about to refill the params a forward gathered at storage
         `version`: refuse when they changed since."""
         if tensor_version(self.storage.buffer) != version:
             raise RuntimeError(

@@ -9,15 +9,13 @@ hooked block inside its own traced forward would trace them, so every hook
 flexshard registers is also wrapped in `torch.compiler.disable`: dynamo ends the
 graph before the hook (a graph break), runs it eagerly and resumes after it.
 flexshard's hooks gather and reduce through process groups, read storage
-pointers and push saved-tensor hooks: none of that is traceable (fake tensors
+pointers and free storages: none of that is traceable (fake tensors
 have no storage).
 
 The compiled graph sees the unsharded params the pre-forward hook installed as
-ordinary inputs. AOTAutograd turns off saved-tensor hooks while it traces and
-inlines only hooks that are fx GraphModules, so ours are not traced either: at
-run time the graph's autograd function saves its tensors (the unsharded params
-among them) through `SavedParams.pack`, exactly as eager ops do, and backward
-regathers through `unpack`.
+ordinary inputs: the params made once (runtime/unsharded.py), which its autograd
+function saves as eager ops do, freed after forward and refilled by the hook on
+the block's outputs before its backward.
 """
 
 from __future__ import annotations

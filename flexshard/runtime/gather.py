@@ -28,7 +28,7 @@ from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
 from ..compat import in_backward
 from .storage import BucketStorage, segment_views
-from .unsharded import Forward, UnshardedParams, fits
+from .unsharded import Forward, UnshardedParams
 
 
 class BucketGather:
@@ -159,8 +159,8 @@ class BucketGather:
             return None
         plans = self.plans_for(layout)
         if self._in_place is None:
-            self._in_place = fits(plans) and not (
-                self.world_size == 1 and plans.is_storage and self.offload is None)
+            self._in_place = not (self.world_size == 1 and plans.is_storage
+                                  and self.offload is None)
         if self._in_place and self.unsharded is None:
             self.unsharded = UnshardedParams(layout, plans, self.world_size, device, self.rank)
         return self.unsharded if self._in_place else None

@@ -8,12 +8,21 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..compat import module_compiled, tree_map
+from ..compat import in_backward, module_compiled, top_saved_tensors_default_hooks, tree_map
 from .bucket import Bucket, BucketState
 from .compiled import EagerCompiledBlocks, run_eagerly
 from .prefetch import Prefetcher
-from ..compat import in_backward
-from .reshard import SavedParams, saves_kept_elsewhere
+
+
+def saves_kept_elsewhere() -> bool:
+    """Whether the innermost saved-tensor hooks keep no tensor as it is: torch's
+    activation checkpoint (its recompute gathers again) or save_on_cpu (copies).
+    Then a forward's params made once are not refilled for its backward."""
+    top = top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    name = getattr(top[0], "__qualname__", "")
+    return name.startswith(("_checkpoint_hook.", "save_on_cpu."))
 
 
 def _cast_floating(tree, dtype):
@@ -32,14 +41,11 @@ class ModuleHooks:
     """Unshard `buckets` before `module`'s forward and reshard them after."""
 
     def __init__(self, module: nn.Module, buckets: Sequence[Bucket],
-                 prefetcher: Prefetcher, saved: SavedParams,
-                 eager_compiled: EagerCompiledBlocks) -> None:
+                 prefetcher: Prefetcher, eager_compiled: EagerCompiledBlocks) -> None:
         self.module, self.buckets = module, list(buckets)
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
         self.mp = self.buckets[0].mp
-        self.saved = saved  # the model's registry of unsharded storages and its hooks
-        self._pushed = False  # this forward pushed the saved-tensor hooks
         self._post_ran = True  # post_forward ran since the last pre_forward
         self._forwards: list = []  # (bucket, unsharded.Forward) of this forward, for backward
         self.eager_compiled = eager_compiled  # says once when a .compile()d block ran eagerly
@@ -78,9 +84,6 @@ class ModuleHooks:
             forward, bucket.opened = bucket.opened, None
             if forward is not None:  # the params made once (unsharded.py)
                 self._forwards.append((bucket, forward))
-            elif handled and bucket.reshard_after_forward:  # new tensors: reshard.py
-                self._pushed = self._pushed or self.saved.push()
-                self.saved.register(bucket, outs)
             self.prefetcher.unsharded(bucket)
         if handled:
             self._launch_after_backward(args, kwargs)
@@ -113,7 +116,6 @@ class ModuleHooks:
                 continue  # kept unsharded until backward ends (see reshard_kept)
             bucket.install_sharded()
             bucket.mark_resharded()
-            self.saved.forget(bucket)
             # the params made once: freed now, refilled before the block's backward;
             # a recompute's stay for the backward that follows it
             if not in_backward() and (not keep or bucket.reshard_after_forward):
@@ -121,29 +123,22 @@ class ModuleHooks:
         forwards, self._forwards = self._forwards, []
         if keep and forwards:
             _refill_before_backward(output, _Refill(self.prefetcher, self.queue, forwards))
-        self._pop()
         if keep and not self._compile_checked and module_compiled(module):
             self._compile_checked = self.eager_compiled.check(
                 [b.name for b in self.buckets], (args, kwargs), output)
         return _cast_floating(output, self.mp.output_dtype)
 
-    def _pop(self) -> None:
-        if self._pushed:
-            self._pushed = False
-            self.saved.pop()
-
     def after_forward_always(self, module, args, kwargs, output):
         """Runs after every forward, also one that raised (always_call). After a
         normal forward post_forward already ran and this does nothing; when the
-        forward or a pre-hook raised, post_forward did not run: reshard and pop
-        the saved-tensor hooks here so the module stays usable."""
+        forward or a pre-hook raised, post_forward did not run: reshard here so
+        the module stays usable."""
         if self._post_ran:
             return
         self._post_ran = True
         self._forwards = []
         # a recompute cut short (a checkpoint's early stop) keeps what it recomputed
         self._reshard(free=not in_backward())
-        self._pop()
 
     def reshard_kept(self) -> None:
         """When backward ends: reshard the buckets that kept their unsharded
@@ -160,7 +155,6 @@ class ModuleHooks:
             if bucket.held is None and bucket.state is BucketState.UNSHARDED:
                 bucket.install_sharded()
                 bucket.mark_resharded()
-            self.saved.forget(bucket)
             if free:
                 bucket.free_unsharded()
 

@@ -56,7 +56,7 @@ class _Unshard(torch.autograd.Function):
         # The reduce-scatter runs while the rest of backward does; the queue
         # delivers the sharded grads into .grad (at the latest when backward ends).
         bucket = ctx.bucket
-        # Every grad is known: the block's backward is done with its regathered params;
+        # Every grad is known: the block's backward is done with its refilled params;
         # dropped before the reduce buffers are made, so the two never coexist.
         bucket.backward_done(ctx.forward)  # and the int reshard's kept slice (postforward.py)
         bucket.reduce_queue.watch_backward()

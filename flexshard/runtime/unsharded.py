@@ -17,12 +17,12 @@ storage version it gathered, held by its graph's unshard node): backward refills
 the version a forward needs or refuses a stale one, and the storages are freed
 once no forward awaiting backward needs them.
 
-A tensor subclass's param (torchao's float8 weight) is made by its first decode
-over the gather output (or a copy-out column) and renewed by each later one
-(`refills`: FSDP2's fsdp_post_all_gather(out=)). A bucket whose params cannot all
-be such tensors (a subclass without that `out`) gathers into new tensors each
-time and reshards through the saved-tensor hooks (runtime/reshard.py); so does every
-bucket that keeps its params until backward (runtime/gather.py, in_place).
+Any other format's param is made by its first decode and renewed by each later
+one (`WireFormat.refill`): a tensor subclass's (torchao's float8 weight) over the
+gather output through FSDP2's fsdp_post_all_gather(out=), any other decoded anew
+and copied into the first one's tensor. So every resharding bucket refills params
+made once; a bucket that keeps its params until backward gathers new tensors,
+which autograd frees once unneeded (runtime/gather.py, in_place).
 """
 
 from __future__ import annotations
@@ -61,20 +61,10 @@ def _decoded(plans: LayoutPlans) -> dict:
 
 
 def _refilled(plans: LayoutPlans, decoded: dict) -> list:
-    """The params whose format renews, each gather, the param its first decode made
-    over the (refilled) gather output or copy-out columns: a tensor subclass's."""
-    return [i for i, w in enumerate(plans.wires)
-            if not w.cast and i not in decoded and w.format.refills]
-
-
-def fits(plans: LayoutPlans) -> bool:
-    """Whether every param of `plans` can be a persistent tensor: sent as it is (a
-    cast: a view of the gather output, in a fused copy-out run, or copied by its
-    copy plan into a tensor made once), decoded into a buffer made once, or
-    renewed over the same storages (refills)."""
-    decoded = _decoded(plans)
-    refilled = _refilled(plans, decoded)
-    return all(w.cast or i in decoded or i in refilled for i, w in enumerate(plans.wires))
+    """The params of the other formats: made by their first decode, renewed by each
+    later one (WireFormat.refill: a tensor subclass's in place, else decoded anew
+    and copied into the first one's tensor)."""
+    return [i for i, w in enumerate(plans.wires) if not w.cast and i not in decoded]
 
 
 def _copied(plans: LayoutPlans, columns: dict) -> list:
@@ -170,15 +160,20 @@ class UnshardedParams:
         return list(self.params)
 
     def _refill(self) -> None:
-        """The refilled formats' params: made by the first decode, renewed after
-        (their storages are the gather output's and the columns', refilled)."""
+        """The other formats' params: made by the first decode, renewed after. A
+        param over a storage of its own (not the gather output's, not a column's)
+        joins the storages freed on reshard and reallocated before each refill."""
         for i in self._refilled:
             wire = self._wires[i]
             fulls = wire.fulls(self.gathered, self._columns)
-            if self.params[i] is None:
-                self.params[i] = wire.format.decode(fulls, wire.meta)
-            else:
+            if self.params[i] is not None:
                 wire.format.refill(fulls, wire.meta, self.params[i])
+                continue
+            param = self.params[i] = wire.format.decode(fulls, wire.meta)
+            known = {storage.data_ptr() for storage, _ in self._storages}
+            if type(param) is torch.Tensor and param.untyped_storage().data_ptr() not in known:
+                self._versioned += (param,)
+                self._storages.append((param.untyped_storage(), param.untyped_storage().nbytes()))
 
     def free_gathered(self) -> None:
         """Free the gather output once copied out (and an int reshard's slice cut
