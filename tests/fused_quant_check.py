@@ -72,16 +72,16 @@ def check_float8(device: str, dtype: torch.dtype, wire: torch.dtype) -> None:
 
 def _eager_decode(fmt, formats, fulls) -> list:
     """decode_batch with the fused kernels switched off."""
-    fused = quantized._fused
-    quantized._fused = lambda device: False
+    fused = quantized.fused_kernels
+    quantized.fused_kernels = lambda tensors: False
     try:
         return fmt.decode_batch(formats, fulls, [None] * len(fulls), {})
     finally:
-        quantized._fused = fused
+        quantized.fused_kernels = fused
 
 
 if __name__ == "__main__":  # the interpreter run on CPU: the kernels take CPU tensors
-    quantized._fused = lambda device: True
+    quantized.fused_kernels = lambda tensors: True
     for block_rows in (1, 2):
         check("cpu", torch.int8, torch.float32, torch.float32, block_rows)
     print("fused int8 encode/decode: bit-equal to eager (Triton interpreter, CPU)")

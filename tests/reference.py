@@ -90,7 +90,8 @@ def train_sharded(steps: int, config: dict, model_kw=None, make_opt: Optional[Ca
     Stats: 'comms' and 'step_comms', the c10d collectives of each step's forward
     + backward and of its optimizer step, by op name (when `count_comms`), and
     'buckets': per bucket (name, reshard after forward, counters, gather layout,
-    bound placements)."""
+    bound placements); 'made_once': the buckets whose unsharded params are made once
+    and refilled (runtime/unsharded.py)."""
     import torch.distributed as dist
 
     from flexshard.runtime.state import get_state
@@ -117,7 +118,9 @@ def train_sharded(steps: int, config: dict, model_kw=None, make_opt: Optional[Ca
     buckets = [(b.name, b.reshard_after_forward, dataclasses.asdict(b.counters),
                 b.gather_layout, [s.placement for s in b.slots]) for b in get_state(model).buckets]
     full = fs.full_state_dict(model)
-    stats = {"comms": counts, "step_comms": step_counts, "buckets": buckets}
+    made_once = [b.name for b in get_state(model).buckets if b.gather.unsharded is not None]
+    stats = {"comms": counts, "step_comms": step_counts, "buckets": buckets,
+             "made_once": made_once}
     return losses, full if rank == 0 else None, first_grads, stats
 
 

@@ -49,3 +49,14 @@ def spread(values: torch.Tensor, cache: dict, name: str, repeats: Callable) -> t
     known on the host, so nothing waits for the device."""
     times, total = counts(cache, name, values.device, repeats)
     return torch.repeat_interleave(values, times, output_size=total)
+
+
+def fused_kernels(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the fused CUDA kernels (quantized_kernels.py) take `tensors`: all
+    contiguous, on a CUDA device with Triton. Imports Triton only for a CUDA tensor."""
+    device = tensors[0].device
+    if device.type != "cuda" or not all(t.is_contiguous() for t in tensors):
+        return False
+    from .quantized_kernels import fused_available
+
+    return fused_available(device)

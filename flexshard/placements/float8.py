@@ -94,20 +94,10 @@ def cast(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.dtype
     return flat.clamp_(min=-top, max=top).to(dtype)
 
 
-def fusable(pieces: Sequence[torch.Tensor]) -> bool:
-    """Whether cast_into can cast `pieces`: contiguous, on CUDA with the fused kernels."""
-    device = pieces[0].device
-    if device.type != "cuda" or not all(p.is_contiguous() for p in pieces):
-        return False
-    from .quantized_kernels import fused_available
-
-    return fused_available(device)
-
-
 def cast_into(pieces: Sequence[torch.Tensor], scale: torch.Tensor,
               outs: Sequence[torch.Tensor]) -> None:
     """cast, each piece straight into its place in the gather input (`outs`) by one
-    fused kernel (placements/quantized_kernels.py, where `fusable`): the same
+    fused kernel (placements/quantized_kernels.py, where batch.fused_kernels): the same
     float32 products, clamp and rounding, without spreading the scales."""
     from .quantized_kernels import scale_and_cast
 

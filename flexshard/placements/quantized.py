@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batch import back_to_back, counts, joined, spread
+from .batch import back_to_back, counts, fused_kernels, joined, spread
 from .contract import Placement, WireFormat, WirePart
 from .ragged import RaggedShard
 from .wire import WirePolicy
@@ -104,7 +104,7 @@ class BlockQuantized(WireFormat):
     def encode_batch_into(self, formats, pieces, outs, mesh, cache) -> Optional[list]:
         """On CUDA: each piece quantized by one fused kernel straight into its
         parts in the gather input (`outs`); None elsewhere (encode_batch runs)."""
-        if not _fused(pieces[0].device) or not all(p.is_contiguous() for p in pieces):
+        if not fused_kernels(pieces):
             return None
         from .quantized_kernels import quantize_rows
 
@@ -134,8 +134,7 @@ class BlockQuantized(WireFormat):
             plan = cache["decode"] = _DecodePlan(formats, [parts[0].shape for parts in fulls])
         if out is None:
             out = torch.empty(sum(plan.numels), dtype=self.out_dtype, device=fulls[0][0].device)
-        if _fused(fulls[0][0].device) and all(f.is_contiguous() for parts in fulls
-                                               for f in parts):
+        if fused_kernels([f for parts in fulls for f in parts]):
             return self._decode_fused(formats, fulls, plan, out)
         data = joined([fulls[i][0] for i in plan.order], _JOIN_AS[self.dtype])
         scales = joined([fulls[i][1] for i in plan.order], torch.float32)
@@ -174,16 +173,6 @@ class BlockQuantized(WireFormat):
             return rounded.clamp_(-127, 127).to(torch.int8)
         clamped = scaled.clamp_(-448.0, 448.0) if in_place else scaled.clamp(-448.0, 448.0)
         return clamped.to(self.dtype)
-
-
-def _fused(device: torch.device) -> bool:
-    """Whether the fused kernels (quantized_kernels.py) run on `device`: CUDA only,
-    so a CPU run never imports Triton."""
-    if device.type != "cuda":
-        return False
-    from .quantized_kernels import fused_available
-
-    return fused_available(device)
 
 
 class _DecodePlan:

@@ -20,14 +20,13 @@ piece (its pre-all-gather reduces over the group): see `check_pieces`.
 from __future__ import annotations
 
 import inspect
-
-import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
 
 from . import float8
+from .batch import fused_kernels
 from .contract import Placement, WireFormat, WirePart
 
 
@@ -71,7 +70,7 @@ class SubclassGather(WireFormat):
 
     def encode_batch_into(self, formats, pieces, outs, mesh, cache):
         """encode_batch with the cast on CUDA fused, straight into the gather input."""
-        if not (self.batched and float8.fusable(pieces)):
+        if not (self.batched and fused_kernels(pieces)):
             return None
         scale = float8.bucket_scales(pieces, mesh, self.wire_dtype, cache)
         float8.cast_into(pieces, scale, [parts[0] for parts in outs])

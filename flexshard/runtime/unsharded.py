@@ -98,8 +98,12 @@ class UnshardedParams:
         self.params = [None if i in decoded or i in own or i in self._refilled else
                        column_full(columns[w.region], w.copies[0].shape) if w.region in columns
                        else w.copies[0].full(self.gathered) for i, w in enumerate(plans.wires)]
-        self._own = [(plans.wires[i].copies[0], self._made(plans.wires[i].copies[0], device, i))
-                     for i in own]
+        # a tensor of its own per such param, refilled by its copy plan
+        copied = [plans.wires[i].copies[0] for i in own]
+        self._own = [(plan, torch.empty(plan.shape, dtype=plan.dtype, device=device))
+                     for plan in copied]
+        for i, (_, out) in zip(own, self._own):
+            self.params[i] = out
         # each decoding batch's buffer, its params views of it (refilled by its decode)
         self._wires, self._decodes = plans.wires, []
         for batch in {id(b): b for b in decoded.values()}.values():
@@ -120,12 +124,6 @@ class UnshardedParams:
         self.version = None  # the sharded storage version the buffers hold; None: freed
         self.forwards: weakref.WeakSet = weakref.WeakSet()  # awaiting backward
         self.free()
-
-    def _made(self, plan, device: torch.device, i: int) -> torch.Tensor:
-        """A param's own tensor, refilled by its copy plan."""
-        out = torch.empty(plan.shape, dtype=plan.dtype, device=device)
-        self.params[i] = out
-        return out
 
     @property
     def filled(self) -> bool:
