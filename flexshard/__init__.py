@@ -16,6 +16,7 @@ from .inspect.describe import describe
 from .planning.report import BucketPlan, ShardingPlan
 from .runtime.comm import Comm
 from .runtime.gloo import GlooComm
+from .whole_step import compile
 
 __all__ = [
     "BlockQuantized",
@@ -40,6 +41,7 @@ __all__ = [
     "ShardingPlan",
     "clip_grad_norm_",
     "collectives",
+    "compile",
     "describe",
     "flex_shard",
     "full_grads",

@@ -27,9 +27,10 @@ LAYERS = [
     {"runtime.bucket"},
     {"runtime.prefetch"},
     {"runtime.hooks", "runtime"},
+    {"runtime.traced"},
     {"collectives", "collectives.", "clip", "grads", "optim", "experimental", "experimental."},
     {"checkpoint", "checkpoint."},
-    {"api", "inspect", "inspect."},
+    {"api", "inspect", "inspect.", "whole_step"},
     {"", "integrations", "integrations."},
 ]
 # Wings beside each other never import each other.

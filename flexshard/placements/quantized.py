@@ -51,6 +51,27 @@ _UP_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32
 # (exact: every e4m3 value is a bf16), half the bytes of a float32 copy.
 _JOIN_AS = {torch.int8: torch.int8, torch.float8_e4m3fn: torch.bfloat16}
 _EPS = 1e-12  # an all-zero block keeps a finite scale (and decodes to zeros)
+# The whole-step graph's decode (BlockQuantized.traced_decode) is one custom op of
+# this namespace, so reshard after forward recomputes it whole (runtime/traced.py).
+DECODE_NAMESPACE = "flexshard"
+
+
+def _dequantize(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`data` (a weight, rows first) times its blocks' `scales`, as `out_dtype`."""
+    blocks = data.float().reshape(scales.numel(), data.numel() // max(scales.numel(), 1))
+    blocks = blocks * scales[:, None]
+    return blocks.view(data.shape).to(out_dtype)
+
+
+@torch.library.custom_op(f"{DECODE_NAMESPACE}::dequantize_blocks", mutates_args=())
+def dequantize_blocks(data: torch.Tensor, scales: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    return _dequantize(data, scales, out_dtype)
+
+
+@dequantize_blocks.register_fake
+def _(data, scales, out_dtype):
+    return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @dataclass(frozen=True)
@@ -79,9 +100,11 @@ class BlockQuantized(WireFormat):
         scales.copy_(scale)
 
     def decode(self, fulls: Sequence[torch.Tensor], meta=None) -> torch.Tensor:
-        data, scales = fulls
-        blocks = data.float().reshape(scales.numel(), self._width(data.shape)) * scales[:, None]
-        return blocks.view(data.shape).to(self.out_dtype)
+        return _dequantize(*fulls, self.out_dtype)
+
+    def traced_decode(self, fulls: Sequence[torch.Tensor]) -> torch.Tensor:
+        """decode as one op a traced graph recomputes whole."""
+        return dequantize_blocks(*fulls, self.out_dtype)
 
     def batch_key(self):
         return ("block quantized", self.dtype, self.out_dtype)

@@ -40,6 +40,7 @@ class FlexShardState:
     bucket_meshes: dict = field(default_factory=dict)  # id(mesh) -> (mesh, MeshGroups): buckets'
     #                                                   own meshes (BucketSpec.mesh)
     subgroups: dict = field(default_factory=dict)  # id(shard group) -> mesh.Subgroups
+    whole_step: bool = False  # fs.compile ran: the graph gathers and reduces (no hooks)
     unset_buffers: Any = None  # checkpoint.unset_buffers.UnsetBuffers: to_empty()'s, until written
     registration: Any = None  # registration.RegistrationGuard: params set after wrapping raise
     async_saves: Any = None  # checkpoint.async_save.AsyncSaves: the save in flight, its group

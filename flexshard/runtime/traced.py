@@ -1,0 +1,202 @@
+"""A bucket's gather and gradient reduction as traceable ops, for a graph that
+holds the whole step (fs.compile, flexshard/whole_step.py).
+
+Forward: this rank's pieces go through the bucket's wire format into one send
+buffer, one functional all-gather per gather group writes the rank-major
+output, and each param is decoded out of it by the same copy plans the eager
+path uses (planning/wire_plan.py). Backward: each unsharded param's grad flows,
+through autograd, into a stand-in of the bucket's *reduce* layout (the grads
+packed as the eager reduction packs them), which one functional reduce-scatter
+per gather group sums over the shard group (and an all-reduce over HSDP's
+replicas), in the reduce dtype, divided by the bucket's gradient divide factor.
+Autograd then accumulates each sharded grad into the sharded param's `.grad`.
+
+The stand-in never holds values: the forward's values come from the wire, the
+backward's structure from the reduce layout (`_ValueFrom`), so any wire format
+whose decode traces (a cast, QuantizedGather's blocks) reduces its grads in
+the reduce dtype, as eager does. A compiler drops the stand-in's forward ops:
+nothing reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE
+from ..placements.quantized import DECODE_NAMESPACE, BlockQuantized
+from ..placements.wire import Cast
+from ..planning.copyplan import plan_copies
+from ..planning.wire_plan import plan_param_wires
+from .bucket import Bucket
+
+# aten ops that turn a shard into unsharded params besides views (the send's
+# join and gaps, copy-outs, casts, the stand-in): recomputed in backward under
+# reshard after forward, with the collectives and the decode ops.
+_GATHER_OPS = frozenset({"cat", "clone", "index", "_to_copy", "new_zeros", "zeros", "empty",
+                         "new_empty", "empty_like", "_unsafe_view", "view", "reshape", "slice",
+                         "as_strided", "alias"})
+
+
+def recompute_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpoint policy of reshard after forward: recompute the
+    gather in backward, keep everything else the block saves."""
+    if getattr(op, "namespace", None) in (FUNCTIONAL_COLLECTIVES_NAMESPACE, DECODE_NAMESPACE):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if getattr(op, "is_view", False) or op.overloadpacket.__name__ in _GATHER_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _all_gather(send: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_gather_into_tensor(send, world, group))
+
+
+class _GatherReduce(torch.autograd.Function):
+    """Forward: all-gather the wire `send` (not differentiable) and hand back
+    an unfilled stand-in of the reduce layout, rank-major, of `segment`'s
+    length and dtype. Backward: reduce-scatter the stand-in's grad."""
+
+    @staticmethod
+    def forward(ctx, segment, send, world, group, spans, reduce_dtype, factor, replicas):
+        ctx.args = (segment.dtype, world, group, spans, reduce_dtype, factor, replicas)
+        parts = send.split(spans[0]) if len(spans[0]) > 1 else [send]
+        gathered = [_all_gather(p, world, group) for p in parts]
+        gathered = gathered[0] if len(gathered) == 1 else torch.cat(gathered)
+        ctx.mark_non_differentiable(gathered)
+        return segment.new_empty(world * segment.numel()), gathered
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        dtype, world, group, spans, reduce_dtype, factor, replicas = ctx.args
+        ops = torch.ops._c10d_functional
+        grad = grad.to(reduce_dtype)
+        parts = grad.split([n * world for n in spans[1]]) if len(spans[1]) > 1 else [grad]
+        out = [ops.wait_tensor(ops.reduce_scatter_tensor(p.contiguous(), "sum", world, group))
+               for p in parts]
+        out = out[0] if len(out) == 1 else torch.cat(out)
+        if replicas is not None:  # HSDP: the shards' sum over the replicas
+            out = ops.wait_tensor(ops.all_reduce(out, "sum", replicas))
+        return (out / factor).to(dtype), None, None, None, None, None, None, None
+
+
+class _ValueFrom(torch.autograd.Function):
+    """`value` forward, its grad to `plain` backward (cast to plain's dtype)."""
+
+    @staticmethod
+    def forward(ctx, plain, value):
+        ctx.dtype = plain.dtype
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def _join(parts: Sequence[tuple], nbytes: int, like: torch.Tensor) -> torch.Tensor:
+    """One segment of `nbytes` from (byte offset, tensor) parts, zeros in the
+    gaps: typed when every part has one dtype, else bytes."""
+    dtypes = {t.dtype for _, t in parts}
+    if len(dtypes) != 1:
+        parts = [(start, t.reshape(-1).view(torch.uint8)) for start, t in parts]
+    dtype = parts[0][1].dtype if parts else torch.uint8
+    size, out, pos = dtype.itemsize, [], 0
+    for start, t in sorted(parts, key=lambda p: p[0]):
+        if start > pos:
+            out.append(like.new_zeros((start - pos) // size, dtype=dtype))
+        out.append(t.reshape(-1))
+        pos = start + t.numel() * size
+    if pos < nbytes:
+        out.append(like.new_zeros((nbytes - pos) // size, dtype=dtype))
+    return torch.cat(out)
+
+
+def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return buffer if buffer.dtype == dtype else buffer.view(torch.uint8).view(dtype)
+
+
+def traced_unsupported(bucket: Bucket) -> list:
+    """What the traced gather leaves out for `bucket`, in words (empty: none)."""
+    layout, wire = bucket.gather_layout, bucket.gather.wire
+    formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))}
+    return [what for what, bad in (
+        ("CPU offload", bucket.offload is not None),
+        ("an int reshard_after_forward", bucket.post_forward_size is not None),
+        ("DTensor (tensor-parallel) params", any(bucket.tp_specs or ())),
+        ("params of several dtypes", len({s.dtype for s in bucket.slots}) > 1),
+        (f"the wire format(s) {', '.join(sorted(formats))}", bool(formats)),
+        ("a mesh of its own smaller than the model's", bucket.on_sub_mesh),
+    ) if bad] + ([] if layout.regions else ["no parameters"])
+
+
+class TracedBucket:
+    """One bucket's gather (forward) and reduction (backward) as traceable ops."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        missing = traced_unsupported(bucket)
+        if missing:
+            raise NotImplementedError(
+                f"fs.compile does not support {', '.join(missing)} (bucket {bucket.name!r}): "
+                "compile each block with block.compile() instead, which keeps the gather in "
+                "flexshard's hooks")
+        self.name, rank = bucket.name, bucket.rank
+        self.layout, self.wire = bucket.gather_layout, bucket.gather.wire
+        self.wires = plan_param_wires(self.layout, self.wire, rank)
+        self.sends = [[(self.layout.regions[j].offsets[rank], self.layout.regions[j].dtype,
+                        self.wire.slots[j].local_shapes[rank]) for j in self.wire.regions(i)]
+                      for i in range(len(self.wire.formats))]
+        grads = bucket.grads
+        self.trainable = tuple(bucket.grad_slots)
+        reduce = self.reduce_layout = grads.layout
+        self.reduce_dtype = reduce.regions[0].dtype if reduce.regions else torch.float32
+        self.plain_dtype = bucket.slots[0].dtype
+        self.grad_copies = plan_copies(reduce, [bucket.slots[i] for i in self.trainable])
+        size = self.reduce_dtype.itemsize
+        self.pieces = [reduce.regions[j].offsets[rank] // size * self.plain_dtype.itemsize
+                       for j in range(len(self.trainable))]  # byte offsets in a plain segment
+        self.segment_bytes = reduce.segment_bytes // size * self.plain_dtype.itemsize
+        self.world, self.group = bucket.world_size, bucket.group.group_name
+        self.factor = grads.gradient_divide_factor
+        self.replicas = bucket.replicate_group.group_name if bucket.replicate_size > 1 else None
+        self.spans = (self._split(self.layout, None), self._split(reduce, size))
+
+    @staticmethod
+    def _split(layout, size: Optional[int]) -> list:
+        """Each gather group's length in one rank's segment: bytes (the wire is
+        split as bytes or typed, see send) or elements of `size`."""
+        return [(stop - start) // (size or 1) for start, stop in layout.spans]
+
+    def send(self, sharded: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's wire segment: each piece encoded in its format."""
+        parts = []
+        for wire, sends, piece in zip(self.wires.params, self.sends, sharded):
+            outs = [piece.new_empty(shape, dtype=dtype) for _, dtype, shape in sends]
+            wire.meta = wire.format.encode(piece.detach(), outs, None)
+            parts += [(start, out) for (start, _, _), out in zip(sends, outs)]
+        return _join(parts, self.layout.segment_bytes, sharded[0])
+
+    def unsharded(self, sharded: Sequence[torch.Tensor]) -> list:
+        """The unsharded params (one per slot), made inside the graph that calls this."""
+        send = self.send(sharded)
+        size = send.element_size()
+        spans = ([n // size for n in self.spans[0]], self.spans[1])
+        pieces = [(self.pieces[k], sharded[i]) for k, i in enumerate(self.trainable)]
+        segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
+            sharded[0].new_empty(0)
+        stand_in, gathered = _GatherReduce.apply(
+            segment, send, self.world, self.group, spans,
+            self.reduce_dtype, self.factor, self.replicas)
+        fulls = [self._decode(wire, gathered) for wire in self.wires.params]
+        for k, i in enumerate(self.trainable):
+            fulls[i] = _ValueFrom.apply(self.grad_copies[k].traced_full(stand_in), fulls[i])
+        return fulls
+
+    @staticmethod
+    def _decode(wire, gathered: torch.Tensor) -> torch.Tensor:
+        fulls = [plan.traced_full(_typed(gathered, plan.dtype)) for plan in wire.copies]
+        fmt = wire.format
+        return fmt.traced_decode(fulls) if isinstance(fmt, BlockQuantized) else \
+            fmt.decode(fulls, wire.meta)

@@ -1,0 +1,133 @@
+"""fs.compile: a flex_shard model compiled whole, its gathers and gradient
+reductions inside the graph.
+
+Each running module's forward becomes: gather its buckets (runtime/traced.py),
+then run its own forward with the unsharded params substituted
+(torch.func.functional_call). Under reshard after forward that runs inside a
+selective activation checkpoint that recomputes the gather in backward and
+saves the rest, so the compiled backward regathers instead of keeping the
+unsharded params (the memory meaning of eager's reshard). The module tree,
+its names and the sharded params stay as they are: checkpoints, the optimizer,
+clip and the dry run see the same model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from .runtime.hooks import ModuleHooks, _cast_floating
+from .runtime.state import get_state
+from .runtime.traced import TracedBucket, recompute_gather_policy
+
+
+class _Body(nn.Module):
+    """A running module's own forward, under a name functional_call substitutes
+    params in (the module's `forward` attribute is the traced one)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class TracedForward:
+    """A running module's forward with its buckets gathered in the graph."""
+
+    def __init__(self, hooks: ModuleHooks, nested: bool) -> None:
+        module = hooks.module
+        self.gathers = [TracedBucket(b) for b in hooks.buckets]  # raises before any change
+        self.buckets = hooks.buckets
+        names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        self.names = [[[".".join(filter(None, ("module", names[id(m)], attr))) for m, attr in slot]
+                       for slot in b.aliases] for b in hooks.buckets]
+        self.body, self.mp = _Body(module), hooks.mp
+        # A module holding other running modules keeps its params to backward, as
+        # FSDP2's root does: its backward starts right after its forward ends.
+        self.reshard = not nested and any(b.reshard_after_forward for b in hooks.buckets)
+
+    def region(self, params, args, kwargs):
+        fulls = {}
+        for gather, names, sharded in zip(self.gathers, self.names, params):
+            for aliases, full in zip(names, gather.unsharded(sharded)):
+                fulls.update(dict.fromkeys(aliases, full))
+        return torch.func.functional_call(self.body, fulls, args, kwargs, tie_weights=False)
+
+    def __call__(self, *args, **kwargs):
+        # read each call (graph inputs): to() and to_empty() make new sharded params
+        params = [list(b.params) for b in self.buckets]
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
+        if self.reshard and torch.is_grad_enabled():
+            context = functools.partial(create_selective_checkpoint_contexts,
+                                        recompute_gather_policy)
+            out = checkpoint(self.region, params, args, kwargs, use_reentrant=False,
+                             context_fn=context)
+        else:
+            out = self.region(params, args, kwargs)
+        return _cast_floating(out, self.mp.output_dtype)
+
+
+def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = False,
+            **compile_kwargs) -> nn.Module:
+    """Compile `model` (flex_shard's result) whole, in place: each bucket's
+    all-gather and its grads' reduce-scatter are in the compiled graph (forward
+    and backward), with the buckets' boundaries, placements and wire formats
+    as wrapped. `fullgraph=True` raises on any graph break; `cudagraphs=True`
+    runs the compiled step under CUDA graphs (inductor's "reduce-overhead"
+    mode; CUDA only, static shapes). Other keyword arguments go to
+    torch.compile. Returns `model`, whose names, params and state dict are
+    unchanged. Eager flex_shard is untouched: this is opt-in."""
+    state = get_state(model)
+    _check_compile_args(model, state, cudagraphs, compile_kwargs)
+    runners = {id(h.module) for h in state.hooks}
+    forwards = [TracedForward(h, _holds_runner(h.module, runners)) for h in state.hooks]
+    _detach_hooks(state)
+    for hooks, forward in zip(state.hooks, forwards):
+        hooks.module.forward = forward
+    state.hooks, state.whole_step = [], True
+    if cudagraphs:
+        compile_kwargs["mode"] = "reduce-overhead"
+    model.compile(fullgraph=fullgraph, **compile_kwargs)
+    return model
+
+
+def _holds_runner(module: nn.Module, runners: set) -> bool:
+    return any(id(m) in runners for m in module.modules() if m is not module)
+
+
+def _check_compile_args(model, state, cudagraphs: bool, compile_kwargs: dict) -> None:
+    if getattr(state, "whole_step", False):
+        raise RuntimeError("fs.compile: this model is compiled already; call it once")
+    if any(getattr(h.module, "_compiled_call_impl", None) is not None for h in state.hooks):
+        raise ValueError("fs.compile: a block of this model was compiled with block.compile(); "
+                         "compile either the blocks or the whole model, not both")
+    if cudagraphs and "mode" in compile_kwargs:
+        raise ValueError(f"fs.compile: cudagraphs=True sets mode='reduce-overhead'; drop "
+                         f"mode={compile_kwargs['mode']!r} or cudagraphs")
+    if cudagraphs and any(b.compute_device.type != "cuda" for b in state.buckets):
+        raise ValueError("fs.compile: cudagraphs=True needs the params on a CUDA device")
+    if any(b.held is not None for b in state.buckets):
+        raise RuntimeError("fs.compile: the model is held unsharded (model.unshard()); call "
+                           "model.reshard() first")
+
+
+def _detach_hooks(state) -> None:
+    """flexshard's eager hooks off the modules: the compiled graph gathers and reduces."""
+    for hooks in state.hooks:
+        for handle in hooks.handles:
+            handle.remove()
+        hooks.queue.listeners.remove(hooks.reshard_kept)
+    root = state.root_hooks
+    if root is not None:
+        for handle in root.handles:
+            handle.remove()
+        if root.stray is not None:
+            root.stray.disarm()
+            root.stray = None
+        state.root_hooks = None
