@@ -19,7 +19,9 @@ else the step does: "eager", "compile" (`model.layers[i] = torch.compile(layer)`
 float8 linears with fp8 all-gathers; FSDP2 also runs torchao's
 `precompute_float8_dynamic_scale_for_fsdp` after each optimizer step);
 "int8-gather" / "fp8-gather" (flexshard's `fs.QuantizedGather`, against
-flexshard's own bf16 gathers: FSDP2 has none).
+flexshard's own bf16 gathers: FSDP2 has none); "whole-compile" (`fs.compile(model,
+fullgraph=True)`: the whole step one graph, gathers and reductions inside) and
+"cudagraph" (the same under CUDA graphs), each against FSDP2's compiled blocks.
 
 For engine work, `count_step` counts one side's ops and copied bytes in one
 call (its own fake world):
@@ -54,7 +56,15 @@ from .runners import flexshard_placement
 
 SIDES = ("flexshard", "fsdp2", "flexshard-bf16")
 MODES = ("eager", "compile", "module-compile", "float8", "float8-compile", "int8-gather",
-         "fp8-gather")
+         "fp8-gather", "whole-compile", "cudagraph")
+# flexshard's whole step in one graph (fs.compile; "cudagraph" under CUDA graphs, CUDA only)
+# against FSDP2's compiled blocks (its hooks cannot be traced)
+WHOLE = ("whole-compile", "cudagraph")
+COMPILED = ("compile", "module-compile", "float8-compile") + WHOLE
+
+
+def compiled_mode(mode: str) -> bool:
+    return mode in COMPILED
 # flexshard's placements (benchmarks.runners.flexshard_placement); FSDP2 stays Shard(0)
 PLACEMENTS = ("shard", "ragged", "owned", "mixed")
 # flexshard's QuantizedGather: no FSDP2 counterpart, so its baseline is flexshard's bf16 gathers
@@ -102,6 +112,8 @@ COPY_OPS = frozenset({
     "aten::index_put_", "aten::_index_put_impl_", "aten::index_copy", "aten::index_copy_",
     "aten::narrow_copy", "aten::slice_scatter", "aten::select_scatter",
     "aten::as_strided_scatter", "aten::constant_pad_nd",
+    # their functional forms and the backward of a slice (a graph's: see GraphCounter)
+    "aten::copy", "aten::slice_backward", "aten::select_backward",
     "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat",
 })
 _NOT_WORK = ("profiler::",)  # record_function's enter/exit markers: no kernel, no bytes
@@ -311,7 +323,9 @@ class Side:
         quantized = QUANTIZED.get(mode) if side == "flexshard" else None
         wire = fs.QuantizedGather(quantized) if quantized is not None else None
         self.model = wrap(side, model, mesh, reshard, gather_format=wire, placement=placement)
-        if mode.endswith("compile"):
+        if mode in WHOLE and side == "flexshard":
+            fs.compile(self.model, fullgraph=True, cudagraphs=mode == "cudagraph")
+        elif compiled_mode(mode):
             compile_blocks(self.model, "module-compile" if mode == "module-compile" else "compile")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(seed)
@@ -355,6 +369,71 @@ def counted(side: Side) -> Counts:
     return Counts.of(counter)
 
 
+class GraphCounter:
+    """A torch.compile backend (AOTAutograd, graphs run as eager aten ops, no
+    fusion) that runs OpCounter inside its compiled graphs while `counting`:
+    a dispatch mode entered outside would make dynamo run the frames eagerly,
+    one entered in the graph sees its ops as an eager step's are seen. What it
+    counts is before inductor's fusion: an upper bound on a fused graph's ops
+    and bytes."""
+
+    def __init__(self) -> None:
+        self.counter: Optional[OpCounter] = None
+
+    def backend(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compile_graph(gm, example_inputs):
+            def run(*args):
+                if self.counter is None:
+                    return gm(*args)
+                with self.counter:
+                    return gm(*args)
+            return make_boxed_func(run)
+
+        return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)
+
+    def count(self, step: Callable[[], object]) -> Counts:
+        self.counter = OpCounter()
+        try:
+            step()
+            return Counts.of(self.counter)
+        finally:
+            self.counter = None
+
+
+def count_whole_step(shape: LlamaShape, mesh, device: torch.device, placement: str = "shard",
+                     warmup: int = 1) -> tuple:
+    """(flexshard's forward+backward compiled whole, the same of the plain model in
+    bf16), each counted inside its graphs (GraphCounter): the engine's part is
+    their difference."""
+    out = []
+    for wrapped in (True, False):
+        torch._dynamo.reset()
+        graphs = GraphCounter()
+        model = hf_llama(shape, device)
+        if wrapped:
+            model = wrap("flexshard", model, mesh, placement=placement)
+            fs.compile(model, fullgraph=True, backend=graphs.backend())
+        else:
+            model = torch.compile(model.to(torch.bfloat16), fullgraph=True,
+                                  backend=graphs.backend())
+        tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq)).to(device)
+
+        def step():
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        out.append(graphs.count(step))
+        del model
+        gc.collect()
+    torch._dynamo.reset()
+    return tuple(out)
+
+
 def count_step(side: str = "flexshard", world: int = 8, *, shape: LlamaShape = PRESETS["cpu"],
                mode: str = "eager", build: Optional[Callable[[], nn.Module]] = None,
                warmup: int = 1, rank: int = 0, reshard: bool = True,
@@ -365,7 +444,7 @@ def count_step(side: str = "flexshard", world: int = 8, *, shape: LlamaShape = P
     resharding after forward unless `reshard` is False; flexshard's params placed by
     `placement` (one of PLACEMENTS; FSDP2's are Shard(0) whatever it says). Creates its
     own fake world: call it in a process without a process group."""
-    if mode.endswith("compile"):
+    if compiled_mode(mode):
         raise ValueError(f"count_step: mode {mode!r} compiles the blocks, and under the "
                          "counting dispatch mode they would run eagerly; count an eager mode "
                          "('eager' or 'float8')")

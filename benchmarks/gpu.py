@@ -387,7 +387,9 @@ def _check_fake_world(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     args.preset = args.preset or ("8b" if cuda else "cpu")
     if args.preset not in FAKE_PRESETS:
         p.error(f"--preset {args.preset!r} with --fake-world: choose from {sorted(FAKE_PRESETS)}")
-    args.modes = args.modes or (list(MODES) if cuda else ["eager"])
+    args.modes = args.modes or ([m for m in MODES] if cuda else ["eager"])
+    if "cudagraph" in args.modes and not cuda:
+        p.error("--modes cudagraph runs CUDA graphs: it needs --device cuda")
 
 
 def _init(device_arg: str) -> tuple:

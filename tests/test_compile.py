@@ -239,7 +239,7 @@ def test_whole_model_compile_breaks_at_the_hooks_and_matches_eager():
     # over blocks: dynamo skips that frame (runs it eagerly) and compiles each
     # block's forward frame instead. Every break is one of flexshard's hooks.
     assert len(reasons) == 2, reasons
-    assert all("ModuleHooks.pre_forward" in r and "compile each block instead" in r
+    assert all("ModuleHooks.pre_forward" in r and "fs.compile(model, fullgraph=True)" in r
                for r in reasons), reasons
 
 
@@ -250,11 +250,11 @@ def whole_model_fullgraph() -> None:
     torch.compile(model, fullgraph=True)(x)
 
 
-def test_whole_model_fullgraph_names_per_block_compile():
+def test_whole_model_fullgraph_names_fs_compile():
     from harness import expect_all_ranks_raise
 
     expect_all_ranks_raise(2, whole_model_fullgraph, "torch._dynamo.exc.Unsupported",
-                           r"compile each block instead \(block.compile\(\) after flex_shard\)")
+                           r"compile the whole model with fs.compile\(model, fullgraph=True\)")
 
 
 def test_a_missing_cpp_compiler_is_named_before_compiling(monkeypatch):

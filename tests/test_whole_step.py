@@ -25,7 +25,7 @@ def _breaks() -> int:
     return sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
 
 
-COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce")
 
 
 def counting_backend(graphs: list):
@@ -119,18 +119,19 @@ def check_whole(world: int, config: dict, rel: float = 1e-5, **kw) -> list:
                          ids=["shard", "owned", "ragged"])
 def test_whole_step_matches_reference(placement):
     """Each placement: the reference's training, one compiled forward and one
-    backward graph, each bucket one all-gather in forward and one reduce-scatter
-    in backward, the blocks' gathers recomputed in backward (reshard after
+    backward graph, each bucket one (coalesced) all-gather in forward and one
+    reduce-scatter in backward, the blocks' gathers recomputed in backward (reshard after
     forward, the root's params kept as FSDP2 keeps them) and no unsharded block
     weight saved for backward."""
     for r in check_whole(2, {"placement": placement}):
         names = [name for name, _ in r["buckets"]]
         blocks = len([n for n in names if n != "root"])
         assert r["graphs"] == [
-            ("forward", {"all_gather_into_tensor": len(names), "reduce_scatter_tensor": 0,
-                         "all_reduce": 0}),
-            ("backward", {"all_gather_into_tensor": blocks,
-                          "reduce_scatter_tensor": len(names), "all_reduce": 0})], r["graphs"]
+            ("forward", {"all_gather_into_tensor_coalesced": len(names),
+                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": 0}),
+            ("backward", {"all_gather_into_tensor_coalesced": blocks,
+                          "reduce_scatter_tensor_coalesced": len(names), "all_reduce": 0})], \
+            r["graphs"]
         assert not r["kept"], f"saved for backward: {r['kept']}"
 
 
@@ -138,7 +139,7 @@ def test_whole_step_without_reshard_keeps_the_params():
     """reshard_after_forward=False: no gather in backward, the gathered weights
     kept (so the check above can tell the two apart)."""
     for r in check_whole(2, {"reshard_after_forward": False}):
-        assert r["graphs"][1][1]["all_gather_into_tensor"] == 0, r["graphs"]
+        assert r["graphs"][1][1]["all_gather_into_tensor_coalesced"] == 0, r["graphs"]
         assert r["kept"], "the test cannot tell resharded from kept params"
 
 
@@ -217,3 +218,87 @@ def test_whole_step_hsdp_and_clip_train_as_eager():
     """HSDP (2 replicas x 2 shards): the reduce-scatter and the replicas'
     all-reduce in the graph; clip_grad_norm_ (flexshard's and torch's) global."""
     check_eager_and_whole(4, {}, mesh_shape=(2, 2), clip=True)
+
+
+def compile_offloaded() -> None:
+    model = fs.flex_shard(make_model(), offload_policy=fs.OffloadPolicy(pin_memory=False))
+    fs.compile(model)
+
+
+def test_whole_step_refuses_what_it_leaves_out():
+    """Before any change to the model and before any collective, on every rank."""
+    expect_all_ranks_raise(2, compile_offloaded, "NotImplementedError",
+                           r"fs.compile does not support CPU offload \(bucket 'layers.0'\): "
+                           r"compile each block with block.compile\(\) instead")
+
+
+def misuse() -> list:
+    """What fs.compile refuses, and the setters that a compiled model refuses."""
+    said = []
+    for call in (lambda m: fs.compile(m, cudagraphs=True),
+                 lambda m: fs.compile(m, cudagraphs=True, mode="max-autotune"),
+                 lambda m: (m.layers[0].compile(), fs.compile(m))):
+        try:
+            call(fs.flex_shard(make_model()))
+        except (ValueError, RuntimeError) as err:
+            said.append(str(err))
+    model = fs.compile(fs.flex_shard(make_model()), backend="aot_eager")
+    for call in (lambda: fs.compile(model), lambda: model.set_requires_gradient_sync(False),
+                 lambda: model.set_reshard_after_forward(False), model.unshard,
+                 lambda: model.set_gradient_divide_factor(1.0)):
+        try:
+            call()
+        except RuntimeError as err:
+            said.append(str(err))
+    return said
+
+
+def test_whole_step_misuse_is_refused():
+    said = run_world(2, misuse)[0]
+    assert len(said) == 8, said
+    assert "cudagraphs=True needs the params on a CUDA device" in said[0]
+    assert "cudagraphs=True sets mode='reduce-overhead'; drop mode='max-autotune'" in said[1]
+    assert "compile either the blocks or the whole model, not both" in said[2]
+    assert "compiled already; call it once" in said[3]
+    for message, method in zip(said[4:], ("set_requires_gradient_sync", "set_reshard_after_forward",
+                                          "unshard", "set_gradient_divide_factor")):
+        assert message.startswith(f"{method}: this model was compiled whole with fs.compile"), \
+            message
+
+
+def checkpoint_round_trip(directory: str) -> dict:
+    """A compiled model's checkpoint: saved after a step, loaded into a fresh
+    compiled model (names unchanged), the next step's loss equal; describe works."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+
+    def new():
+        model = fs.compile(fs.flex_shard(make_model(seed=1)), fullgraph=True, backend="aot_eager")
+        return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+    def step(model, opt, k):
+        x, y = batch(k, rank)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = new()
+    step(model, opt, 0)
+    fs.save_checkpoint(directory, model, opt, step=1)
+    after = step(model, opt, 1)
+    other, other_opt = new()
+    loaded = fs.load_checkpoint(directory, other, other_opt)
+    return {"step": loaded, "after": after, "again": step(other, other_opt, 1),
+            "keys": sorted(fs.full_state_dict(other)) == sorted(make_model().state_dict()),
+            "describe": str(fs.describe(other))}
+
+
+def test_whole_step_checkpoint_and_describe(tmp_path):
+    for out in run_world(2, checkpoint_round_trip, str(tmp_path / "ckpt")):
+        assert out["step"] == 1 and out["keys"]
+        assert out["again"] == out["after"]  # params and momentum restored exactly
+        assert "layers.0" in out["describe"] and "root" in out["describe"]

@@ -91,20 +91,26 @@ class CopyPlan:
             for run in self.runs:
                 _flat_rows(flat, run).copy_(_strided(typed, run))
 
-    def traced_full(self, typed: torch.Tensor) -> torch.Tensor:
-        """The full tensor from `typed` (the rank-major buffer already typed as the
-        plan's dtype) by out-of-place ops only, for a traced graph (experimental/ingraph.py):
-        a view when the plan is one, else a new tensor."""
+    def traced_full(self, typed: torch.Tensor, base: int = 0) -> Optional[torch.Tensor]:
+        """The full tensor from `typed` (the rank-major buffer, or the part of it
+        from element `base` on: a gather group's output; typed as the plan's dtype)
+        by out-of-place ops only, for a traced graph (runtime/traced.py): a view
+        when the plan is one, else a new tensor; None for an index plan given a part."""
         if self.span is not None:
-            start = self.span[0] // self.dtype.itemsize
+            start = self.span[0] // self.dtype.itemsize - base
+            if start == 0 and typed.numel() == self.numel:  # its own gather group, whole:
+                return typed.view(self.shape)  # no slice, whose backward would copy
             return typed[start:start + self.numel].view(self.shape)
-        # as_strided from the tensor's own offset: dynamo cannot trace storage_offset()
         if self.runs is None:
+            if base:
+                return None
+            # as_strided from the tensor's own offset: dynamo cannot trace storage_offset()
             block, index = self.index(typed.device)
             blocks = typed.as_strided((typed.numel() // block, block), (block, 1))
             return blocks[index].view(self.shape)
         # runs fill the flat tensor in order (flat_start ascending, no gaps)
-        return torch.cat([typed[run.start:].as_strided((run.rows, run.length), (run.stride, 1))
+        return torch.cat([typed[run.start - base:].as_strided((run.rows, run.length),
+                                                               (run.stride, 1))
                           .reshape(-1) for run in self.runs]).view(self.shape)
 
     def pack(self, buffer: torch.Tensor, full: torch.Tensor) -> None:

@@ -31,8 +31,9 @@ from ..compat import COMPILED_GRAPH_NODE, inductor_cpp_compilers, tree_map
 
 _HOOK_REASON = (
     "flexshard's forward hooks gather and reshard parameters through process groups "
-    "and run eagerly; compile each block instead (block.compile() after flex_shard), "
-    "or the whole model without fullgraph=True (a graph break at each hooked module)")
+    "and run eagerly; compile the whole model with fs.compile(model, fullgraph=True) "
+    "(the gathers and reductions in the graph), or each block (block.compile() after "
+    "flex_shard)")
 
 
 def run_eagerly(hook: Callable) -> Callable:

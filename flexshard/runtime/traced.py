@@ -50,33 +50,31 @@ def recompute_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-def _all_gather(send: torch.Tensor, world: int, group: str) -> torch.Tensor:
-    ops = torch.ops._c10d_functional
-    return ops.wait_tensor(ops.all_gather_into_tensor(send, world, group))
-
-
 class _GatherReduce(torch.autograd.Function):
-    """Forward: all-gather the wire `send` (not differentiable) and hand back
-    an unfilled stand-in of the reduce layout, rank-major, of `segment`'s
-    length and dtype. Backward: reduce-scatter the stand-in's grad."""
+    """Forward: all-gather the wire `send`'s gather groups (one coalesced
+    collective; not differentiable) and hand back an unfilled stand-in of each
+    reduce group, rank-major, of `segment`'s dtype. Backward: reduce-scatter
+    the stand-ins' grads (one coalesced collective) into `segment`'s grad."""
 
     @staticmethod
-    def forward(ctx, segment, send, world, group, spans, reduce_dtype, factor, replicas):
-        ctx.args = (segment.dtype, world, group, spans, reduce_dtype, factor, replicas)
-        parts = send.split(spans[0]) if len(spans[0]) > 1 else [send]
-        gathered = [_all_gather(p, world, group) for p in parts]
-        gathered = gathered[0] if len(gathered) == 1 else torch.cat(gathered)
-        ctx.mark_non_differentiable(gathered)
-        return segment.new_empty(world * segment.numel()), gathered
-
-    @staticmethod
-    def backward(ctx, grad, _):
-        dtype, world, group, spans, reduce_dtype, factor, replicas = ctx.args
+    def forward(ctx, segment, send, world, group, splits, reduce_dtype, factor, replicas):
+        ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, len(splits[1]))
         ops = torch.ops._c10d_functional
-        grad = grad.to(reduce_dtype)
-        parts = grad.split([n * world for n in spans[1]]) if len(spans[1]) > 1 else [grad]
-        out = [ops.wait_tensor(ops.reduce_scatter_tensor(p.contiguous(), "sum", world, group))
-               for p in parts]
+        sends = send.split(splits[0]) if len(splits[0]) > 1 else [send]
+        gathered = [ops.wait_tensor(t) for t in
+                    ops.all_gather_into_tensor_coalesced(sends, world, group)]
+        stand_ins = [segment.new_empty(world * n) for n in splits[1]]
+        ctx.mark_non_differentiable(*gathered)
+        return (*stand_ins, *gathered)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dtype, world, group, reduce_dtype, factor, replicas, groups = ctx.args
+        ops = torch.ops._c10d_functional
+        # the stand-ins' grads (the gathered outputs have none)
+        parts = [g.to(reduce_dtype).contiguous() for g in grads[:groups]]
+        out = [ops.wait_tensor(t) for t in
+               ops.reduce_scatter_tensor_coalesced(parts, "sum", world, group)]
         out = out[0] if len(out) == 1 else torch.cat(out)
         if replicas is not None:  # HSDP: the shards' sum over the replicas
             out = ops.wait_tensor(ops.all_reduce(out, "sum", replicas))
@@ -161,13 +159,11 @@ class TracedBucket:
         self.world, self.group = bucket.world_size, bucket.group.group_name
         self.factor = grads.gradient_divide_factor
         self.replicas = bucket.replicate_group.group_name if bucket.replicate_size > 1 else None
-        self.spans = (self._split(self.layout, None), self._split(reduce, size))
-
-    @staticmethod
-    def _split(layout, size: Optional[int]) -> list:
-        """Each gather group's length in one rank's segment: bytes (the wire is
-        split as bytes or typed, see send) or elements of `size`."""
-        return [(stop - start) // (size or 1) for start, stop in layout.spans]
+        # each gather group's length in a rank's segment: bytes of the wire, elements
+        # of the reduce layout; and where each group's output starts (elements)
+        self.splits = ([b - a for a, b in self.layout.spans],
+                       [(b - a) // size for a, b in reduce.spans])
+        self.starts = ([a for a, _ in self.layout.spans], [a // size for a, _ in reduce.spans])
 
     def send(self, sharded: Sequence[torch.Tensor]) -> torch.Tensor:
         """This rank's wire segment: each piece encoded in its format."""
@@ -182,21 +178,39 @@ class TracedBucket:
         """The unsharded params (one per slot), made inside the graph that calls this."""
         send = self.send(sharded)
         size = send.element_size()
-        spans = ([n // size for n in self.spans[0]], self.spans[1])
+        splits = ([n // size for n in self.splits[0]], self.splits[1])
         pieces = [(self.pieces[k], sharded[i]) for k, i in enumerate(self.trainable)]
         segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
             sharded[0].new_empty(0)
-        stand_in, gathered = _GatherReduce.apply(
-            segment, send, self.world, self.group, spans,
-            self.reduce_dtype, self.factor, self.replicas)
+        outs = _GatherReduce.apply(segment, send, self.world, self.group, splits,
+                                   self.reduce_dtype, self.factor, self.replicas)
+        stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
         fulls = [self._decode(wire, gathered) for wire in self.wires.params]
         for k, i in enumerate(self.trainable):
-            fulls[i] = _ValueFrom.apply(self.grad_copies[k].traced_full(stand_in), fulls[i])
+            plain = _full(self.grad_copies[k], stand_ins, self.reduce_layout, self.starts[1],
+                          self.world)
+            fulls[i] = _ValueFrom.apply(plain, fulls[i])
         return fulls
 
-    @staticmethod
-    def _decode(wire, gathered: torch.Tensor) -> torch.Tensor:
-        fulls = [plan.traced_full(_typed(gathered, plan.dtype)) for plan in wire.copies]
+    def _decode(self, wire, gathered: Sequence[torch.Tensor]) -> torch.Tensor:
+        fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
+                 for plan in wire.copies]
         fmt = wire.format
         return fmt.traced_decode(fulls) if isinstance(fmt, BlockQuantized) else \
             fmt.decode(fulls, wire.meta)
+
+
+def _full(plan, outputs: Sequence[torch.Tensor], layout, starts: Sequence[int], world: int,
+          bytes_: bool = False) -> torch.Tensor:
+    """`plan`'s full tensor out of the gather groups' `outputs` (rank-major each;
+    `starts`: where each group starts in a rank's segment; if `bytes_`, in bytes
+    and the outputs typed as the plan's, else in elements of outputs as they are):
+    out of its own group's output, a view where the plan is one."""
+    group = layout.regions[plan.region].group
+    size = plan.dtype.itemsize if bytes_ else 1
+    typed = (lambda t: _typed(t, plan.dtype)) if bytes_ else (lambda t: t)
+    full = plan.traced_full(typed(outputs[group]), world * starts[group] // size)
+    if full is None:  # an index plan reads the whole rank-major buffer
+        whole = [typed(o) for o in outputs]
+        full = plan.traced_full(whole[0] if len(whole) == 1 else torch.cat(whole))
+    return full
