@@ -87,7 +87,7 @@ def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size
 
 def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
                         mp: MixedPrecisionPolicy, world_size: int) -> BucketLayouts:
-    """The layouts a Bucket of `slots` uses; the dry run (planning/dryrun.py) reads the same."""
+    """The layouts a Bucket of `slots` uses; the dry run (planning/dry_run_plan.py) reads the same."""
     grads = [s for s, t in zip(slots, trainable) if t]
     reduce_dtype = _reduce_dtype(grads, mp)
     wire = plan_wire(slots, wire_formats(slots, mp, world_size), world_size)
