@@ -28,8 +28,7 @@ class LayoutPlans(NamedTuple):
     same_bytes: bool  # the layout is the storage's (no cast): a copy-in, where one runs
     #                   (offload, a storage short of the segment), copies the buffer whole
     copy_in: object = None  # planning/fused.py CopyInPlan: the one foreach copy (cast)
-    copy_out: tuple = ()  # planning/fused.py SplitCopyOut: [0] when views are handed
-    #                       out (the params that are no view), [1] when every param is copied
+    copy_out: object = None  # planning/fused.py CopyOutPlans
 
 
 def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
