@@ -25,14 +25,12 @@ from ..planning.bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layout
 from ..planning.layout import BucketLayout, SlotPlan
 from .comm import Comm
 from .counters import BucketCounters
-from .grad_reduce import GradRoute
 from .device import DeviceContexts, HostContext
 from .dtensor_param import wrap_unsharded
 from .gather import BucketGather
-from .grad_reduce import GradReduce
+from .grad_reduce import GradReduce, GradRoute, ReduceQueue
 from .inflight import PendingGather, PendingReduce
 from .offload import Offload
-from .grad_reduce import ReduceQueue
 from .identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
 from .unsharded import Forward

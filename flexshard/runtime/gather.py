@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.profiler import record_function
 
-from ..compat import foreach_copy_, set_versions, tensor_version
+from ..compat import foreach_copy_, in_backward, set_versions, tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
 from ..planning.fused import (CopyOutPlans, column_full, copy_out_columns, plan_copy_in,
@@ -26,7 +26,6 @@ from .device import HostContext, on_stream
 from .dispatch import hidden_from_checkpoint
 from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
-from ..compat import in_backward
 from .storage import BucketStorage, segment_views
 from .unsharded import Forward, UnshardedParams
 
