@@ -47,7 +47,7 @@ class FlexShardModule:
         gradient collective; the next synced backward reduces the sum."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}")
-        for bucket in get_state(self).buckets:
+        for bucket in _eager_state(self, "set_requires_gradient_sync").buckets:
             bucket.grads.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
@@ -58,7 +58,7 @@ class FlexShardModule:
         replicas it changes nothing."""
         if not isinstance(requires_all_reduce, bool):
             raise TypeError(f"set_requires_all_reduce expects a bool, got {requires_all_reduce!r}")
-        for bucket in get_state(self).buckets:
+        for bucket in _eager_state(self, "set_requires_all_reduce").buckets:
             bucket.grads.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -70,7 +70,7 @@ class FlexShardModule:
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}; "
                              "use 1.0 to sum gradients or the world size to average them")
-        buckets = get_state(self).buckets
+        buckets = _eager_state(self, "set_gradient_divide_factor").buckets
         held = [b.name for b in buckets if b.grads.partial_reduced is not None]
         if held and float(factor) != buckets[0].grads.gradient_divide_factor:
             raise ValueError(f"set_gradient_divide_factor: bucket(s) {held} hold reduced "
@@ -86,7 +86,7 @@ class FlexShardModule:
         int N keeps them sharded over groups of N consecutive shard ranks,
         where backward gathers (N must divide every bucket's shard group)."""
         check_reshard(reshard_after_forward, "set_reshard_after_forward: ")
-        buckets = get_state(self).buckets
+        buckets = _eager_state(self, "set_reshard_after_forward").buckets
         values = [resolve_reshard(reshard_after_forward, b.world_size, b.name) for b in buckets]
         _check_between_steps(buckets, "set_reshard_after_forward")
         for bucket, value in zip(buckets, values):
@@ -102,7 +102,7 @@ class FlexShardModule:
         if depth < 0:
             raise ValueError(f"set_prefetch_depth expects depth >= 0, got {depth}; "
                              "use 0 to disable prefetching")
-        state = get_state(self)
+        state = _eager_state(self, "set_prefetch_depth")
         state.prefetcher.drop_all()
         state.prefetcher.depth = depth
 
@@ -147,16 +147,29 @@ class FlexShardModule:
         (the next forward waits by itself). Gradients still reach the shards."""
         if not isinstance(async_op, bool):
             raise TypeError(f"unshard expects async_op to be a bool, got {async_op!r}")
-        state = get_state(self)
+        state = _eager_state(self, "unshard")
         return unshard_explicitly([b for b in state.buckets if b.needs_hooks], async_op)
 
     def reshard(self) -> None:
         """Undo unshard(): the modules hold their sharded params again (also
         those a forward without a backward left unsharded)."""
-        state = get_state(self)
+        state = _eager_state(self, "reshard")
         reshard_explicitly(state.buckets)
         for hooks in state.hooks:
             hooks.reshard_kept()
+
+
+def _eager_state(module: nn.Module, method: str) -> FlexShardState:
+    """The state of a model its eager hooks run; fs.compile's graph fixes what
+    these methods change (its gathers, reductions and their schedule)."""
+    state = get_state(module)
+    if state.whole_step:
+        raise RuntimeError(
+            f"{method}: this model was compiled whole with fs.compile, whose graph holds its "
+            "gathers and gradient reductions as they were at that call; call it before "
+            "fs.compile (for gradient accumulation, let every backward reduce: the grads "
+            "sum in .grad)")
+    return state
 
 
 def _check_between_steps(buckets, setter: str) -> None:

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from .runtime.hooks import ModuleHooks, _cast_floating
+from .runtime.sharded_grad import wrap_grads
 from .runtime.state import get_state
 from .runtime.traced import TracedBucket, recompute_gather_policy
 
@@ -91,10 +92,26 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     for hooks, forward in zip(state.hooks, forwards):
         hooks.module.forward = forward
     state.hooks, state.whole_step = [], True
+    _wrap_grads_when_accumulated(state)
     if cudagraphs:
         compile_kwargs["mode"] = "reduce-overhead"
     model.compile(fullgraph=fullgraph, **compile_kwargs)
     return model
+
+
+def _wrap_grads_when_accumulated(state) -> None:
+    """Each new sharded grad a ShardedGrad (full norms), as eager's end of backward
+    makes them: torch's clip_grad_norm_ on model.parameters() stays global."""
+    for bucket in state.buckets:
+        for i in bucket.grad_slots:
+            spec = bucket.norm_groups[i]
+            if spec is not None:
+                bucket.params[i].register_post_accumulate_grad_hook(
+                    functools.partial(_wrap_grad, spec=spec))
+
+
+def _wrap_grad(param: torch.Tensor, spec) -> None:
+    wrap_grads([param], [spec])
 
 
 def _holds_runner(module: nn.Module, runners: set) -> bool:

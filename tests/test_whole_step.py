@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 import flexshard as fs
 from compile_check import compiled_graph_calls
+from flexshard.runtime.state import get_state
 from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn
 from reference import (assemble_grads, assert_rel_close, make_model, reference_run,
@@ -24,7 +25,40 @@ def _breaks() -> int:
     return sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
 
 
-def train_whole(config: dict, backend: str = "aot_eager", fullgraph: bool = True) -> dict:
+COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+def counting_backend(graphs: list):
+    """aot_eager that records, per compiled forward and backward graph, how many
+    of each functional collective it holds."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            names = [getattr(n.target, "__name__", str(n.target)).split(".")[0]
+                     for n in gm.graph.nodes if n.op == "call_function"]
+            graphs.append((kind, {c: names.count(c) for c in COLLECTIVES}))
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def _saved_numels(model, x) -> set:
+    """numel of every tensor autograd saves in one forward of `model`."""
+    seen = set()
+
+    def pack(t):
+        seen.add(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return seen
+
+
+def train_whole(config: dict, backend: str = "count", fullgraph: bool = True) -> dict:
     """Rank body: STEPS SGD steps of fs.compile(flex_shard(TinyGPT))."""
     import torch.distributed as dist
 
@@ -32,7 +66,9 @@ def train_whole(config: dict, backend: str = "aot_eager", fullgraph: bool = True
     counters.clear()
     rank = dist.get_rank()
     model = fs.flex_shard(make_model(), **config)
-    fs.compile(model, fullgraph=fullgraph, backend=backend)
+    graphs: list = []
+    fs.compile(model, fullgraph=fullgraph,
+               backend=counting_backend(graphs) if backend == "count" else backend)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, graph_calls, grads = [], [], None
     for step in range(STEPS):
@@ -45,9 +81,14 @@ def train_whole(config: dict, backend: str = "aot_eager", fullgraph: bool = True
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    buckets = get_state(model).buckets
+    # what forward saves for backward: an unsharded block weight or a block's gather output?
+    unsharded = {p.numel() for p in make_model().layers[0].parameters() if p.dim() == 2}
+    unsharded |= {b.gather_layout.wire_bytes // 4 for b in buckets if b.name != "root"}
+    kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
     return {"losses": losses, "grads": grads, "full": fs.full_state_dict(model),
-            "graph_calls": graph_calls, "breaks": _breaks(),
-            "frames": counters["stats"]["unique_graphs"]}
+            "graph_calls": graph_calls, "breaks": _breaks(), "graphs": graphs, "kept": kept,
+            "buckets": [(b.name, b.reshard_after_forward) for b in buckets]}
 
 
 def mixed(fqn: str, param) -> fs.Placement:
@@ -77,7 +118,28 @@ def check_whole(world: int, config: dict, rel: float = 1e-5, **kw) -> list:
 @pytest.mark.parametrize("placement", [fs.Shard(0), fs.Owned(), fs.RaggedShard()],
                          ids=["shard", "owned", "ragged"])
 def test_whole_step_matches_reference(placement):
-    check_whole(2, {"placement": placement})
+    """Each placement: the reference's training, one compiled forward and one
+    backward graph, each bucket one all-gather in forward and one reduce-scatter
+    in backward, the blocks' gathers recomputed in backward (reshard after
+    forward, the root's params kept as FSDP2 keeps them) and no unsharded block
+    weight saved for backward."""
+    for r in check_whole(2, {"placement": placement}):
+        names = [name for name, _ in r["buckets"]]
+        blocks = len([n for n in names if n != "root"])
+        assert r["graphs"] == [
+            ("forward", {"all_gather_into_tensor": len(names), "reduce_scatter_tensor": 0,
+                         "all_reduce": 0}),
+            ("backward", {"all_gather_into_tensor": blocks,
+                          "reduce_scatter_tensor": len(names), "all_reduce": 0})], r["graphs"]
+        assert not r["kept"], f"saved for backward: {r['kept']}"
+
+
+def test_whole_step_without_reshard_keeps_the_params():
+    """reshard_after_forward=False: no gather in backward, the gathered weights
+    kept (so the check above can tell the two apart)."""
+    for r in check_whole(2, {"reshard_after_forward": False}):
+        assert r["graphs"][1][1]["all_gather_into_tensor"] == 0, r["graphs"]
+        assert r["kept"], "the test cannot tell resharded from kept params"
 
 
 def test_whole_step_uneven_world_mixed_placements_and_inductor():
@@ -89,3 +151,69 @@ def test_whole_step_uneven_world_mixed_placements_and_inductor():
 
 def test_whole_step_bf16_gathers():
     check_whole(2, {"mp_policy": BF16}, rel=2 ** -6)
+
+
+def _run(model, step_fn, rank: int, clip: bool) -> dict:
+    """STEPS SGD steps: losses, step 0's sharded grads, the clip norms."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms, grads = [], [], None
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        loss = loss_fn(step_fn(x), y)
+        loss.backward()
+        if step == 0:
+            grads = sharded_grads(model)
+        if clip:  # flexshard's and torch's (on ShardedGrads) agree, and both are global
+            norms.append(torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]).item())
+            norms.append(fs.clip_grad_norm_(model, 0.5).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "norms": norms, "full": fs.full_state_dict(model)}
+
+
+def eager_and_whole(config: dict, mesh_shape=None, clip: bool = False) -> tuple:
+    """Rank body: the same training eagerly and through fs.compile (aot_eager)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        config = dict(config, mesh=init_device_mesh("cpu", mesh_shape,
+                                                    mesh_dim_names=("replicate", "shard")))
+    eager = fs.flex_shard(make_model(), **config)
+    torch._dynamo.reset()
+    counters.clear()
+    model = fs.compile(fs.flex_shard(make_model(), **config), fullgraph=True, backend="aot_eager")
+    out = _run(model, model, rank, clip)
+    out["breaks"] = _breaks()
+    return _run(eager, eager, rank, clip), out
+
+
+def check_eager_and_whole(world: int, config: dict, rel: float = 1e-6, **kw) -> None:
+    for eager, whole in run_world(world, eager_and_whole, config, timeout=400, **kw):
+        assert whole["breaks"] == 0
+        torch.testing.assert_close(torch.tensor(whole["losses"]), torch.tensor(eager["losses"]),
+                                   rtol=rel, atol=0)
+        torch.testing.assert_close(torch.tensor(whole["norms"]), torch.tensor(eager["norms"]),
+                                   rtol=rel, atol=0)
+        for k, (_, _, ref) in eager["grads"].items():
+            if ref is not None and ref.numel():
+                assert_rel_close(whole["grads"][k][2], ref, rel, f"grad of {k}")
+        for k, ref in eager["full"].items():
+            assert_rel_close(whole["full"][k], ref, rel, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_whole_step_quantized_gathers_train_as_eager(dtype):
+    """QuantizedGather's wire in the graph: the eager flex_shard training (itself
+    checked against a quantizing reference in test_quantized_gather.py), at world 3."""
+    policy = fs.MixedPrecisionPolicy(gather_format=fs.QuantizedGather(dtype, min_numel=256))
+    check_eager_and_whole(3, {"mp_policy": policy})
+
+
+def test_whole_step_hsdp_and_clip_train_as_eager():
+    """HSDP (2 replicas x 2 shards): the reduce-scatter and the replicas'
+    all-reduce in the graph; clip_grad_norm_ (flexshard's and torch's) global."""
+    check_eager_and_whole(4, {}, mesh_shape=(2, 2), clip=True)
