@@ -11,8 +11,8 @@ from .grads import full_grads, grad_norms
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from .placements import (BlockQuantized, Cast, Owned, Placement, QuantizedGather, RaggedShard,
                          Shard, WireFormat, WirePart, WirePolicy, shard_sizes)
-from .inspect.budget import plan_buckets
-from .inspect.describe import describe
+from .dry_run.plan_buckets import plan_buckets
+from .dry_run.describe import describe
 from .planning.report import BucketPlan, ShardingPlan
 from .runtime.comm import Comm
 from .runtime.gloo import GlooComm

@@ -14,12 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .checkpoint.materialize import apply_to_buckets, init_parameters
 from .checkpoint.state_dict import StateDictHooks
 from .checkpoint.unset_buffers import UnsetBuffers, meta_buffers
-from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
+from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy, check_reshard
 from .placements.contract import Placement
 from .placements.shard import Shard
 from .planning.assign import alias_names, assign_params, default_buckets
 from .planning.fingerprint import check_ranks_agree
-from .config import check_reshard
 from .planning.options import check_options, check_params, check_specs, resolve_reshard
 from .planning.plan import WrapPlan, plan_wrap
 from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,

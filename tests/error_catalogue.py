@@ -14,7 +14,7 @@ PAGE = REPO / "docs" / "troubleshooting.md"
 BEGIN, END = "<!-- errors: begin -->", "<!-- errors: end -->"
 USER_ERRORS = {"ValueError", "TypeError", "NotImplementedError", "RuntimeError", "KeyError"}
 AREAS = [  # (heading, path prefixes under flexshard/), first match wins
-    ("Wrapping a model: flex_shard, BucketSpec, policies", ("api.py", "config.py", "planning/", "inspect/",
+    ("Wrapping a model: flex_shard, BucketSpec, policies", ("api.py", "config.py", "planning/", "dry_run/",
                                                             "runtime/")),
     ("Placements", ("placements/",)),
     ("Checkpoints, state dicts and loading", ("checkpoint/",)),

@@ -1,6 +1,6 @@
-"""Imports run one way (design.md, "Layers"): api / inspect -> checkpoint -> runtime ->
+"""Imports run one way (design.md, "Layers"): api / dry_run -> checkpoint -> runtime ->
 planning -> config / placements -> runtime.comm -> torch. Planning computes plans
-(pure records); runtime executes them every step; inspect reports on a wrapped
+(pure records); runtime executes them every step; dry_run reports on a wrapped
 model. Parsed, not imported; every module of the package must sit in a layer, so
 a new file cannot dodge the check."""
 
@@ -30,11 +30,11 @@ LAYERS = [
     {"runtime.traced"},
     {"collectives", "collectives.", "clip", "grads", "optim", "experimental", "experimental."},
     {"checkpoint", "checkpoint."},
-    {"api", "inspect", "inspect.", "whole_step"},
+    {"api", "dry_run", "dry_run.", "whole_step"},
     {"", "integrations", "integrations."},
 ]
 # Wings beside each other never import each other.
-SIBLINGS = [("inspect.", "api")]
+SIBLINGS = [("dry_run.", "api")]
 
 
 def _module_name(path: pathlib.Path) -> str:

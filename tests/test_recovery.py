@@ -103,10 +103,10 @@ class _FailRegather:
         self.bucket = bucket
         bucket.gather_params = self.gather_params  # an instance attribute shadows the method
 
-    def gather_params(self, layout=None, fresh=False):
+    def gather_params(self, layout=None, new_tensors=False):
         if torch._C._current_graph_task_id() != -1:
             raise Injected("regather failed")
-        return type(self.bucket).gather_params(self.bucket, layout, fresh)
+        return type(self.bucket).gather_params(self.bucket, layout, new_tensors)
 
     def remove(self) -> None:
         del self.bucket.gather_params

@@ -37,8 +37,8 @@ def record_unsharded(model) -> list:
 
     refs = []
     for bucket in get_state(model).buckets:
-        def gather(layout=None, fresh=False, _orig=bucket.gather_params):
-            outs = _orig(layout, fresh)
+        def gather(layout=None, new_tensors=False, _orig=bucket.gather_params):
+            outs = _orig(layout, new_tensors)
             refs.append([weakref.ref(t) for t in outs])
             return outs
         bucket.gather_params = gather

@@ -108,8 +108,8 @@ class UnshardedTracker:
             bucket.gather_params = self._recording(bucket.name, bucket.gather_params)
 
     def _recording(self, name, gather):
-        def gather_params(layout=None, fresh=False):
-            outs = gather(layout, fresh)
+        def gather_params(layout=None, new_tensors=False):
+            outs = gather(layout, new_tensors)
             made = self.made.setdefault(name, {})
             for t in outs:
                 if t.numel():

@@ -28,8 +28,7 @@ class LayoutPlans(NamedTuple):
     same_bytes: bool  # the layout is the storage's (no cast): a copy-in, where one runs
     #                   (offload, a storage short of the segment), copies the buffer whole
     copy_in: object = None  # planning/fused.py CopyInPlan: the one foreach copy (cast)
-    copy_out: tuple = ()  # planning/fused.py SplitCopyOut: [0] when views are handed
-    #                       out (the params that are no view), [1] when every param is copied
+    copy_out: object = None  # planning/fused.py CopyOutPlans
 
 
 def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
@@ -87,7 +86,7 @@ def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size
 
 def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
                         mp: MixedPrecisionPolicy, world_size: int) -> BucketLayouts:
-    """The layouts a Bucket of `slots` uses; the dry run (planning/dryrun.py) reads the same."""
+    """The layouts a Bucket of `slots` uses; the dry run (planning/dry_run_plan.py) reads the same."""
     grads = [s for s, t in zip(slots, trainable) if t]
     reduce_dtype = _reduce_dtype(grads, mp)
     wire = plan_wire(slots, wire_formats(slots, mp, world_size), world_size)

@@ -1,5 +1,5 @@
 """BucketSpecs under a byte budget: the grouping, from parameter sizes and an
-execution order (inspect/budget.py's `plan_buckets` measures both from a module).
+execution order (dry_run/plan_buckets.py's `plan_buckets` measures both from a module).
 
 A module whose parameters fit the byte budget becomes one bucket; a module that
 does not fit keeps its own parameters, plus those of children that still fit

@@ -161,6 +161,19 @@ def plan_copy_out(layout: BucketLayout, regions: Sequence[int]) -> SplitCopyOut:
     return SplitCopyOut(tuple(runs), frozenset(chosen))
 
 
+class CopyOutPlans(NamedTuple):
+    """A gather layout's two fused copy-outs. Both take the parts of other wire
+    formats that are no view (the format decodes them from their columns)."""
+
+    beside_views: SplitCopyOut  # the cast params that are no view (the rest view the output)
+    every_cast: SplitCopyOut  # every cast param (none views the gather output)
+
+    def pick(self, views: bool) -> SplitCopyOut:
+        """The copy-out of a gather whose params view its output where they can
+        (`views`), or of one whose params view none of it."""
+        return self.beside_views if views else self.every_cast
+
+
 def _run(dtype: torch.dtype, cols: list, first: int, where: tuple) -> ColumnRun:
     """The run of `cols` ((start, stop, region) bytes of the segment) in the group
     starting at segment byte `first`, whose block is `where` (base, width)."""

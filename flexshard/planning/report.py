@@ -1,6 +1,6 @@
 """The plan of a sharded model: a ShardingPlan of one BucketPlan per bucket,
-printable as a table. Built from a wrapped model (inspect/describe.py) or, for
-a mesh one does not have, by the dry run (planning/dryrun.py); both go through
+printable as a table. Built from a wrapped model (dry_run/describe.py) or, for
+a mesh one does not have, by the dry run (planning/dry_run_plan.py); both go through
 `bucket_plan`, from the layouts a Bucket uses."""
 
 from __future__ import annotations

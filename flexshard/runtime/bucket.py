@@ -25,14 +25,12 @@ from ..planning.bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layout
 from ..planning.layout import BucketLayout, SlotPlan
 from .comm import Comm
 from .counters import BucketCounters
-from .grad_reduce import GradRoute
 from .device import DeviceContexts, HostContext
 from .dtensor_param import wrap_unsharded
 from .gather import BucketGather
-from .grad_reduce import GradReduce
+from .grad_reduce import GradReduce, GradRoute, ReduceQueue
 from .inflight import PendingGather, PendingReduce
 from .offload import Offload
-from .grad_reduce import ReduceQueue
 from .identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
 from .unsharded import Forward
@@ -165,17 +163,17 @@ class Bucket:
             else:
                 self.params[i] = kept
 
-    def unshard(self, fresh: bool = False, track: bool = False) -> list:
+    def unshard(self, new_tensors: bool = False, refill_in_backward: bool = False) -> list:
         """Gather the bucket: unsharded parameters linked to the sharded ones by
-        autograd; new tensors if `fresh`, else the params made once where they
-        can be (unsharded.py). `track`: a forward whose backward refills them
-        (then `opened` is its Forward)."""
+        autograd; new tensors if `new_tensors` (module.unshard()), else the params
+        made once where they can be (unsharded.py). `refill_in_backward`: this
+        forward's backward refills them (then `opened` is its Forward)."""
         self.assert_state(BucketState.SHARDED, BucketState.UNSHARDED)
         self._check_requires_grad()
         self.state = BucketState.UNSHARDING
         try:
             # _grad_anchor() may renew the route: it runs before forward reads its Delivery.
-            outs = _Unshard.apply(self, self._grad_anchor(), fresh, track)
+            outs = _Unshard.apply(self, self._grad_anchor(), new_tensors, refill_in_backward)
         finally:
             self.state = BucketState.SHARDED
         self.state = BucketState.UNSHARDED
@@ -187,7 +185,7 @@ class Bucket:
         self.assert_state(BucketState.UNSHARDED)
         # The sharded params are views of the buffer: an in-place step bumps this version.
         self.held, self._held_version = outs, tensor_version(self.storage.buffer)
-        self.gather.forget_forward()
+        self.gather.drop_forward_buffers()
         self.install(outs)
 
     def release(self) -> None:
@@ -259,7 +257,7 @@ class Bucket:
         pass ended). The params made once are freed unless another forward's
         backward is still to come (which would gather them again) or the modules
         hold them."""
-        self.gather.forget_forward()
+        self.gather.drop_forward_buffers()
         unsharded = self.gather.unsharded
         if unsharded is None or self.state is not BucketState.SHARDED:
             return
@@ -335,26 +333,27 @@ class Bucket:
         self.assert_state(BucketState.SHARDED)
         self.gather.follow_reshard(value, self.device_ctx)
 
-    def gather_params(self, layout: Optional[BucketLayout] = None, fresh: bool = False) -> list:
+    def gather_params(self, layout: Optional[BucketLayout] = None,
+                      new_tensors: bool = False) -> list:
         """BucketGather.gather on this bucket's compute device."""
-        return self.gather.gather(layout, self.device_ctx, self.compute_device, fresh)
+        return self.gather.gather(layout, self.device_ctx, self.compute_device, new_tensors)
 
     def gather_pieces(self, pieces: list) -> list:
         """BucketGather.gather_pieces on this bucket's compute device."""
         return self.gather.gather_pieces(pieces, self.compute_device)
 
-    def start_gather(self, fresh: bool = False) -> bool:
+    def start_gather(self, new_tensors: bool = False) -> bool:
         """Launch the gather now (prefetch), unless in flight or not sharded;
-        `fresh`: into new tensors (module.unshard(), see unshard)."""
+        `new_tensors`: not into the params made once (module.unshard(), see unshard)."""
         if self.state is not BucketState.SHARDED:
             return False
-        return self.gather.start(self.device_ctx, self.compute_device, fresh)
+        return self.gather.start(self.device_ctx, self.compute_device, new_tensors)
 
     def discard_gather(self) -> None:
         self.gather.discard(self.device_ctx)
 
-    def keep_post_forward_shard(self, keep: bool) -> None:
-        self.gather.keep(keep)
+    def keep_post_forward_shard(self, for_backward: bool) -> None:
+        self.gather.keep_post_forward_shard(for_backward)
 
     def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
         return self.gather.plans_for(layout)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ..compat import SAC_MODES as _SAC_MODES, get_dispatch_stack_at
-from ..compat import len_torch_dispatch_stack, pop_mode as _pop_mode, push_mode as _push_mode
+from ..compat import (SAC_MODES as _SAC_MODES, get_dispatch_stack_at, len_torch_dispatch_stack,
+                      pop_mode as _pop_mode, push_mode as _push_mode)
 
 
 @contextmanager

@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 from torch.profiler import record_function
 
-from ..compat import foreach_copy_, set_versions, tensor_version
+from ..compat import foreach_copy_, in_backward, set_versions, tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
-from ..planning.fused import (column_full, copy_out_columns, plan_copy_in, plan_copy_out,
-                              split_views)
+from ..planning.fused import (CopyOutPlans, column_full, copy_out_columns, plan_copy_in,
+                              plan_copy_out, split_views)
 from ..planning.wire_plan import cast_wire, plan_param_wires
 from .comm import Comm
 from .counters import BucketCounters
@@ -26,7 +26,6 @@ from .device import HostContext, on_stream
 from .dispatch import hidden_from_checkpoint
 from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
-from ..compat import in_backward
 from .storage import BucketStorage, segment_views
 from .unsharded import Forward, UnshardedParams
 
@@ -47,7 +46,7 @@ class BucketGather:
         self.inflight: Optional[PendingGather] = None  # a launched, unconsumed gather
         self._mesh = None  # shard_mesh(), made on first use
         self.post_forward: Optional[PostForwardShard] = None  # kept from forward for backward
-        self._forward_gathered: Optional[torch.Tensor] = None  # until keep()
+        self._forward_gathered: Optional[torch.Tensor] = None  # until keep_post_forward_shard()
         # the gather layout's params made once and refilled in place (unsharded.py);
         # False: they cannot be (that layout gathers into new tensors each time)
         self.unsharded: Optional[UnshardedParams] = None
@@ -62,7 +61,7 @@ class BucketGather:
         old value goes (the layout and its plans do not depend on it)."""
         self.discard(ctx)
         self.reshard_after_forward = value
-        self.forget_forward()
+        self.drop_forward_buffers()
 
     @property
     def wire(self):
@@ -84,15 +83,16 @@ class BucketGather:
                            fused_in, self._copy_out_plans(layout, wires))
 
     @staticmethod
-    def _copy_out_plans(layout: BucketLayout, wires) -> tuple:
+    def _copy_out_plans(layout: BucketLayout, wires) -> CopyOutPlans:
         """The fused copy-outs (planning/fused.py) of the cast params that are no
         view, and of every cast param; keyed by their region in the layout. Both
         take the parts of other formats (a float8 weight's data) that are no view:
         the format decodes them from their copied-out columns."""
         cast = [w for w in wires if w.cast]
         parts = [c.region for w in wires if not w.cast for c in w.copies if c.span is None]
-        return (plan_copy_out(layout, [w.region for w in cast if w.copies[0].span is None] + parts),
-                plan_copy_out(layout, [w.region for w in cast] + parts))
+        no_view = [w.region for w in cast if w.copies[0].span is None]
+        return CopyOutPlans(plan_copy_out(layout, no_view + parts),
+                            plan_copy_out(layout, [w.region for w in cast] + parts))
 
     def shard_mesh(self, device: torch.device):
         """The shard group as a 1-D DeviceMesh (a tensor subclass's gather
@@ -117,21 +117,23 @@ class BucketGather:
         reshard = self.reshard_after_forward
         return None if isinstance(reshard, bool) else reshard
 
-    def keep(self, keep: bool) -> None:
-        """After the forward's gather (int reshard N): keep this rank's 1/N of
-        the gather output for backward; else drop it."""
+    def keep_post_forward_shard(self, for_backward: bool) -> None:
+        """After the forward's gather: under an int reshard N, keep this rank's
+        1/N of the gather output when a backward will regather from it
+        (`for_backward`); then drop the gather output."""
         gathered = self._forward_gathered
         self.post_forward = None
         n = self.post_forward_size
-        if keep and gathered is not None and n is not None:
+        if for_backward and gathered is not None and n is not None:
             with record_function("FlexShard::post_forward_keep_slice"):
                 self.post_forward = keep_slice(gathered, self.layout, self.rank, n,
                                                self.subgroups.of(self.rank, n),
                                                self.storage.buffer)
         self._drop_forward_gathered()
 
-    def forget_forward(self) -> None:
-        """Drop the forward's gather output and the kept slice (held, or backward done)."""
+    def drop_forward_buffers(self) -> None:
+        """Drop what the last forward's gather left: its gather output and the int
+        reshard's kept slice (the params are held, or backward is done)."""
         self.post_forward = None
         self._drop_forward_gathered()
 
@@ -199,18 +201,18 @@ class BucketGather:
     # Gathering.
 
     def gather(self, layout: Optional[BucketLayout], ctx: HostContext,
-               device: torch.device, fresh: bool = False) -> list:
+               device: torch.device, new_tensors: bool = False) -> list:
         """One all-gather over the bucket; returns the unsharded tensors, typed
         by `layout` (the gather layout, i.e. param_dtype, by default): the
-        params made once, refilled, where they can be and not `fresh`. Consumes
+        params made once, refilled, where they can be and not `new_tensors`. Consumes
         a prefetched gather of the same layout when one is in flight."""
         layout = layout or self.layout
-        pending = self._take_inflight(layout, ctx, fresh) or \
-            self._launch(layout, False, ctx, device, fresh)
+        pending = self._take_inflight(layout, ctx, new_tensors) or \
+            self._launch(layout, False, ctx, device, new_tensors)
         plans = self.plans_for(layout)
-        self.await_(pending, ctx)
+        self.wait_for(pending, ctx)
         if self.post_forward_size is not None and not in_backward() and layout is self.layout:
-            self._forward_gathered = pending.gathered  # for keep()
+            self._forward_gathered = pending.gathered  # for keep_post_forward_shard()
         unsharded = self.unsharded
         with hidden_from_checkpoint(), record_function("FlexShard::all_gather_copy_out"):
             # hidden: recomputed anyway, skip the per-op Python dispatch
@@ -226,7 +228,7 @@ class BucketGather:
         """The unsharded params from the gather output, on the compute stream: views
         where `view_ok` and the layout allow, one split-copy per run of uniform
         columns (planning/fused.py), the wire formats' decode for the rest."""
-        fused = plans.copy_out[0 if view_ok else 1]
+        fused = plans.copy_out.pick(view_ok)
         columns = copy_out_columns(gathered, fused, self.world_size) if fused.runs else {}
         done = {}
         for i, wire in enumerate(plans.wires):
@@ -259,7 +261,7 @@ class BucketGather:
                 gathered = send
             return [wire.decode(gathered, False)[0] for wire in plans.wires]
 
-    def await_(self, pending: PendingGather, ctx: HostContext) -> None:
+    def wait_for(self, pending: PendingGather, ctx: HostContext) -> None:
         """Make the compute stream (the current one) wait for a launched gather.
         After this the gather input may be dropped (see PendingGather.send)."""
         ctx.wait(pending.done)
@@ -272,12 +274,12 @@ class BucketGather:
         if stream != pending.stream:  # consumed under another stream than launched
             ctx.adopt(pending.gathered, stream)
 
-    def start(self, ctx: HostContext, device: torch.device, fresh: bool = False) -> bool:
+    def start(self, ctx: HostContext, device: torch.device, new_tensors: bool = False) -> bool:
         """Launch the gather without waiting (prefetch); the next gather consumes it
-        (one asking for the same `fresh`). False when there is nothing to launch."""
+        (one asking for the same `new_tensors`). False when there is nothing to launch."""
         if self.inflight is not None or self.world_size == 1:
             return False
-        self.inflight = self._launch(self.layout, True, ctx, device, fresh)
+        self.inflight = self._launch(self.layout, True, ctx, device, new_tensors)
         self.counters.prefetches += 1
         return True
 
@@ -286,17 +288,18 @@ class BucketGather:
         pending, self.inflight = self.inflight, None
         if pending is None:
             return
-        self.await_(pending, ctx)  # its buffers die on the compute stream's side
+        self.wait_for(pending, ctx)  # its buffers die on the compute stream's side
         if self.unsharded is not None and pending.gathered is self.unsharded.gathered:
             self.unsharded.free()  # written, never copied out
         self.counters.discarded_prefetches += 1
 
     def _take_inflight(self, layout: BucketLayout, ctx: HostContext,
-                       fresh: bool = False) -> Optional[PendingGather]:
+                       new_tensors: bool = False) -> Optional[PendingGather]:
         pending = self.inflight
         if pending is None or pending.layout is not layout:
             return None
-        if fresh and self.unsharded is not None and pending.gathered is self.unsharded.gathered:
+        made_once = self.unsharded is not None and pending.gathered is self.unsharded.gathered
+        if new_tensors and made_once:
             self.discard(ctx)  # launched into the params made once; wanted apart from them
             return None
         if pending.version != tensor_version(self.storage.buffer):  # params written since launch
@@ -306,15 +309,15 @@ class BucketGather:
         return pending
 
     def _launch(self, layout: BucketLayout, async_op: bool, ctx: HostContext,
-                device: torch.device, fresh: bool = False) -> PendingGather:
+                device: torch.device, new_tensors: bool = False) -> PendingGather:
         """Copy-in (cast) on the copy-in stream, then the all-gather on the
         gather stream. Both buffers are allocated first, on the compute stream,
         and the side streams start after an event recorded after that. Into the
-        params made once where they can be (unless `fresh`), unseen by autograd's
+        params made once where they can be (unless `new_tensors`), unseen by autograd's
         version counters (unsharded.py)."""
         plans, version = self.plans_for(layout), tensor_version(self.storage.buffer)
         source = self._source(layout)  # int reshard, in backward
-        unsharded = None if fresh else self.in_place(layout, device)
+        unsharded = None if new_tensors else self.in_place(layout, device)
         with torch.no_grad(), hidden_from_checkpoint():
             send, gathered = self._buffers(layout, plans, source, device, unsharded)
             before = None if unsharded is None else tensor_version(gathered)

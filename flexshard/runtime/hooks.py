@@ -70,13 +70,13 @@ class ModuleHooks:
         handled = torch.is_grad_enabled() and not in_backward()
         # Backward refills the params made once that this forward's graph holds; not
         # under an activation checkpoint or save_on_cpu, which keep none of them.
-        track = handled and not saves_kept_elsewhere()
+        refill_in_backward = handled and not saves_kept_elsewhere()
         self._forwards = []
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
                 continue
-            outs = bucket.unshard(track=track)
+            outs = bucket.unshard(refill_in_backward=refill_in_backward)
             bucket.install(outs)
             # An int reshard keeps 1/N of the gather for backward (also under the user's
             # activation checkpoint, whose recompute then gathers within the N ranks).
@@ -277,7 +277,7 @@ class UnshardHandle:
         for bucket in buckets:
             bucket.hold_handle = None
             with torch.enable_grad():  # so forwards run under grad reach the reduction
-                outs = bucket.unshard(fresh=True)  # kept apart from the params made once
+                outs = bucket.unshard(new_tensors=True)  # kept apart from the params made once
             bucket.hold(outs)
 
 
@@ -290,7 +290,7 @@ def unshard_explicitly(buckets: Sequence[Bucket], async_op: bool):
             raise RuntimeError(f"module.unshard() called while bucket {bucket.name!r} is "
                                f"{bucket.state.value} (inside its forward?); call it between steps")
     for bucket in buckets:
-        bucket.start_gather(fresh=True)
+        bucket.start_gather(new_tensors=True)
     handle = UnshardHandle(buckets)
     if async_op:
         return handle

@@ -26,7 +26,7 @@ class UnshardTarget(ReduceTarget, Protocol):
     reduce_queue: ReduceQueue
     compute_device: torch.device
 
-    def gather_params(self, layout=None, fresh: bool = False) -> list: ...
+    def gather_params(self, layout=None, new_tensors: bool = False) -> list: ...
     def open_forward(self): ...
     def backward_done(self, forward=None) -> None: ...
     def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]: ...
@@ -36,15 +36,16 @@ class _Unshard(torch.autograd.Function):
     """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, bucket: UnshardTarget, anchor: torch.Tensor, fresh: bool, track: bool):
+    def forward(ctx, bucket: UnshardTarget, anchor: torch.Tensor, new_tensors: bool,
+                refill_in_backward: bool):
         # The route's Delivery of this forward (None under no_grad): a later forward's
         # new route must not receive this graph's grads.
         ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
         ctx.set_materialize_grads(False)
-        outs = bucket.gather_params(None, fresh)
+        outs = bucket.gather_params(None, new_tensors)
         # What this graph's backward needs of the params made once (unsharded.py):
         # held by the graph, so a forward never backpropagated stops counting.
-        ctx.forward = bucket.open_forward() if track else None
+        ctx.forward = bucket.open_forward() if refill_in_backward else None
         # frozen now (requires_grad_(False) after the wrap included): no grad is computed
         frozen = [o for o, p in zip(outs, bucket.params) if not p.requires_grad]
         if frozen:

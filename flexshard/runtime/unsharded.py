@@ -50,7 +50,7 @@ class Forward:
 def _runs(plans: LayoutPlans):
     """The fused copy-out of a resharding bucket: params view the gather output
     where the layout keeps views (no padding is pinned past forward)."""
-    return plans.copy_out[0 if plans.keeps_views else 1]
+    return plans.copy_out.pick(plans.keeps_views)
 
 
 def _decoded(plans: LayoutPlans) -> dict:

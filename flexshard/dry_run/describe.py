@@ -7,7 +7,7 @@ from typing import Optional
 import torch.nn as nn
 
 from ..planning.bucket_plan import BucketLayouts
-from ..planning.dryrun import check_dry_run_options, check_mesh_shape, dry_run
+from ..planning.dry_run_plan import check_dry_run_options, check_mesh_shape, dry_run
 from ..planning.report import ShardingPlan, bucket_plan
 from ..runtime.state import FlexShardState, find_state
 
