@@ -14,6 +14,7 @@ PAGE = REPO / "docs" / "troubleshooting.md"
 BEGIN, END = "<!-- errors: begin -->", "<!-- errors: end -->"
 USER_ERRORS = {"ValueError", "TypeError", "NotImplementedError", "RuntimeError", "KeyError"}
 AREAS = [  # (heading, path prefixes under flexshard/), first match wins
+    ("Compiling the whole step: fs.compile", ("whole_step.py", "runtime/traced.py")),
     ("Wrapping a model: flex_shard, BucketSpec, policies", ("api.py", "config.py", "planning/", "dry_run/",
                                                             "runtime/")),
     ("Placements", ("placements/",)),
