@@ -6,10 +6,11 @@ and peak memory, reshard on and off.
 For each reshard setting one model per mode trains `benchmarks/model.py`'s model
 under flex_shard (one bucket per block plus root): "eager"; "hooks", every block
 compiled after flex_shard (`block.compile()`, inductor), the gather in flexshard's
-eager hooks around it; "in-graph", every block compiled with its bucket's gather
-inside the graph (`experimental/ingraph.py`, reshard = the compiler's selective recompute);
-"in-graph-aot", the same with the aot_eager backend (AOTAutograd's graphs run by eager
-kernels), to tell the partitioner's choices from inductor's.
+eager hooks around it; "whole", the whole model compiled with every gather and
+gradient reduction inside the graph (`fs.compile`, reshard = the compiler's selective
+recompute of the gather); "whole-aot", the same with the aot_eager backend
+(AOTAutograd's graphs run by eager kernels), to tell the partitioner's choices from
+inductor's.
 Warm-up steps (the compiles among them) are not timed; then the modes take turns,
 one step each, the order rotating every round, so load on a shared machine falls on
 all of them alike. Wall and process CPU time per step: the slowest rank's, median
@@ -35,12 +36,11 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
-from flexshard.experimental.ingraph import compile_gather_in_graph
 
 from .allocator_peak import allocated
 from .model import batch, build_model, loss_fn
 
-MODES = ("eager", "hooks", "in-graph")  # and "in-graph-aot" (backend aot_eager), on request
+MODES = ("eager", "hooks", "whole")  # and "whole-aot" (backend aot_eager), on request
 
 
 def _step(model, opt, name: str, step: int, rank: int) -> float:
@@ -60,13 +60,12 @@ def peak_bytes(run) -> int:
 
 def build(name: str, mode: str, reshard: bool):
     model = fs.flex_shard(build_model(name), reshard_after_forward=reshard)
-    for block in model.layers:
-        if mode == "hooks":
-            block.compile()
-        elif mode == "in-graph":
-            compile_gather_in_graph(model, block)
-        elif mode == "in-graph-aot":  # the same graphs, AOTAutograd without inductor
-            compile_gather_in_graph(model, block, backend="aot_eager")
+    if mode == "whole":
+        fs.compile(model, fullgraph=True)
+    elif mode == "whole-aot":  # the same graphs, AOTAutograd without inductor
+        fs.compile(model, fullgraph=True, backend="aot_eager")
+    for block in model.layers if mode == "hooks" else ():
+        block.compile()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -145,7 +144,7 @@ def main() -> None:
                         help="timed steps (default 8)")
     parser.add_argument("--peak-steps", type=int, default=2,
                         help="steps whose peak memory is read after the timed ones (default 2)")
-    parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES + ("in-graph-aot",)))
+    parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES + ("whole-aot",)))
     parser.add_argument("--reshard", default="on,off", help="on, off or on,off")
     parser.add_argument("--port", type=int, default=29613,
                         help="MASTER_PORT of the spawned ranks' process group (default 29613)")

@@ -7,9 +7,7 @@ looked up here when flexshard is imported, so a torch that renamed or removed
 one fails at import with an ImportError naming the symbol and what flexshard
 uses it for, never mid-training. Names torch renamed inside TORCH_RANGE
 (`resolve_first`) are looked up newest spelling first, so each supported torch
-runs its own current name (an old one may warn as deprecated). What only the
-experimental code uses is resolved on first use: it never breaks `import
-flexshard`. A torch outside the releases flexshard was written for warns once. tests/test_compat.py checks that each symbol resolves
+runs its own current name (an old one may warn as deprecated). A torch outside the releases flexshard was written for warns once. tests/test_compat.py checks that each symbol resolves
 and still behaves as flexshard expects; nothing else in flexshard touches a
 private torch name.
 """
@@ -258,23 +256,11 @@ def module_compiled(module) -> bool:
 TRACES_COLLECTIVE_FUNCTIONS = _release(torch.__version__) >= (2, 13)
 
 
-# The in-graph gather (experimental/ingraph.py, experimental): an all-gather that dynamo
-# traces into the graph (the _c10d_functional ops) and whose backward is a
-# reduce-scatter summing over the group. torch 2.13 renamed all_gather_tensor_autograd
-# to all_gather_single_autograd (the old name warns outside compile). Resolved on
-# first use, so a torch without either breaks only the experimental code.
-FUNCTIONAL_ALL_GATHER = ("torch.distributed._functional_collectives:all_gather_single_autograd",
-                         "torch.distributed._functional_collectives:all_gather_tensor_autograd")
-
-
-def functional_all_gather_autograd():
-    """torch's functional all-gather with autograd: f(tensor, gather_dim, group)."""
-    return resolve_first(FUNCTIONAL_ALL_GATHER,
-                         "to trace a bucket's all-gather into a compiled block (gather_in_graph)")
-
-
-# The namespace of those ops, as the selective checkpoint policy sees them.
+# torch's functional collectives (fs.compile's graph: runtime/traced.py): ops dynamo
+# traces into the graph, whose outputs a wait_tensor completes; their namespace, as the
+# selective checkpoint policy sees it.
 FUNCTIONAL_COLLECTIVES_NAMESPACE = "_c10d_functional"
+functional_collectives = getattr(torch.ops, FUNCTIONAL_COLLECTIVES_NAMESPACE)
 
 
 # nn.Module.load_state_dict(assign=True) sets this key in the local_metadata

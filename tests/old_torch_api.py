@@ -1,8 +1,7 @@
 """One rank of flexshard on torch 2.11's API surface (run by tests/test_compat.py).
 
-torch 2.13 renamed three names flexshard calls: dist.all_gather_into_tensor ->
-dist.all_gather_single, dist.reduce_scatter_tensor -> dist.reduce_scatter_single and
-_functional_collectives.all_gather_tensor_autograd -> all_gather_single_autograd (the
+torch 2.13 renamed two names flexshard calls: dist.all_gather_into_tensor ->
+dist.all_gather_single and dist.reduce_scatter_tensor -> dist.reduce_scatter_single (the
 old names stay as deprecated aliases). Before flexshard is imported, this deletes the
 new names and puts the implementation back under the old ones, as torch 2.11 has it,
 counting the calls; then it trains TinyGPT with flex_shard on this rank's batches and
@@ -20,11 +19,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 RENAMED = ((dist, "all_gather_single", "all_gather_into_tensor"),
-           (dist, "reduce_scatter_single", "reduce_scatter_tensor"),
-           (funcol, "all_gather_single_autograd", "all_gather_tensor_autograd"))
+           (dist, "reduce_scatter_single", "reduce_scatter_tensor"))
 STEPS = 3
 CALLS = collections.Counter()
 
@@ -43,16 +40,6 @@ def as_torch_2_11() -> None:
         setattr(module, old, counted)
 
 
-def functional_gather() -> tuple:
-    """experimental/ingraph.py's gather, as compat resolves it: values and grad."""
-    from flexshard import compat
-
-    x = torch.tensor([10.0 * dist.get_rank(), 1.0], requires_grad=True)
-    out = compat.functional_all_gather_autograd()(x, 0, dist.group.WORLD)
-    (out * torch.arange(4.0)).sum().backward()
-    return out.tolist(), x.grad.tolist()
-
-
 def main(out_dir: str) -> None:
     as_torch_2_11()
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -66,7 +53,7 @@ def main(out_dir: str) -> None:
     # broadcast large ones), so the renamed names carry the whole step.
     result = train_sharded(STEPS, {"comm": fs.Comm(), "reshard_after_forward": True})
     torch.save({"result": result[:3],  # losses, full params (rank 0), step-0 sharded grads
-                "functional": functional_gather(), "calls": dict(CALLS),
+                "calls": dict(CALLS),
                 "still_there": [new for module, new, _ in RENAMED if hasattr(module, new)]},
                os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()

@@ -58,26 +58,17 @@ def test_renamed_names_resolve_newest_first():
         compat.resolve_first(("torch:_a", "torch:_b"), "for a test")
 
 
-def test_this_torch_runs_its_own_names_without_deprecation_warnings():
-    import warnings
-
+def test_this_torch_runs_its_own_names():
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
     assert compat.all_gather_single is getattr(dist, "all_gather_single", None) \
         or not hasattr(dist, "all_gather_single")
     assert compat.reduce_scatter_single is getattr(dist, "reduce_scatter_single", None) \
         or not hasattr(dist, "reduce_scatter_single")
-    assert compat.functional_all_gather_autograd() in (
-        getattr(funcol, "all_gather_single_autograd", None),
-        getattr(funcol, "all_gather_tensor_autograd", None))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        compat.functional_all_gather_autograd()
 
 
 def test_torch_2_11_api_surface_trains_as_one_process(tmp_path):
-    """flexshard imported after torch 2.13's three new names are deleted (the old ones
+    """flexshard imported after torch 2.13's two new names are deleted (the old ones
     kept, as on 2.11) trains 2 ranks as one process does: losses, step-0 grads, params."""
     import os
     import subprocess
@@ -105,8 +96,6 @@ def test_torch_2_11_api_surface_trains_as_one_process(tmp_path):
         assert got["still_there"] == []
         assert got["calls"]["all_gather_into_tensor"] > 0
         assert got["calls"]["reduce_scatter_tensor"] > 0
-        assert got["calls"]["all_gather_tensor_autograd"] == 1
-        assert got["functional"] == ([0.0, 1.0, 10.0, 1.0], [2 * (2 * rank), 2 * (2 * rank) + 2])
     compare_to_reference([got["result"] for got in saved], 2, STEPS, exact=True)
 
 
@@ -278,27 +267,6 @@ def _root_meshes() -> tuple:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     return (compat.root_mesh(mesh["dp"]) is mesh, compat.root_mesh(mesh["tp"]) is mesh,
             compat.root_mesh(mesh) is mesh)
-
-
-@pytest.mark.world
-def test_functional_all_gather_gathers_and_its_backward_sums():
-    """experimental/ingraph.py relies on it: rank-major output, a summing reduce-scatter
-    as backward (the in-graph gather divides by the bucket's factor itself)."""
-    from harness import run_world
-
-    for rank, (out, grad) in enumerate(run_world(2, _functional_gather)):
-        assert out == [0.0, 1.0, 10.0, 11.0]
-        assert grad == [2 * (2 * rank), 2 * (2 * rank + 1)]  # both ranks' 2 * index
-
-
-def _functional_gather() -> tuple:
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    x = torch.tensor([10.0 * rank, 10.0 * rank + 1], requires_grad=True)
-    out = compat.functional_all_gather_autograd()(x, 0, dist.group.WORLD)
-    (out * torch.arange(4.0)).sum().backward()
-    return out.tolist(), x.grad.tolist()
 
 
 def test_functional_collective_ops_live_in_the_namespace_the_policy_reads():

@@ -28,7 +28,7 @@ LAYERS = [
     {"runtime.prefetch"},
     {"runtime.hooks", "runtime"},
     {"runtime.traced"},
-    {"collectives", "collectives.", "clip", "grads", "optim", "experimental", "experimental."},
+    {"collectives", "collectives.", "clip", "grads", "optim"},
     {"checkpoint", "checkpoint."},
     {"api", "dry_run", "dry_run.", "whole_step"},
     {"", "integrations", "integrations."},

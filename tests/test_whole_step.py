@@ -46,11 +46,14 @@ def counting_backend(graphs: list):
 
 
 def _saved_numels(model, x) -> set:
-    """numel of every tensor autograd saves in one forward of `model`."""
-    seen = set()
+    """numel of every tensor autograd saves in one forward of `model`, less the
+    sharded params themselves (what a checkpoint keeps to regather from; an Owned
+    param's owner holds it whole)."""
+    seen, shards = set(), {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
-        seen.add(t.numel())
+        if t.untyped_storage().data_ptr() not in shards:
+            seen.add(t.numel())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -3,7 +3,7 @@ layout regions they occupy and their copy plans, made once per layout. The one
 object every gather of a param goes through: the copy-in (encode, also from an
 offloaded storage's staged copy), the copy-out (decode, forward, the regather
 in backward and an int reshard's gather from its kept slice alike) and the
-experimental traced gather."""
+whole-step graph's gather (runtime/traced.py)."""
 
 from __future__ import annotations
 

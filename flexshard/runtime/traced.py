@@ -25,19 +25,20 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE
+from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, functional_collectives
 from ..placements.quantized import DECODE_NAMESPACE, BlockQuantized
 from ..placements.wire import Cast
 from ..planning.copyplan import plan_copies
 from ..planning.wire_plan import plan_param_wires
 from .bucket import Bucket
 
-# aten ops that turn a shard into unsharded params besides views (the send's
-# join and gaps, copy-outs, casts, the stand-in): recomputed in backward under
-# reshard after forward, with the collectives and the decode ops.
-_GATHER_OPS = frozenset({"cat", "clone", "index", "_to_copy", "new_zeros", "zeros", "empty",
-                         "new_empty", "empty_like", "_unsafe_view", "view", "reshape", "slice",
-                         "as_strided", "alias"})
+# aten ops that turn a shard into unsharded params besides views (a cast's encode,
+# the send's join and gaps, copy-outs, casts, the stand-in): recomputed in backward
+# under reshard after forward, with the collectives and the decode op; saving one
+# would keep a copy of the shard (a whole param on an Owned param's owner).
+_GATHER_OPS = frozenset({"cat", "clone", "copy", "copy_", "index", "_to_copy", "new_zeros", "zeros",
+                         "empty", "new_empty", "empty_like", "_unsafe_view", "view", "reshape",
+                         "slice", "as_strided", "alias"})
 
 
 def recompute_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -59,7 +60,7 @@ class _GatherReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, segment, send, world, group, splits, reduce_dtype, factor, replicas):
         ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, len(splits[1]))
-        ops = torch.ops._c10d_functional
+        ops = functional_collectives
         sends = send.split(splits[0]) if len(splits[0]) > 1 else [send]
         gathered = [ops.wait_tensor(t) for t in
                     ops.all_gather_into_tensor_coalesced(sends, world, group)]
@@ -70,7 +71,7 @@ class _GatherReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         dtype, world, group, reduce_dtype, factor, replicas, groups = ctx.args
-        ops = torch.ops._c10d_functional
+        ops = functional_collectives
         # the stand-ins' grads (the gathered outputs have none)
         parts = [g.to(reduce_dtype).contiguous() for g in grads[:groups]]
         out = [ops.wait_tensor(t) for t in
@@ -169,8 +170,11 @@ class TracedBucket:
         """This rank's wire segment: each piece encoded in its format."""
         parts = []
         for wire, sends, piece in zip(self.wires.params, self.sends, sharded):
-            outs = [piece.new_empty(shape, dtype=dtype) for _, dtype, shape in sends]
-            wire.meta = wire.format.encode(piece.detach(), outs, None)
+            if isinstance(wire.format, Cast):  # one cast, no buffer to copy into
+                outs = [piece.detach().to(sends[0][1]).reshape(sends[0][2])]
+            else:
+                outs = [piece.new_empty(shape, dtype=dtype) for _, dtype, shape in sends]
+                wire.meta = wire.format.encode(piece.detach(), outs, None)
             parts += [(start, out) for (start, _, _), out in zip(sends, outs)]
         return _join(parts, self.layout.segment_bytes, sharded[0])
 
