@@ -164,6 +164,42 @@ def test_fp32_parity(nccl):
     check_parity(nccl, None)
 
 
+@pytest.mark.parametrize("cudagraphs", [False, True], ids=["inductor", "cudagraphs"])
+def test_whole_step_bf16_parity(nccl, cudagraphs):
+    """fs.compile on this torch (the GPU machine's 2.11 too): the whole step in one
+    graph trains as the reference, each step one compiled graph, no graph break.
+    The bf16 cast makes every bucket gather (and reduce in its graph) at world 1."""
+    from torch._dynamo.utils import counters
+
+    from compile_check import compiled_graph_calls
+
+    torch._dynamo.reset()
+    counters.clear()
+    ref_losses, ref_grads, ref_params = reference(nccl, STEPS, torch.bfloat16)
+    model = fs.compile(fs.flex_shard(make_model(nccl), mp_policy=BF16), fullgraph=True,
+                       cudagraphs=cudagraphs)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, calls, first = [], [], None
+    for step in range(STEPS):
+        x, y = cuda_batch(step, nccl)
+        loss = loss_fn(model(x), y)
+        calls.append(compiled_graph_calls(loss))
+        loss.backward()
+        if step == 0:
+            first = {k: p.grad.clone() for k, p in model.named_parameters()}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert calls == [1] * STEPS and not counters["graph_break"], (calls, counters["graph_break"])
+    # inductor fuses bf16 intermediates where eager rounds each op: a few bf16 roundings
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2 ** -6, atol=0)
+    for k, g in ref_grads.items():
+        assert_rel_close(first[k], g, 2 ** -6, f"grad of {k}")
+    full = fs.full_state_dict(model)
+    for k, v in ref_params.items():
+        assert_rel_close(full[k].to(v.device), v, 2 ** -6, k)
+
+
 @pytest.mark.parametrize("mp", ["fp32", "bf16"])
 @pytest.mark.parametrize("reshard", [True, False])
 def test_offload_parity(nccl, mp, reshard):
