@@ -301,7 +301,7 @@ def checkpoint_round_trip(directory: str) -> dict:
 
 
 def test_whole_step_checkpoint_and_describe(tmp_path):
-    for out in run_world(2, checkpoint_round_trip, str(tmp_path / "ckpt")):
+    for out in run_world(2, checkpoint_round_trip, str(tmp_path / "ckpt"), timeout=400):
         assert out["step"] == 1 and out["keys"]
         assert out["again"] == out["after"]  # params and momentum restored exactly
         assert "layers.0" in out["describe"] and "root" in out["describe"]

@@ -82,6 +82,30 @@ class _GatherReduce(torch.autograd.Function):
         return (out / factor).to(dtype), None, None, None, None, None, None, None
 
 
+class _Spans(torch.autograd.Function):
+    """Forward: unfilled tensors of the members' shapes (a stand-in's pieces,
+    never read); backward: their grads joined into the stand-in's layout (each
+    member's span, zeros in the gaps) in one write, where slicing each member
+    out would write a whole zero-padded group per member."""
+
+    @staticmethod
+    def forward(ctx, stand_in, spans):
+        ctx.spans, ctx.numel = spans, stand_in.numel()
+        return tuple(stand_in.new_empty(shape) for _, _, shape in spans)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        parts, pos = [], 0
+        for (start, numel, _), grad in zip(ctx.spans, grads):
+            if start > pos:
+                parts.append(grad.new_zeros(start - pos))
+            parts.append(grad.reshape(-1))
+            pos = start + numel
+        if pos < ctx.numel:
+            parts.append(grads[0].new_zeros(ctx.numel - pos))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+
+
 class _ValueFrom(torch.autograd.Function):
     """`value` forward, its grad to `plain` backward (cast to plain's dtype)."""
 
@@ -165,6 +189,18 @@ class TracedBucket:
         self.splits = ([b - a for a, b in self.layout.spans],
                        [(b - a) // size for a, b in reduce.spans])
         self.starts = ([a for a, _ in self.layout.spans], [a // size for a, _ in reduce.spans])
+        self.spanned = self._plan_spans(reduce, size)
+
+    def _plan_spans(self, reduce, size: int) -> list:
+        """Per reduce group, (trainable index, start, numel, shape) of the members whose
+        grad is one span of the group's rank-major buffer, by start."""
+        out = [[] for _ in reduce.spans]
+        for k, plan in enumerate(self.grad_copies):
+            if plan.span is not None:
+                group = reduce.regions[plan.region].group
+                start = plan.span[0] // size - self.world * self.starts[1][group]
+                out[group].append((k, start, plan.numel, plan.shape))
+        return [sorted(members, key=lambda m: m[1]) for members in out]
 
     def send(self, sharded: Sequence[torch.Tensor]) -> torch.Tensor:
         """This rank's wire segment: each piece encoded in its format."""
@@ -190,11 +226,22 @@ class TracedBucket:
                                    self.reduce_dtype, self.factor, self.replicas)
         stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
         fulls = [self._decode(wire, gathered) for wire in self.wires.params]
+        plains = dict(self._spanned(stand_ins))
         for k, i in enumerate(self.trainable):
-            plain = _full(self.grad_copies[k], stand_ins, self.reduce_layout, self.starts[1],
-                          self.world)
+            plain = plains.get(k)
+            if plain is None:  # not one span of its group: sliced out (autograd's pack)
+                plain = _full(self.grad_copies[k], stand_ins, self.reduce_layout,
+                              self.starts[1], self.world)
             fulls[i] = _ValueFrom.apply(plain, fulls[i])
         return fulls
+
+    def _spanned(self, stand_ins: Sequence[torch.Tensor]):
+        """(trainable index, its stand-in) of the members one span each, per group."""
+        for group, members in enumerate(self.spanned):
+            if members:
+                spans = tuple((start, numel, shape) for _, start, numel, shape in members)
+                yield from zip([k for k, _, _, _ in members],
+                               _Spans.apply(stand_ins[group], spans))
 
     def _decode(self, wire, gathered: Sequence[torch.Tensor]) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
