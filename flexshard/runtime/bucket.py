@@ -25,7 +25,7 @@ from ..planning.bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layout
 from ..planning.layout import BucketLayout, SlotPlan
 from .comm import Comm
 from .counters import BucketCounters
-from .device import DeviceContexts, HostContext
+from .device import DeviceContexts, DeviceSite, HostContext
 from .dtensor_param import wrap_unsharded
 from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue
@@ -73,12 +73,14 @@ class Bucket:
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
         self.counters = BucketCounters()
+        self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
+        self.site = DeviceSite(self.storage, self.offload, self.devices)
         self.grads = GradReduce(layouts.reduce, slots, self.grad_slots, rank, world_size, group,
-                                comm, self.counters, replicate_group=replicate_group,
+                                comm, self.counters, self.site, replicate_group=replicate_group,
                                 replicate_size=replicate_size, divide_factor=divide_factor,
                                 offload=self.offload)
         self.gather = BucketGather(
-            layouts, self.storage, slots, rank, world_size, group, comm, self.counters,
+            layouts, self.storage, slots, rank, world_size, group, comm, self.counters, self.site,
             reshard_after_forward=reshard_after_forward, offload=self.offload,
             subgroups=subgroups)
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
@@ -91,18 +93,17 @@ class Bucket:
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         self._held_version = -1
         self.opened: Optional[Forward] = None  # the last tracked unshard's (see unshard)
-        self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
 
     @property
     def compute_device(self) -> torch.device:
         """Where the unsharded params and the collectives live: the storage's
         device, or the compute device of an offloaded bucket."""
-        return self.storage.buffer.device if self.offload is None else self.offload.compute_device
+        return self.site.compute_device
 
     @property
     def device_ctx(self) -> HostContext:
         """Streams and events of the compute device."""
-        return self.devices.get(self.compute_device)
+        return self.site.ctx
 
     @property
     def needs_hooks(self) -> bool:
@@ -331,26 +332,26 @@ class Bucket:
     def set_reshard_after_forward(self, value) -> None:
         """The setter's part in the bucket (between steps): the gather follows."""
         self.assert_state(BucketState.SHARDED)
-        self.gather.follow_reshard(value, self.device_ctx)
+        self.gather.follow_reshard(value)
 
     def gather_params(self, layout: Optional[BucketLayout] = None,
                       new_tensors: bool = False) -> list:
         """BucketGather.gather on this bucket's compute device."""
-        return self.gather.gather(layout, self.device_ctx, self.compute_device, new_tensors)
+        return self.gather.gather(layout, new_tensors)
 
     def gather_pieces(self, pieces: list) -> list:
         """BucketGather.gather_pieces on this bucket's compute device."""
-        return self.gather.gather_pieces(pieces, self.compute_device)
+        return self.gather.gather_pieces(pieces)
 
     def start_gather(self, new_tensors: bool = False) -> bool:
         """Launch the gather now (prefetch), unless in flight or not sharded;
         `new_tensors`: not into the params made once (module.unshard(), see unshard)."""
         if self.state is not BucketState.SHARDED:
             return False
-        return self.gather.start(self.device_ctx, self.compute_device, new_tensors)
+        return self.gather.start(new_tensors)
 
     def discard_gather(self) -> None:
-        self.gather.discard(self.device_ctx)
+        self.gather.discard()
 
     def keep_post_forward_shard(self, for_backward: bool) -> None:
         self.gather.keep_post_forward_shard(for_backward)
@@ -373,15 +374,15 @@ class Bucket:
 
     def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
         """GradReduce.pack on this bucket's compute device."""
-        return self.grads.pack(grads, self.device_ctx, self.compute_device)
+        return self.grads.pack(grads)
 
     def launch_reduce(self, packed: tuple) -> PendingReduce:
         """GradReduce.launch of a packed reduce input."""
-        return self.grads.launch(packed, self.device_ctx)
+        return self.grads.launch(packed)
 
     def finish_reduce(self, pending: PendingReduce) -> list:
         """GradReduce.finish: the sharded grads per slot."""
-        return self.grads.finish(pending, self.device_ctx, self.storage.buffer.device)
+        return self.grads.finish(pending)
 
     def host_wait(self) -> None:
         """The host waits for the last D2H copy of this offloaded bucket's grads."""
