@@ -117,7 +117,7 @@ def test_local_comm_bucket_reduces_like_the_mean_of_equal_grads():
     the pre-divided sum of one rank's grad is that grad divided by the world."""
     bucket = make_bucket(8, fs.Shard(0), [(16, 2)])
     grad = torch.arange(32.0).view(16, 2)
-    (sharded,) = bucket.finish_reduce(bucket.start_reduce([grad]))
+    (sharded,) = bucket.grads.finish(bucket.grads.start([grad]))
     assert torch.equal(sharded, grad[:2] / 8)
     assert math.prod(bucket.slots[0].local_shapes[0]) == 4
     assert isinstance(bucket.comm, LocalComm) and len(block_shapes()) == 7

@@ -205,7 +205,7 @@ def test_reduce_gives_each_rank_its_piece_of_the_mean_gradient(bucket, mp, seed)
     played = PlayedWorld(slots, trainable, mp, world, fulls)
     grads = [[torch.randn(s.shape, generator=gen).to(s.dtype) if t else None
               for s, t in zip(slots, trainable)] for _ in range(world)]
-    results = played.run(lambda bucket, rank: bucket.finish_reduce(bucket.start_reduce(grads[rank])))
+    results = played.run(lambda bucket, rank: bucket.grads.finish(bucket.grads.start(grads[rank])))
     reduce_dtype = played.buckets[0].reduce_layout.regions[0].dtype
     for i, slot in enumerate(slots):
         if not trainable[i]:

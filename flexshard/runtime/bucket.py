@@ -29,7 +29,7 @@ from .device import DeviceContexts, DeviceSite, HostContext
 from .dtensor_param import wrap_unsharded
 from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue
-from .inflight import PendingGather, PendingReduce
+from .inflight import PendingGather
 from .offload import Offload
 from .identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
@@ -364,27 +364,3 @@ class Bucket:
     @property
     def reduce_layout(self) -> BucketLayout:
         return self.grads.layout
-
-    def start_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
-        """Pack the unsharded grads and launch their reduce-scatter on the
-        reduce stream without waiting; None under no-sync (the packed grads are
-        kept for later)."""
-        packed = self.pack_reduce(grads)
-        return None if packed is None else self.launch_reduce(packed)
-
-    def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
-        """GradReduce.pack on this bucket's compute device."""
-        return self.grads.pack(grads)
-
-    def launch_reduce(self, packed: tuple) -> PendingReduce:
-        """GradReduce.launch of a packed reduce input."""
-        return self.grads.launch(packed)
-
-    def finish_reduce(self, pending: PendingReduce) -> list:
-        """GradReduce.finish: the sharded grads per slot."""
-        return self.grads.finish(pending)
-
-    def host_wait(self) -> None:
-        """The host waits for the last D2H copy of this offloaded bucket's grads."""
-        if self.offload is not None:
-            self.device_ctx.synchronize(self.offload.grads_copied)

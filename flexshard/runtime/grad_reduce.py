@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -386,24 +386,13 @@ def _inside(start: int, stop: int, cat, layout: BucketLayout) -> bool:
     return block[0] <= start and stop <= block[1]
 
 
-class ReduceTarget(Protocol):
-    """What a Reduction needs of its bucket (runtime/bucket.py's Bucket)."""
-
-    offload: Any
-    device_ctx: Any
-
-    def launch_reduce(self, packed: tuple) -> PendingReduce: ...
-    def finish_reduce(self, pending: PendingReduce) -> list: ...
-    def host_wait(self) -> None: ...
-
-
 class Reduction:
     """One bucket's reduction through the model's queue, a named step at a time:
     packed in the bucket's backward, `launch`ed once that node has returned,
     `finish`ed into the forward's Delivery (None: a graph no Delivery waits for)."""
 
-    def __init__(self, target: ReduceTarget, packed: tuple, delivery) -> None:
-        self.target, self.packed, self.delivery = target, packed, delivery
+    def __init__(self, grads: GradReduce, packed: tuple, delivery) -> None:
+        self.grads, self.packed, self.delivery = grads, packed, delivery
         self.pending: Optional[PendingReduce] = None
 
     @property
@@ -412,11 +401,11 @@ class Reduction:
         return None if self.pending is None else self.pending.work
 
     def launch(self) -> None:
-        self.pending, self.packed = self.target.launch_reduce(self.packed), None
+        self.pending, self.packed = self.grads.launch(self.packed), None
 
     def finish(self) -> None:
-        grads, self.pending = self.target.finish_reduce(self.pending), None
-        host_wait = self.target.host_wait if self.target.offload is not None else None
+        grads, self.pending = self.grads.finish(self.pending), None
+        host_wait = self.grads.host_wait if self.grads.offload is not None else None
         self.delivery.add(grads, host_wait)
 
 
@@ -476,7 +465,7 @@ class ReduceQueue:
             reduction = self._deferred.popleft()
             # how many may stay in flight is the device's call; a model's buckets
             # share one compute device, so they agree
-            self.max_in_flight = reduction.target.device_ctx.reduces_in_flight
+            self.max_in_flight = reduction.grads.site.ctx.reduces_in_flight
             reduction.launch()
             if reduction.delivery is not None:
                 self.push(reduction)

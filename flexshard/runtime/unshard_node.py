@@ -4,32 +4,31 @@ reduce-scatter until the node has returned (see grad_reduce.py).
 
 The node receives the bucket as an argument and reaches it through
 `UnshardTarget`, the typed interface Bucket implements (bucket.py imports this
-file, so the node names what it needs instead of importing Bucket).
+file, so the node names what it needs instead of importing Bucket); the reduction
+it calls directly, through the bucket's GradReduce.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
-from .grad_reduce import GradRoute, ReduceQueue, ReduceTarget, Reduction
+from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 
 
-class UnshardTarget(ReduceTarget, Protocol):
-    """What _Unshard needs of a bucket (runtime/bucket.py's Bucket), beyond
-    what its Reduction needs (ReduceTarget: launch, finish, host wait)."""
+class UnshardTarget(Protocol):
+    """What _Unshard needs of a bucket (runtime/bucket.py's Bucket)."""
 
-    grad_slots: list
     params: list  # the sharded params: one frozen since the wrap gets no grad
     grad_route: GradRoute
     reduce_queue: ReduceQueue
     compute_device: torch.device
+    grads: GradReduce  # its gradient path: pack here, launch and finish through the queue
 
     def gather_params(self, layout=None, new_tensors: bool = False) -> list: ...
     def open_forward(self): ...
     def backward_done(self, forward=None) -> None: ...
-    def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]: ...
 
 
 class _Unshard(torch.autograd.Function):
@@ -62,9 +61,9 @@ class _Unshard(torch.autograd.Function):
         bucket.backward_done(ctx.forward)  # and the int reshard's kept slice (postforward.py)
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
-        packed = bucket.pack_reduce(grads)
+        packed = bucket.grads.pack(grads)
         if packed is not None:
             # Launched once this backward has returned and autograd has let go of the
             # unsharded grads, so they never sit beside the collective's buffers.
-            bucket.reduce_queue.defer(Reduction(bucket, packed, ctx.delivery))
+            bucket.reduce_queue.defer(Reduction(bucket.grads, packed, ctx.delivery))
         return None, bucket.grad_route.anchor_grad(bucket.compute_device), None, None
