@@ -69,7 +69,7 @@ def make_bucket(world: int, placement, shapes=None, mp=None, comm=None) -> Bucke
 
 def step(bucket: Bucket, grads: list) -> list:
     """One step of the data path: gather, unsharded params, reduce, sharded grads."""
-    outs = bucket.gather_params()
+    outs = bucket.gather.gather()
     return outs, bucket.grads.finish(bucket.grads.start(grads))
 
 

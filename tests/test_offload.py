@@ -130,7 +130,7 @@ def test_staged_buffer_is_not_the_storage():
 
     model = fs.flex_shard(make_model(), offload_policy=OFF)
     bucket = get_state(model).buckets[0]
-    outs = bucket.gather_params()
+    outs = bucket.gather.gather()
     storage = bucket.storage.buffer.untyped_storage().data_ptr()
     assert all(o.untyped_storage().data_ptr() != storage for o in outs)
     assert bucket.counters.h2d_bytes == bucket.storage.layout.segment_bytes
@@ -284,7 +284,7 @@ def test_staging_runs_on_copy_in_before_the_gather(mp):
 
     bucket, ctx = _recorded_bucket(mp)
     with OpLog(ctx):
-        bucket.gather_params()
+        bucket.gather.gather()
     log = ctx.log
     copies = [i for i, x in enumerate(log) if x[:2] == ("op", "copy_in")]
     gather = next(i for i, x in enumerate(log) if x == ("comm", "gather", "all_gather"))

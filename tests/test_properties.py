@@ -187,7 +187,7 @@ def test_gather_unshards_every_parameter_bitwise(bucket, mp, seed):
     gen = torch.Generator().manual_seed(seed)
     fulls = {s.fqn: random_bytes(s.shape, s.dtype, gen) for s in slots}
     played = PlayedWorld(slots, trainable, mp, world, fulls)
-    for outs in played.run(lambda bucket, rank: bucket.gather_params()):
+    for outs in played.run(lambda bucket, rank: bucket.gather.gather()):
         for slot, out in zip(slots, outs):
             full = fulls[slot.fqn]
             if mp.param_dtype is not None and full.is_floating_point():

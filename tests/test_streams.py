@@ -100,7 +100,7 @@ def _waits_before(log, index, stream, event_stream) -> bool:
 def test_gather_runs_copy_in_then_gather_on_side_streams_and_compute_waits():
     bucket, ctx = _bucket(fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     with OpLog(ctx):
-        bucket.gather_params()
+        bucket.gather.gather()
     log = ctx.log
     copy_in = [i for i, x in enumerate(log) if x[:2] == ("op", "copy_in")]
     gather = next(i for i, x in enumerate(log) if x == ("comm", "gather", "all_gather"))
@@ -161,7 +161,7 @@ def test_a_gather_consumed_on_another_stream_is_waited_there_and_adopted():
     bucket, ctx = _bucket()
     bucket.start_gather()
     ctx.compute = "forward"
-    bucket.gather_params()
+    bucket.gather.gather()
     done = next(e for kind, s, e in [x for x in ctx.log if len(x) == 3]
                 if kind == "record" and s == "gather")
     assert ("wait", "forward", done) in ctx.log
@@ -171,7 +171,7 @@ def test_a_gather_consumed_on_another_stream_is_waited_there_and_adopted():
 def test_same_stream_consumption_adopts_nothing():
     bucket, ctx = _bucket()
     bucket.start_gather()
-    bucket.gather_params()
+    bucket.gather.gather()
     assert not any(x[0] == "adopt" for x in ctx.log)
 
 

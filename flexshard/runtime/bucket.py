@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
-from ..planning.bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layouts
+from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
 from ..planning.layout import BucketLayout, SlotPlan
 from .comm import Comm
 from .counters import BucketCounters
@@ -92,7 +92,6 @@ class Bucket:
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         self._held_version = -1
-        self.opened: Optional[Forward] = None  # the last tracked unshard's (see unshard)
 
     @property
     def compute_device(self) -> torch.device:
@@ -168,7 +167,7 @@ class Bucket:
         """Gather the bucket: unsharded parameters linked to the sharded ones by
         autograd; new tensors if `new_tensors` (module.unshard()), else the params
         made once where they can be (unsharded.py). `refill_in_backward`: this
-        forward's backward refills them (then `opened` is its Forward)."""
+        forward's backward refills them (then the gather's take_opened() is its Forward)."""
         self.assert_state(BucketState.SHARDED, BucketState.UNSHARDED)
         self._check_requires_grad()
         self.state = BucketState.UNSHARDING
@@ -270,12 +269,6 @@ class Bucket:
 
     # The params made once (gather.py, unsharded.py): a forward's backward refills them.
 
-    def open_forward(self) -> Optional[Forward]:
-        """BucketGather.open_forward (inside _Unshard.forward); kept as `opened`
-        for the module hooks that refill it."""
-        self.opened = self.gather.open_forward()
-        return self.opened
-
     def refill(self, forward: Forward) -> bool:
         """Before the backward of `forward`'s block: its params hold the values it
         gathered (True when they were gathered now)."""
@@ -289,7 +282,7 @@ class Bucket:
         self.check_unchanged_since(forward.version)
         self.reduce_queue.watch_backward()  # the pass ends by freeing them
         with torch.no_grad():
-            self.gather_params()
+            self.gather.gather()
         return True
 
     def check_unchanged_since(self, version: int) -> None:
@@ -334,30 +327,12 @@ class Bucket:
         self.assert_state(BucketState.SHARDED)
         self.gather.follow_reshard(value)
 
-    def gather_params(self, layout: Optional[BucketLayout] = None,
-                      new_tensors: bool = False) -> list:
-        """BucketGather.gather on this bucket's compute device."""
-        return self.gather.gather(layout, new_tensors)
-
-    def gather_pieces(self, pieces: list) -> list:
-        """BucketGather.gather_pieces on this bucket's compute device."""
-        return self.gather.gather_pieces(pieces)
-
     def start_gather(self, new_tensors: bool = False) -> bool:
         """Launch the gather now (prefetch), unless in flight or not sharded;
         `new_tensors`: not into the params made once (module.unshard(), see unshard)."""
         if self.state is not BucketState.SHARDED:
             return False
         return self.gather.start(new_tensors)
-
-    def discard_gather(self) -> None:
-        self.gather.discard()
-
-    def keep_post_forward_shard(self, for_backward: bool) -> None:
-        self.gather.keep_post_forward_shard(for_backward)
-
-    def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
-        return self.gather.plans_for(layout)
 
     # The gradient path (grad_reduce.py owns its fields and steps).
 

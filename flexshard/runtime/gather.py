@@ -52,6 +52,7 @@ class BucketGather:
         # False: they cannot be (that layout gathers into new tensors each time)
         self.unsharded: Optional[UnshardedParams] = None
         self._in_place: Optional[bool] = None  # whether they can be, once known
+        self._opened: Optional[Forward] = None  # the last open_forward's, until take_opened()
         # Looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(storage.layout): self._layout_plans(storage.layout)}
         self.layout = layouts.gather
@@ -185,12 +186,18 @@ class BucketGather:
 
     def open_forward(self) -> Optional[Forward]:
         """A grad-enabled forward just gathered into the params made once: what
-        its backward will need (None when it gathered into new tensors)."""
+        its backward will need (None when it gathered into new tensors); kept
+        for take_opened()."""
+        self._opened = None
         unsharded = self.unsharded
-        if unsharded is None or not unsharded.filled:
-            return None
-        forward = Forward(unsharded, unsharded.version)
-        unsharded.forwards.add(forward)
+        if unsharded is not None and unsharded.filled:
+            self._opened = Forward(unsharded, unsharded.version)
+            unsharded.forwards.add(self._opened)
+        return self._opened
+
+    def take_opened(self) -> Optional[Forward]:
+        """The last open_forward's Forward, once (the module hooks refill it), or None."""
+        forward, self._opened = self._opened, None
         return forward
 
     def _source(self, layout: BucketLayout) -> Optional[PostForwardShard]:

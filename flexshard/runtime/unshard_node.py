@@ -4,8 +4,8 @@ reduce-scatter until the node has returned (see grad_reduce.py).
 
 The node receives the bucket as an argument and reaches it through
 `UnshardTarget`, the typed interface Bucket implements (bucket.py imports this
-file, so the node names what it needs instead of importing Bucket); the reduction
-it calls directly, through the bucket's GradReduce.
+file, so the node names what it needs instead of importing Bucket); the gather
+and the reduction it calls directly: the bucket's BucketGather and GradReduce.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 
 
@@ -24,10 +25,9 @@ class UnshardTarget(Protocol):
     grad_route: GradRoute
     reduce_queue: ReduceQueue
     compute_device: torch.device
+    gather: BucketGather  # its gather: the forward's outputs
     grads: GradReduce  # its gradient path: pack here, launch and finish through the queue
 
-    def gather_params(self, layout=None, new_tensors: bool = False) -> list: ...
-    def open_forward(self): ...
     def backward_done(self, forward=None) -> None: ...
 
 
@@ -41,10 +41,10 @@ class _Unshard(torch.autograd.Function):
         # new route must not receive this graph's grads.
         ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
         ctx.set_materialize_grads(False)
-        outs = bucket.gather_params(None, new_tensors)
+        outs = bucket.gather.gather(None, new_tensors)
         # What this graph's backward needs of the params made once (unsharded.py):
         # held by the graph, so a forward never backpropagated stops counting.
-        ctx.forward = bucket.open_forward() if refill_in_backward else None
+        ctx.forward = bucket.gather.open_forward() if refill_in_backward else None
         # frozen now (requires_grad_(False) after the wrap included): no grad is computed
         frozen = [o for o, p in zip(outs, bucket.params) if not p.requires_grad]
         if frozen:
