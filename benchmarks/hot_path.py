@@ -69,8 +69,8 @@ def make_bucket(world: int, placement, shapes=None, mp=None, comm=None) -> Bucke
 
 def step(bucket: Bucket, grads: list) -> list:
     """One step of the data path: gather, unsharded params, reduce, sharded grads."""
-    outs = bucket.gather_params()
-    return outs, bucket.finish_reduce(bucket.start_reduce(grads))
+    outs = bucket.gather.gather()
+    return outs, bucket.grads.finish(bucket.grads.start(grads))
 
 
 def time_world(world: int, placement, steps: int, mp=None, hidden: int = HIDDEN) -> float:

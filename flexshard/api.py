@@ -344,7 +344,7 @@ def _default_mesh(device: torch.device, world_size: int) -> Optional[DeviceMesh]
 def _new_prefetcher() -> Prefetcher:
     # A bucket held by module.unshard() or without hooks is never prefetched.
     return Prefetcher(launch=lambda b: b.held is None and b.needs_hooks and b.start_gather(),
-                      discard=Bucket.discard_gather)
+                      discard=lambda b: b.gather.discard())
 
 
 def _shard_dim_note(mesh) -> str:

@@ -21,7 +21,7 @@ def full_grads(module: nn.Module) -> dict:
     out = {}
     for bucket in get_state(module).buckets:
         pieces = _agreed_grads(bucket, "full_grads")
-        fulls = bucket.gather_pieces([plain(g) if g is not None else None for g in pieces])
+        fulls = bucket.gather.gather_pieces([plain(g) if g is not None else None for g in pieces])
         specs = bucket.tp_specs or (None,) * len(fulls)
         for slot, grad, full, spec in zip(bucket.slots, pieces, fulls, specs):
             out[slot.fqn] = None if grad is None else full if spec is None else spec.full_of(full)

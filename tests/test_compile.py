@@ -53,10 +53,10 @@ def _count_gathers(model) -> list:
     """A one-element list counting every bucket gather (forward and backward)."""
     count = [0]
     for bucket in get_state(model).buckets:
-        def gather_params(*args, _gather=bucket.gather_params, **kwargs):
+        def gather(*args, _gather=bucket.gather.gather, **kwargs):
             count[0] += 1
             return _gather(*args, **kwargs)
-        bucket.gather_params = gather_params
+        bucket.gather.gather = gather
     return count
 
 

@@ -345,7 +345,7 @@ def _encode_both(n: int, bias: bool, param_dtype) -> tuple:
     from flexshard.runtime.state import find_state
 
     bucket = find_state(model).buckets[0]
-    wires = bucket._plans_for(bucket.gather_layout).wires
+    wires = bucket.gather.plans_for(bucket.gather_layout).wires
     assert len(wires.batches) == 1 and len(wires.batches[0].members) == n
     mesh = bucket.gather.shard_mesh(torch.device("cpu"))
     views = bucket.storage.views
@@ -401,7 +401,7 @@ def _amax_all_reduces() -> tuple:
         opt.step()
         opt.zero_grad()
         counts.append(mode.collectives)
-    buckets = sum(any(not w.cast for w in b._plans_for(b.gather_layout).wires)
+    buckets = sum(any(not w.cast for w in b.gather.plans_for(b.gather_layout).wires)
                   for b in find_state(model).buckets)
     return counts, buckets
 
@@ -462,7 +462,7 @@ def _made_once() -> list:
     model = _wrap("flexshard", float8_model(), None)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     buckets = [b for b in find_state(model).buckets if b.reshard_after_forward is True
-               and any(not w.cast for w in b._plans_for(b.gather_layout).wires)]
+               and any(not w.cast for w in b.gather.plans_for(b.gather_layout).wires)]
     seen = []
     for step in range(2):
         x, y = data(step, dist.get_rank())

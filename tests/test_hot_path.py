@@ -49,7 +49,7 @@ def _ops_per_step(world: int, placement, mp=None) -> tuple:
     step(bucket, grads)
     with OpCount() as mode:
         step(bucket, grads)
-    kinds = [w.copies[0].kind for w in bucket._plans_for(bucket.gather_layout).wires]
+    kinds = [w.copies[0].kind for w in bucket.gather.plans_for(bucket.gather_layout).wires]
     return mode.ops, mode.data_ops, kinds
 
 
@@ -78,7 +78,7 @@ def test_each_plan_kind_is_exercised():
 def test_uneven_chunks_take_few_runs():
     """torch.chunk's short tail: full pieces, one short piece, empty ranks."""
     bucket = make_bucket(64, fs.Shard(0), [(100, 3), (70,)])
-    runs = [w.copies[0].runs for w in bucket._plans_for(bucket.gather_layout).wires]
+    runs = [w.copies[0].runs for w in bucket.gather.plans_for(bucket.gather_layout).wires]
     assert all(r is not None and len(r) <= 3 for r in runs), runs
 
 
@@ -117,7 +117,7 @@ def test_local_comm_bucket_reduces_like_the_mean_of_equal_grads():
     the pre-divided sum of one rank's grad is that grad divided by the world."""
     bucket = make_bucket(8, fs.Shard(0), [(16, 2)])
     grad = torch.arange(32.0).view(16, 2)
-    (sharded,) = bucket.finish_reduce(bucket.start_reduce([grad]))
+    (sharded,) = bucket.grads.finish(bucket.grads.start([grad]))
     assert torch.equal(sharded, grad[:2] / 8)
     assert math.prod(bucket.slots[0].local_shapes[0]) == 4
     assert isinstance(bucket.comm, LocalComm) and len(block_shapes()) == 7

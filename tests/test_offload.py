@@ -130,7 +130,7 @@ def test_staged_buffer_is_not_the_storage():
 
     model = fs.flex_shard(make_model(), offload_policy=OFF)
     bucket = get_state(model).buckets[0]
-    outs = bucket.gather_params()
+    outs = bucket.gather.gather()
     storage = bucket.storage.buffer.untyped_storage().data_ptr()
     assert all(o.untyped_storage().data_ptr() != storage for o in outs)
     assert bucket.counters.h2d_bytes == bucket.storage.layout.segment_bytes
@@ -284,7 +284,7 @@ def test_staging_runs_on_copy_in_before_the_gather(mp):
 
     bucket, ctx = _recorded_bucket(mp)
     with OpLog(ctx):
-        bucket.gather_params()
+        bucket.gather.gather()
     log = ctx.log
     copies = [i for i, x in enumerate(log) if x[:2] == ("op", "copy_in")]
     gather = next(i for i, x in enumerate(log) if x == ("comm", "gather", "all_gather"))
@@ -301,10 +301,10 @@ def test_grads_come_back_on_the_reduce_stream_and_the_host_waits_only_when_asked
     bucket, ctx = _recorded_bucket()
     grads = [torch.ones(s.shape) for s in bucket.slots]
     with OpLog(ctx):
-        sharded = bucket.finish_reduce(bucket.start_reduce(grads))
+        sharded = bucket.grads.finish(bucket.grads.start(grads))
     log = ctx.log
     scatter = next(i for i, x in enumerate(log) if x == ("comm", "reduce", "reduce_scatter"))
-    finish = max(i for i, x in enumerate(log) if x[:2] == ("wait", "reduce"))  # finish_reduce's
+    finish = max(i for i, x in enumerate(log) if x[:2] == ("wait", "reduce"))  # GradReduce.finish's
     d2h = [i for i, x in enumerate(log) if x == ("op", "reduce", "_foreach_copy_") and i > finish]
     assert scatter < finish
     assert len(d2h) == 1  # every sharded grad copied back in one op
@@ -312,7 +312,7 @@ def test_grads_come_back_on_the_reduce_stream_and_the_host_waits_only_when_asked
     assert d2h[-1] < last and bucket.offload.grads_copied == log[last][2]
     assert ("wait", "compute", log[last][2]) in log[last:]
     assert not any(x[0] == "host_wait" for x in log)
-    bucket.host_wait()
+    bucket.grads.host_wait()
     assert log[-1] == ("host_wait", "host", log[last][2])
     for g, slot in zip(sharded, bucket.slots):
         assert g.device.type == "cpu" and tuple(g.shape) == tuple(slot.local_shapes[0])

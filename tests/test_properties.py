@@ -187,7 +187,7 @@ def test_gather_unshards_every_parameter_bitwise(bucket, mp, seed):
     gen = torch.Generator().manual_seed(seed)
     fulls = {s.fqn: random_bytes(s.shape, s.dtype, gen) for s in slots}
     played = PlayedWorld(slots, trainable, mp, world, fulls)
-    for outs in played.run(lambda bucket, rank: bucket.gather_params()):
+    for outs in played.run(lambda bucket, rank: bucket.gather.gather()):
         for slot, out in zip(slots, outs):
             full = fulls[slot.fqn]
             if mp.param_dtype is not None and full.is_floating_point():
@@ -205,7 +205,7 @@ def test_reduce_gives_each_rank_its_piece_of_the_mean_gradient(bucket, mp, seed)
     played = PlayedWorld(slots, trainable, mp, world, fulls)
     grads = [[torch.randn(s.shape, generator=gen).to(s.dtype) if t else None
               for s, t in zip(slots, trainable)] for _ in range(world)]
-    results = played.run(lambda bucket, rank: bucket.finish_reduce(bucket.start_reduce(grads[rank])))
+    results = played.run(lambda bucket, rank: bucket.grads.finish(bucket.grads.start(grads[rank])))
     reduce_dtype = played.buckets[0].reduce_layout.regions[0].dtype
     for i, slot in enumerate(slots):
         if not trainable[i]:

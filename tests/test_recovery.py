@@ -101,15 +101,16 @@ class _FailRegather:
 
     def __init__(self, bucket) -> None:
         self.bucket = bucket
-        bucket.gather_params = self.gather_params  # an instance attribute shadows the method
+        bucket.gather.gather = self.gather  # an instance attribute shadows the method
 
-    def gather_params(self, layout=None, new_tensors=False):
+    def gather(self, layout=None, new_tensors=False):
         if torch._C._current_graph_task_id() != -1:
             raise Injected("regather failed")
-        return type(self.bucket).gather_params(self.bucket, layout, new_tensors)
+        gather = self.bucket.gather
+        return type(gather).gather(gather, layout, new_tensors)
 
     def remove(self) -> None:
-        del self.bucket.gather_params
+        del self.bucket.gather.gather
 
 
 def _recover(where: str, steps: int = 3, fail_before: int = 1):

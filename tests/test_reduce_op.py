@@ -46,7 +46,7 @@ def _reduce(world, grad, comm, mp=BF16, factor=None):
     bucket = make_bucket(world, fs.Shard(0), [tuple(grad.shape)], mp=mp, comm=comm)
     if factor is not None:
         bucket.grads.gradient_divide_factor = factor
-    (sharded,) = bucket.finish_reduce(bucket.start_reduce([grad]))
+    (sharded,) = bucket.grads.finish(bucket.grads.start([grad]))
     rows = bucket.slots[0].local_shapes[0][0]
     return sharded, rows
 

@@ -37,11 +37,11 @@ def record_unsharded(model) -> list:
 
     refs = []
     for bucket in get_state(model).buckets:
-        def gather(layout=None, new_tensors=False, _orig=bucket.gather_params):
+        def gather(layout=None, new_tensors=False, _orig=bucket.gather.gather):
             outs = _orig(layout, new_tensors)
             refs.append([weakref.ref(t) for t in outs])
             return outs
-        bucket.gather_params = gather
+        bucket.gather.gather = gather  # an instance attribute shadows the method
     return refs
 
 

@@ -100,7 +100,7 @@ def _waits_before(log, index, stream, event_stream) -> bool:
 def test_gather_runs_copy_in_then_gather_on_side_streams_and_compute_waits():
     bucket, ctx = _bucket(fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     with OpLog(ctx):
-        bucket.gather_params()
+        bucket.gather.gather()
     log = ctx.log
     copy_in = [i for i, x in enumerate(log) if x[:2] == ("op", "copy_in")]
     gather = next(i for i, x in enumerate(log) if x == ("comm", "gather", "all_gather"))
@@ -119,7 +119,7 @@ def test_reduce_packs_after_the_grads_and_compute_waits_for_the_sharded_grads():
     bucket, ctx = _bucket(fs.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
     grads = [torch.ones(s.shape) for s in bucket.slots]
     with OpLog(ctx):
-        bucket.finish_reduce(bucket.start_reduce(grads))
+        bucket.grads.finish(bucket.grads.start(grads))
     log = ctx.log
     scatter = next(i for i, x in enumerate(log) if x == ("comm", "reduce", "reduce_scatter"))
     packs = [i for i, x in enumerate(log[:scatter]) if x[:2] == ("op", "reduce") and x[2] != "mul_"]
@@ -137,14 +137,14 @@ def test_reduce_packs_after_the_grads_and_compute_waits_for_the_sharded_grads():
 
 
 def test_grads_are_let_go_after_the_pack_and_only_the_reduce_input_is_held():
-    """The unsharded grads die when _Unshard.backward returns: pack_reduce makes
+    """The unsharded grads die when _Unshard.backward returns: GradReduce.pack makes
     the compute stream wait for the pack (not for the collective) before it
     returns, and the launch (deferred in backward until autograd let go of the
     grads) comes after that wait; the PendingReduce holds the reduce input alone."""
     bucket, ctx = _bucket()
     grads = [torch.ones(s.shape) for s in bucket.slots]
     with OpLog(ctx):
-        pending = bucket.start_reduce(grads)
+        pending = bucket.grads.start(grads)
     log = ctx.log
     scatter = next(i for i, x in enumerate(log) if x == ("comm", "reduce", "reduce_scatter"))
     packed = max(i for i, x in enumerate(log[:scatter]) if x[:2] == ("record", "reduce"))
@@ -161,7 +161,7 @@ def test_a_gather_consumed_on_another_stream_is_waited_there_and_adopted():
     bucket, ctx = _bucket()
     bucket.start_gather()
     ctx.compute = "forward"
-    bucket.gather_params()
+    bucket.gather.gather()
     done = next(e for kind, s, e in [x for x in ctx.log if len(x) == 3]
                 if kind == "record" and s == "gather")
     assert ("wait", "forward", done) in ctx.log
@@ -171,14 +171,14 @@ def test_a_gather_consumed_on_another_stream_is_waited_there_and_adopted():
 def test_same_stream_consumption_adopts_nothing():
     bucket, ctx = _bucket()
     bucket.start_gather()
-    bucket.gather_params()
+    bucket.gather.gather()
     assert not any(x[0] == "adopt" for x in ctx.log)
 
 
 def test_no_sync_pack_is_waited_before_the_grads_can_die():
     bucket, ctx = _bucket()
     bucket.grads.requires_gradient_sync = False
-    assert bucket.start_reduce([torch.ones(s.shape) for s in bucket.slots]) is None
+    assert bucket.grads.start([torch.ones(s.shape) for s in bucket.slots]) is None
     last = max(i for i, x in enumerate(ctx.log) if x[0] == "record" and x[1] == "reduce")
     assert ("wait", "compute", ctx.log[last][2]) in ctx.log[last:]
 

@@ -105,7 +105,7 @@ class UnshardedTracker:
 
         self.made: dict = {}  # bucket name -> {id(storage): weakref to it}
         for bucket in get_state(model).buckets:
-            bucket.gather_params = self._recording(bucket.name, bucket.gather_params)
+            bucket.gather.gather = self._recording(bucket.name, bucket.gather.gather)
 
     def _recording(self, name, gather):
         def gather_params(layout=None, new_tensors=False):

@@ -369,7 +369,7 @@ def full_state_dict(module: nn.Module) -> dict:
     fulls = {}
     with torch.no_grad():
         for bucket in state.buckets:
-            gathered = bucket.gather_params(bucket.storage.layout)
+            gathered = bucket.gather.gather(bucket.storage.layout)
             specs = bucket.tp_specs or (None,) * len(gathered)
             for slot, full, spec in zip(bucket.slots, gathered, specs):
                 fulls[slot.fqn] = full.clone() if spec is None else spec.full_of(full)

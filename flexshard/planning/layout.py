@@ -170,7 +170,7 @@ class BucketLayout(NamedTuple):
         """Whether more than 1/16 of the gathered buffer is padding (whole tensors
         that do not split evenly over the ranks: Owned). Views of it pin the
         padding with the params, so a bucket that keeps its unsharded params
-        through backward copies them out instead (see Bucket.gather_params)."""
+        through backward copies them out instead (see BucketGather.gather)."""
         return _heavy(self.wire_bytes - self.ideal_bytes, self.wire_bytes)
 
     @property

@@ -21,15 +21,15 @@ import torch.nn as nn
 
 from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
-from ..planning.bucket_plan import LayoutPlans, hooks_needed, plan_bucket_layouts
+from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
 from ..planning.layout import BucketLayout, SlotPlan
 from .comm import Comm
 from .counters import BucketCounters
-from .device import DeviceContexts, HostContext
+from .device import DeviceContexts, DeviceSite, HostContext
 from .dtensor_param import wrap_unsharded
 from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue
-from .inflight import PendingGather, PendingReduce
+from .inflight import PendingGather
 from .offload import Offload
 from .identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
@@ -73,12 +73,14 @@ class Bucket:
         self.params = [nn.Parameter(v, requires_grad=t) for v, t in zip(self.storage.views, trainable)]
         self.state = BucketState.SHARDED
         self.counters = BucketCounters()
+        self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
+        self.site = DeviceSite(self.storage, self.offload, self.devices)
         self.grads = GradReduce(layouts.reduce, slots, self.grad_slots, rank, world_size, group,
-                                comm, self.counters, replicate_group=replicate_group,
+                                comm, self.counters, self.site, replicate_group=replicate_group,
                                 replicate_size=replicate_size, divide_factor=divide_factor,
                                 offload=self.offload)
         self.gather = BucketGather(
-            layouts, self.storage, slots, rank, world_size, group, comm, self.counters,
+            layouts, self.storage, slots, rank, world_size, group, comm, self.counters, self.site,
             reshard_after_forward=reshard_after_forward, offload=self.offload,
             subgroups=subgroups)
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
@@ -90,19 +92,17 @@ class Bucket:
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         self._held_version = -1
-        self.opened: Optional[Forward] = None  # the last tracked unshard's (see unshard)
-        self.devices = devices or DeviceContexts()  # streams, shared by a model's buckets
 
     @property
     def compute_device(self) -> torch.device:
         """Where the unsharded params and the collectives live: the storage's
         device, or the compute device of an offloaded bucket."""
-        return self.storage.buffer.device if self.offload is None else self.offload.compute_device
+        return self.site.compute_device
 
     @property
     def device_ctx(self) -> HostContext:
         """Streams and events of the compute device."""
-        return self.devices.get(self.compute_device)
+        return self.site.ctx
 
     @property
     def needs_hooks(self) -> bool:
@@ -167,7 +167,7 @@ class Bucket:
         """Gather the bucket: unsharded parameters linked to the sharded ones by
         autograd; new tensors if `new_tensors` (module.unshard()), else the params
         made once where they can be (unsharded.py). `refill_in_backward`: this
-        forward's backward refills them (then `opened` is its Forward)."""
+        forward's backward refills them (then the gather's take_opened() is its Forward)."""
         self.assert_state(BucketState.SHARDED, BucketState.UNSHARDED)
         self._check_requires_grad()
         self.state = BucketState.UNSHARDING
@@ -269,12 +269,6 @@ class Bucket:
 
     # The params made once (gather.py, unsharded.py): a forward's backward refills them.
 
-    def open_forward(self) -> Optional[Forward]:
-        """BucketGather.open_forward (inside _Unshard.forward); kept as `opened`
-        for the module hooks that refill it."""
-        self.opened = self.gather.open_forward()
-        return self.opened
-
     def refill(self, forward: Forward) -> bool:
         """Before the backward of `forward`'s block: its params hold the values it
         gathered (True when they were gathered now)."""
@@ -288,7 +282,7 @@ class Bucket:
         self.check_unchanged_since(forward.version)
         self.reduce_queue.watch_backward()  # the pass ends by freeing them
         with torch.no_grad():
-            self.gather_params()
+            self.gather.gather()
         return True
 
     def check_unchanged_since(self, version: int) -> None:
@@ -331,59 +325,17 @@ class Bucket:
     def set_reshard_after_forward(self, value) -> None:
         """The setter's part in the bucket (between steps): the gather follows."""
         self.assert_state(BucketState.SHARDED)
-        self.gather.follow_reshard(value, self.device_ctx)
-
-    def gather_params(self, layout: Optional[BucketLayout] = None,
-                      new_tensors: bool = False) -> list:
-        """BucketGather.gather on this bucket's compute device."""
-        return self.gather.gather(layout, self.device_ctx, self.compute_device, new_tensors)
-
-    def gather_pieces(self, pieces: list) -> list:
-        """BucketGather.gather_pieces on this bucket's compute device."""
-        return self.gather.gather_pieces(pieces, self.compute_device)
+        self.gather.follow_reshard(value)
 
     def start_gather(self, new_tensors: bool = False) -> bool:
         """Launch the gather now (prefetch), unless in flight or not sharded;
         `new_tensors`: not into the params made once (module.unshard(), see unshard)."""
         if self.state is not BucketState.SHARDED:
             return False
-        return self.gather.start(self.device_ctx, self.compute_device, new_tensors)
-
-    def discard_gather(self) -> None:
-        self.gather.discard(self.device_ctx)
-
-    def keep_post_forward_shard(self, for_backward: bool) -> None:
-        self.gather.keep_post_forward_shard(for_backward)
-
-    def _plans_for(self, layout: BucketLayout) -> LayoutPlans:
-        return self.gather.plans_for(layout)
+        return self.gather.start(new_tensors)
 
     # The gradient path (grad_reduce.py owns its fields and steps).
 
     @property
     def reduce_layout(self) -> BucketLayout:
         return self.grads.layout
-
-    def start_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
-        """Pack the unsharded grads and launch their reduce-scatter on the
-        reduce stream without waiting; None under no-sync (the packed grads are
-        kept for later)."""
-        packed = self.pack_reduce(grads)
-        return None if packed is None else self.launch_reduce(packed)
-
-    def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
-        """GradReduce.pack on this bucket's compute device."""
-        return self.grads.pack(grads, self.device_ctx, self.compute_device)
-
-    def launch_reduce(self, packed: tuple) -> PendingReduce:
-        """GradReduce.launch of a packed reduce input."""
-        return self.grads.launch(packed, self.device_ctx)
-
-    def finish_reduce(self, pending: PendingReduce) -> list:
-        """GradReduce.finish: the sharded grads per slot."""
-        return self.grads.finish(pending, self.device_ctx, self.storage.buffer.device)
-
-    def host_wait(self) -> None:
-        """The host waits for the last D2H copy of this offloaded bucket's grads."""
-        if self.offload is not None:
-            self.device_ctx.synchronize(self.offload.grads_copied)

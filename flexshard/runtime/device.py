@@ -116,6 +116,28 @@ class DeviceContexts:
         self._by_device[device] = context
 
 
+class DeviceSite:
+    """Where one bucket computes, looked up at each call (a move changes it): the
+    compute device (the storage's, or an offloaded bucket's compute device), its
+    context in the model's shared `contexts`, and the storage's device."""
+
+    def __init__(self, storage, offload, contexts: DeviceContexts) -> None:
+        self.storage, self.offload, self.contexts = storage, offload, contexts
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.storage_device if self.offload is None else self.offload.compute_device
+
+    @property
+    def storage_device(self) -> torch.device:
+        return self.storage.buffer.device
+
+    @property
+    def ctx(self) -> HostContext:
+        """Streams and events of the compute device."""
+        return self.contexts.get(self.compute_device)
+
+
 @contextmanager
 def on_stream(context: HostContext, stream: Any, after: Any):
     """Run the block on `stream` once it waited for the event `after`."""

@@ -4,7 +4,7 @@ an offloaded storage's H2D first), the all-gather on the gather stream, the
 wait on the compute stream and the copy-out into unsharded params. `BucketGather`
 owns every field of it: the gather layout and its copy plans, the reshard value
 they depend on, a gather a prefetch launched, and an int reshard's kept slice.
-The bucket calls it with the device context and compute device of the moment.
+It runs where its `DeviceSite` (device.py) says at the moment of each call.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..planning.fused import (CopyOutPlans, column_full, copy_out_columns, plan_
 from ..planning.wire_plan import cast_wire, plan_param_wires
 from .comm import Comm
 from .counters import BucketCounters
-from .device import HostContext, on_stream
+from .device import DeviceSite, HostContext, on_stream
 from .dispatch import hidden_from_checkpoint
 from .inflight import PendingGather
 from .postforward import PostForwardShard, keep_slice, usable
@@ -34,9 +34,10 @@ class BucketGather:
     """One bucket's all-gather of its storage (see the module docstring)."""
 
     def __init__(self, layouts: BucketLayouts, storage: BucketStorage, slots, rank: int,
-                 world_size: int, group, comm: Comm, counters: BucketCounters, *,
-                 reshard_after_forward, offload=None, subgroups=None) -> None:
+                 world_size: int, group, comm: Comm, counters: BucketCounters, site: DeviceSite,
+                 *, reshard_after_forward, offload=None, subgroups=None) -> None:
         self.storage, self.slots, self.rank, self.world_size = storage, tuple(slots), rank, world_size
+        self.site = site  # the compute device and its streams
         self.group, self.comm, self.counters = group, comm, counters
         self.offload, self.subgroups = offload, subgroups
         self._layouts = layouts
@@ -51,15 +52,16 @@ class BucketGather:
         # False: they cannot be (that layout gathers into new tensors each time)
         self.unsharded: Optional[UnshardedParams] = None
         self._in_place: Optional[bool] = None  # whether they can be, once known
+        self._opened: Optional[Forward] = None  # the last open_forward's, until take_opened()
         # Looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(storage.layout): self._layout_plans(storage.layout)}
         self.layout = layouts.gather
         self._plans[id(self.layout)] = self._layout_plans(self.layout)
 
-    def follow_reshard(self, value, ctx: HostContext) -> None:
+    def follow_reshard(self, value) -> None:
         """set_reshard_after_forward's part: what was launched or kept under the
         old value goes (the layout and its plans do not depend on it)."""
-        self.discard(ctx)
+        self.discard()
         self.reshard_after_forward = value
         self.drop_forward_buffers()
 
@@ -184,12 +186,18 @@ class BucketGather:
 
     def open_forward(self) -> Optional[Forward]:
         """A grad-enabled forward just gathered into the params made once: what
-        its backward will need (None when it gathered into new tensors)."""
+        its backward will need (None when it gathered into new tensors); kept
+        for take_opened()."""
+        self._opened = None
         unsharded = self.unsharded
-        if unsharded is None or not unsharded.filled:
-            return None
-        forward = Forward(unsharded, unsharded.version)
-        unsharded.forwards.add(forward)
+        if unsharded is not None and unsharded.filled:
+            self._opened = Forward(unsharded, unsharded.version)
+            unsharded.forwards.add(self._opened)
+        return self._opened
+
+    def take_opened(self) -> Optional[Forward]:
+        """The last open_forward's Forward, once (the module hooks refill it), or None."""
+        forward, self._opened = self._opened, None
         return forward
 
     def _source(self, layout: BucketLayout) -> Optional[PostForwardShard]:
@@ -200,14 +208,13 @@ class BucketGather:
 
     # Gathering.
 
-    def gather(self, layout: Optional[BucketLayout], ctx: HostContext,
-               device: torch.device, new_tensors: bool = False) -> list:
+    def gather(self, layout: Optional[BucketLayout] = None, new_tensors: bool = False) -> list:
         """One all-gather over the bucket; returns the unsharded tensors, typed
         by `layout` (the gather layout, i.e. param_dtype, by default): the
         params made once, refilled, where they can be and not `new_tensors`. Consumes
         a prefetched gather of the same layout when one is in flight."""
-        layout = layout or self.layout
-        pending = self._take_inflight(layout, ctx, new_tensors) or \
+        layout, ctx, device = layout or self.layout, self.site.ctx, self.site.compute_device
+        pending = self._take_inflight(layout, new_tensors) or \
             self._launch(layout, False, ctx, device, new_tensors)
         plans = self.plans_for(layout)
         self.wait_for(pending, ctx)
@@ -242,11 +249,11 @@ class BucketGather:
             outs.append(full)
         return outs
 
-    def gather_pieces(self, pieces: list, device: torch.device) -> list:
+    def gather_pieces(self, pieces: list) -> list:
         """Full tensors from this rank's `pieces`, shaped and typed as the sharded
         params (None: zeros), in one all-gather over the storage layout (as
         fs.full_state_dict's): for sharded grads."""
-        layout = self.storage.layout
+        layout, device = self.storage.layout, self.site.compute_device
         plans = self.plans_for(layout)
         with torch.no_grad(), record_function("FlexShard::all_gather_pieces"):
             gathered = torch.zeros(layout.wire_bytes, dtype=torch.uint8, device=device)
@@ -274,36 +281,36 @@ class BucketGather:
         if stream != pending.stream:  # consumed under another stream than launched
             ctx.adopt(pending.gathered, stream)
 
-    def start(self, ctx: HostContext, device: torch.device, new_tensors: bool = False) -> bool:
+    def start(self, new_tensors: bool = False) -> bool:
         """Launch the gather without waiting (prefetch); the next gather consumes it
         (one asking for the same `new_tensors`). False when there is nothing to launch."""
         if self.inflight is not None or self.world_size == 1:
             return False
-        self.inflight = self._launch(self.layout, True, ctx, device, new_tensors)
+        self.inflight = self._launch(self.layout, True, self.site.ctx, self.site.compute_device,
+                                     new_tensors)
         self.counters.prefetches += 1
         return True
 
-    def discard(self, ctx: HostContext) -> None:
+    def discard(self) -> None:
         """Drop a prefetched gather nobody consumed (waits for it first)."""
         pending, self.inflight = self.inflight, None
         if pending is None:
             return
-        self.wait_for(pending, ctx)  # its buffers die on the compute stream's side
+        self.wait_for(pending, self.site.ctx)  # its buffers die on the compute stream's side
         if self.unsharded is not None and pending.gathered is self.unsharded.gathered:
             self.unsharded.free()  # written, never copied out
         self.counters.discarded_prefetches += 1
 
-    def _take_inflight(self, layout: BucketLayout, ctx: HostContext,
-                       new_tensors: bool = False) -> Optional[PendingGather]:
+    def _take_inflight(self, layout: BucketLayout, new_tensors: bool) -> Optional[PendingGather]:
         pending = self.inflight
         if pending is None or pending.layout is not layout:
             return None
         made_once = self.unsharded is not None and pending.gathered is self.unsharded.gathered
         if new_tensors and made_once:
-            self.discard(ctx)  # launched into the params made once; wanted apart from them
+            self.discard()  # launched into the params made once; wanted apart from them
             return None
         if pending.version != tensor_version(self.storage.buffer):  # params written since launch
-            self.discard(ctx)
+            self.discard()
             return None
         self.inflight = None
         return pending

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from ..planning.copyplan import plan_copies
 from ..planning.fused import (plan_chunk_cat, plan_split, segment_split, span_split,
                               split_views)
 from .counters import BucketCounters
-from .device import HostContext, on_stream
+from .device import DeviceSite, on_stream
 from .inflight import PendingReduce, ReduceOp
 from ..planning.layout import BucketLayout, SlotPlan
 
@@ -64,10 +64,11 @@ class GradReduce:
     """One bucket's reduction of its trainable slots' grads (see the module docstring)."""
 
     def __init__(self, layout: BucketLayout, slots: Sequence[SlotPlan], grad_slots: list,
-                 rank: int, world_size: int, group, comm: Comm, counters: BucketCounters, *,
-                 replicate_group=None, replicate_size: int = 1,
+                 rank: int, world_size: int, group, comm: Comm, counters: BucketCounters,
+                 site: DeviceSite, *, replicate_group=None, replicate_size: int = 1,
                  divide_factor: Optional[float] = None, offload=None) -> None:
         self.layout, self.slots, self.grad_slots = layout, tuple(slots), grad_slots
+        self.site = site  # the compute device and its streams, the storage's device
         self.rank, self.world_size, self.group, self.comm = rank, world_size, group, comm
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.counters, self.offload = counters, offload
@@ -117,12 +118,11 @@ class GradReduce:
 
     # Step 1: pack.
 
-    def pack(self, grads: Sequence[Optional[torch.Tensor]], ctx: HostContext,
-             device: torch.device) -> Optional[tuple]:
+    def pack(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
         """Pack the unsharded grads into the reduce input on the reduce stream;
         returns what `launch` needs, or None under no-sync (the packed grads
         are added to pending_grads instead)."""
-        layout, sync = self.layout, self.requires_gradient_sync
+        layout, sync, ctx = self.layout, self.requires_gradient_sync, self.site.ctx
         present = [grads[i] for i in self.grad_slots]
         cat = self._chunk_cat
         if cat is not None and not _one_dtype([present[j] for j in cat.members]):
@@ -131,7 +131,7 @@ class GradReduce:
         gaps = (self._gaps_beside_cat if cat is not None else self._gaps) \
             if all(g is not None for g in present) else None
         # written in the reduce dtype only: allocated in it
-        send = self._typed_empty(layout.wire_bytes, device)
+        send = self._typed_empty(layout.wire_bytes, self.site.compute_device)
         op = None
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter_copy_in"):  # after: grads, buffers
@@ -232,9 +232,16 @@ class GradReduce:
 
     # Step 2: launch.
 
-    def launch(self, packed: tuple, ctx: HostContext) -> PendingReduce:
+    def start(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[PendingReduce]:
+        """Pack the unsharded grads and launch their reduce-scatter on the reduce
+        stream without waiting; None under no-sync (the packed grads are kept
+        for later)."""
+        packed = self.pack(grads)
+        return None if packed is None else self.launch(packed)
+
+    def launch(self, packed: tuple) -> PendingReduce:
         """Launch the reduce-scatter of a packed reduce input (`pack`)."""
-        send, op = packed
+        (send, op), ctx = packed, self.site.ctx
         out = send if self.world_size == 1 else self._typed_empty(self.layout.segment_bytes,
                                                                  send.device)
         with on_stream(ctx, ctx.reduce, ctx.record()), \
@@ -257,13 +264,12 @@ class GradReduce:
 
     # Step 3: finish.
 
-    def finish(self, pending: PendingReduce, ctx: HostContext,
-               storage_device: torch.device) -> list:
+    def finish(self, pending: PendingReduce) -> list:
         """Wait for a launched reduce-scatter; returns sharded grads per slot
         (cast on the reduce stream; the compute stream waits for them). None
         for each when HSDP's all-reduce is deferred (set_requires_all_reduce)."""
-        deferred = self.replicate_group is not None and not self.requires_all_reduce
-        targets = [] if deferred else self._grad_targets(pending.output, storage_device)
+        deferred, ctx = self.replicate_group is not None and not self.requires_all_reduce, self.site.ctx
+        targets = [] if deferred else self._grad_targets(pending.output, self.site.storage_device)
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter_copy_out"):  # after: cast outputs
             if pending.work is not None:
@@ -287,6 +293,11 @@ class GradReduce:
         for i, (_, target) in zip(self.grad_slots, targets):
             grads[i] = target
         return grads
+
+    def host_wait(self) -> None:
+        """The host waits for the last D2H copy of this offloaded bucket's grads."""
+        if self.offload is not None:
+            self.site.ctx.synchronize(self.offload.grads_copied)
 
     def _all_reduce(self, output: torch.Tensor) -> None:
         """HSDP, on the reduce stream: add the partial sum kept by the backwards
@@ -375,24 +386,13 @@ def _inside(start: int, stop: int, cat, layout: BucketLayout) -> bool:
     return block[0] <= start and stop <= block[1]
 
 
-class ReduceTarget(Protocol):
-    """What a Reduction needs of its bucket (runtime/bucket.py's Bucket)."""
-
-    offload: Any
-    device_ctx: Any
-
-    def launch_reduce(self, packed: tuple) -> PendingReduce: ...
-    def finish_reduce(self, pending: PendingReduce) -> list: ...
-    def host_wait(self) -> None: ...
-
-
 class Reduction:
     """One bucket's reduction through the model's queue, a named step at a time:
     packed in the bucket's backward, `launch`ed once that node has returned,
     `finish`ed into the forward's Delivery (None: a graph no Delivery waits for)."""
 
-    def __init__(self, target: ReduceTarget, packed: tuple, delivery) -> None:
-        self.target, self.packed, self.delivery = target, packed, delivery
+    def __init__(self, grads: GradReduce, packed: tuple, delivery) -> None:
+        self.grads, self.packed, self.delivery = grads, packed, delivery
         self.pending: Optional[PendingReduce] = None
 
     @property
@@ -401,11 +401,11 @@ class Reduction:
         return None if self.pending is None else self.pending.work
 
     def launch(self) -> None:
-        self.pending, self.packed = self.target.launch_reduce(self.packed), None
+        self.pending, self.packed = self.grads.launch(self.packed), None
 
     def finish(self) -> None:
-        grads, self.pending = self.target.finish_reduce(self.pending), None
-        host_wait = self.target.host_wait if self.target.offload is not None else None
+        grads, self.pending = self.grads.finish(self.pending), None
+        host_wait = self.grads.host_wait if self.grads.offload is not None else None
         self.delivery.add(grads, host_wait)
 
 
@@ -465,7 +465,7 @@ class ReduceQueue:
             reduction = self._deferred.popleft()
             # how many may stay in flight is the device's call; a model's buckets
             # share one compute device, so they agree
-            self.max_in_flight = reduction.target.device_ctx.reduces_in_flight
+            self.max_in_flight = reduction.grads.site.ctx.reduces_in_flight
             reduction.launch()
             if reduction.delivery is not None:
                 self.push(reduction)

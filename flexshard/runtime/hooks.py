@@ -80,8 +80,8 @@ class ModuleHooks:
             bucket.install(outs)
             # An int reshard keeps 1/N of the gather for backward (also under the user's
             # activation checkpoint, whose recompute then gathers within the N ranks).
-            bucket.keep_post_forward_shard(handled and bool(bucket.reshard_after_forward))
-            forward, bucket.opened = bucket.opened, None
+            bucket.gather.keep_post_forward_shard(handled and bool(bucket.reshard_after_forward))
+            forward = bucket.gather.take_opened()
             if forward is not None:  # the params made once (unsharded.py)
                 self._forwards.append((bucket, forward))
             self.prefetcher.unsharded(bucket)

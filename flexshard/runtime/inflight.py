@@ -31,7 +31,7 @@ class PendingReduce(NamedTuple):
     work: Any  # dist.Work, or None at world size 1
     output: torch.Tensor  # the reduce-scatter output (this rank's segment)
     held: tuple  # the reduce input, read by the collective on the reduce stream: kept
-    #              until finish_reduce's compute stream waited past its last use
+    #              until GradReduce.finish's compute stream waited past its last use
     post_divide: Optional[float]  # what the reduced sum is still divided by (see GradReduce.reduce_op)
 
 

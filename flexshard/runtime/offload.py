@@ -9,7 +9,7 @@ The model computes on the compute device. Per step (design.md, "CPU offload"):
   compute-device *staged buffer* (H2D, `non_blocking` from pinned memory),
   which is the gather input when no cast is needed, else the source of the cast;
 - reduce: the reduce-scatter runs on the compute device as for any bucket;
-  `finish_reduce` copies each sharded grad back into a new host tensor (D2H,
+  `GradReduce.finish` copies each sharded grad back into a new host tensor (D2H,
   on the reduce stream) and records an event. The compute stream waits on it
   as usual; the *host* waits on it (`host_wait`) only when the grads are first
   read on the host: when the bucket's _Deliver node hands them to autograd

@@ -177,5 +177,5 @@ def _full_grad(bucket, index: int, tp_spec, piece: torch.Tensor) -> torch.Tensor
     """Slot `index`'s full grad from this rank's `piece` (gathered as fs.full_grads does)."""
     pieces = [None] * len(bucket.slots)
     pieces[index] = piece
-    full = bucket.gather_pieces(pieces)[index]
+    full = bucket.gather.gather_pieces(pieces)[index]
     return full if tp_spec is None else tp_spec.full_of(full)

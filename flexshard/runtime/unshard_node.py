@@ -4,32 +4,31 @@ reduce-scatter until the node has returned (see grad_reduce.py).
 
 The node receives the bucket as an argument and reaches it through
 `UnshardTarget`, the typed interface Bucket implements (bucket.py imports this
-file, so the node names what it needs instead of importing Bucket).
+file, so the node names what it needs instead of importing Bucket); the gather
+and the reduction it calls directly: the bucket's BucketGather and GradReduce.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
-from .grad_reduce import GradRoute, ReduceQueue, ReduceTarget, Reduction
+from .gather import BucketGather
+from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 
 
-class UnshardTarget(ReduceTarget, Protocol):
-    """What _Unshard needs of a bucket (runtime/bucket.py's Bucket), beyond
-    what its Reduction needs (ReduceTarget: launch, finish, host wait)."""
+class UnshardTarget(Protocol):
+    """What _Unshard needs of a bucket (runtime/bucket.py's Bucket)."""
 
-    grad_slots: list
     params: list  # the sharded params: one frozen since the wrap gets no grad
     grad_route: GradRoute
     reduce_queue: ReduceQueue
     compute_device: torch.device
+    gather: BucketGather  # its gather: the forward's outputs
+    grads: GradReduce  # its gradient path: pack here, launch and finish through the queue
 
-    def gather_params(self, layout=None, new_tensors: bool = False) -> list: ...
-    def open_forward(self): ...
     def backward_done(self, forward=None) -> None: ...
-    def pack_reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]: ...
 
 
 class _Unshard(torch.autograd.Function):
@@ -42,10 +41,10 @@ class _Unshard(torch.autograd.Function):
         # new route must not receive this graph's grads.
         ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
         ctx.set_materialize_grads(False)
-        outs = bucket.gather_params(None, new_tensors)
+        outs = bucket.gather.gather(None, new_tensors)
         # What this graph's backward needs of the params made once (unsharded.py):
         # held by the graph, so a forward never backpropagated stops counting.
-        ctx.forward = bucket.open_forward() if refill_in_backward else None
+        ctx.forward = bucket.gather.open_forward() if refill_in_backward else None
         # frozen now (requires_grad_(False) after the wrap included): no grad is computed
         frozen = [o for o, p in zip(outs, bucket.params) if not p.requires_grad]
         if frozen:
@@ -62,9 +61,9 @@ class _Unshard(torch.autograd.Function):
         bucket.backward_done(ctx.forward)  # and the int reshard's kept slice (postforward.py)
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
-        packed = bucket.pack_reduce(grads)
+        packed = bucket.grads.pack(grads)
         if packed is not None:
             # Launched once this backward has returned and autograd has let go of the
             # unsharded grads, so they never sit beside the collective's buffers.
-            bucket.reduce_queue.defer(Reduction(bucket, packed, ctx.delivery))
+            bucket.reduce_queue.defer(Reduction(bucket.grads, packed, ctx.delivery))
         return None, bucket.grad_route.anchor_grad(bucket.compute_device), None, None
