@@ -73,13 +73,13 @@ class AsyncSaves:
 def _write(staged: dict, tmp: str, group, publish: Callable):
     import torch.distributed.checkpoint as dcp
 
-    with torch.profiler.record_function("FlexShard::checkpoint_write"), _quiet_without_group(group):
+    with torch.profiler.record_function("FlexShard::checkpoint_write"), quiet_without_group(group):
         dcp.save(staged, checkpoint_id=tmp, process_group=group)
     return publish(group)
 
 
 @contextlib.contextmanager
-def _quiet_without_group(group):
+def quiet_without_group(group):
     """Without a process group DCP warns that it assumes one process: that is the
     intent (a model wrapped without torch.distributed). warnings.catch_warnings
     swaps the process-wide filter list back on exit, which from this thread would

@@ -14,7 +14,6 @@ N ranks with one bucket plan loads on M ranks with another (see state_dict.py).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
@@ -28,7 +27,7 @@ import torch.nn as nn
 
 from ..runtime.state import files_group, get_state
 from . import layouts
-from .async_save import async_saves
+from .async_save import async_saves, quiet_without_group
 
 _STEP_DIR = "step_{:08d}"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -288,14 +287,12 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
 def _single_process_quiet(state):
     """Without a process group DCP warns that it assumes one process: that is
-    the intent here (a model wrapped without torch.distributed)."""
-    with warnings.catch_warnings():
-        if state.mesh_group is None:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    the intent here (a model wrapped without torch.distributed). One filter entry
+    in and out, not warnings.catch_warnings, whose exit would swap back a filter
+    list the background save's own entry went into meanwhile (async_save.py)."""
+    return quiet_without_group(state.mesh_group)
 
 
 def _barrier(group) -> None:
