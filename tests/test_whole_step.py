@@ -72,25 +72,13 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True) ->
     graphs: list = []
     fs.compile(model, fullgraph=fullgraph,
                backend=counting_backend(graphs) if backend == "count" else backend)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, graph_calls, grads = [], [], None
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        loss = loss_fn(model(x), y)
-        graph_calls.append(compiled_graph_calls(loss))
-        loss.backward()
-        if step == 0:
-            grads = sharded_grads(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    run = _run(model, rank, clip=False)
     buckets = get_state(model).buckets
     # what forward saves for backward: an unsharded block weight or a block's gather output?
     unsharded = {p.numel() for p in make_model().layers[0].parameters() if p.dim() == 2}
     unsharded |= {b.gather_layout.wire_bytes // 4 for b in buckets if b.name != "root"}
     kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
-    return {"losses": losses, "grads": grads, "full": fs.full_state_dict(model),
-            "graph_calls": graph_calls, "breaks": _breaks(), "graphs": graphs, "kept": kept,
+    return {**run, "breaks": _breaks(), "graphs": graphs, "kept": kept,
             "buckets": [(b.name, b.reshard_after_forward) for b in buckets]}
 
 
@@ -157,13 +145,15 @@ def test_whole_step_bf16_gathers():
     check_whole(2, {"mp_policy": BF16}, rel=2 ** -6)
 
 
-def _run(model, step_fn, rank: int, clip: bool) -> dict:
-    """STEPS SGD steps: losses, step 0's sharded grads, the clip norms."""
+def _run(model, rank: int, clip: bool) -> dict:
+    """STEPS SGD steps: losses, step 0's sharded grads, the clip norms, the
+    compiled graphs each step called, the full params after."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, norms, grads = [], [], None
+    losses, norms, grads, graph_calls = [], [], None, []
     for step in range(STEPS):
         x, y = batch(step, rank)
-        loss = loss_fn(step_fn(x), y)
+        loss = loss_fn(model(x), y)
+        graph_calls.append(compiled_graph_calls(loss))
         loss.backward()
         if step == 0:
             grads = sharded_grads(model)
@@ -174,7 +164,8 @@ def _run(model, step_fn, rank: int, clip: bool) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "norms": norms, "full": fs.full_state_dict(model)}
+    return {"losses": losses, "grads": grads, "norms": norms, "graph_calls": graph_calls,
+            "full": fs.full_state_dict(model)}
 
 
 def eager_and_whole(config: dict, mesh_shape=None, clip: bool = False) -> tuple:
@@ -190,9 +181,9 @@ def eager_and_whole(config: dict, mesh_shape=None, clip: bool = False) -> tuple:
     torch._dynamo.reset()
     counters.clear()
     model = fs.compile(fs.flex_shard(make_model(), **config), fullgraph=True, backend="aot_eager")
-    out = _run(model, model, rank, clip)
+    out = _run(model, rank, clip)
     out["breaks"] = _breaks()
-    return _run(eager, eager, rank, clip), out
+    return _run(eager, rank, clip), out
 
 
 def check_eager_and_whole(world: int, config: dict, rel: float = 1e-6, **kw) -> None:
