@@ -34,7 +34,7 @@ from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single
 from .runtime.prefetch import Prefetcher
 from .runtime.grad_reduce import ReduceQueue
 from .runtime.registration import RegistrationGuard
-from .runtime.sharded_grad import norm_groups, wrap_grads
+from .runtime.sharded_grad import norm_groups
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
 from .runtime.teardown import destroy_gloo_group_at_exit
 
@@ -341,12 +341,6 @@ def _default_mesh(device: torch.device, world_size: int) -> Optional[DeviceMesh]
     return init_device_mesh(device_type, (world_size,))
 
 
-def _new_prefetcher() -> Prefetcher:
-    # A bucket held by module.unshard() or without hooks is never prefetched.
-    return Prefetcher(launch=lambda b: b.held is None and b.needs_hooks and b.start_gather(),
-                      discard=lambda b: b.gather.discard())
-
-
 def _shard_dim_note(mesh) -> str:
     if mesh is None or mesh.ndim == 1:
         return ""
@@ -372,7 +366,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     on their modules, forward hooks on each running module and on the root.
     `tp_specs`: FQN -> TPSpec of the params that were DTensors; `originals`: FQN ->
     the user's Parameter objects, which become the sharded params where they can."""
-    state.prefetcher, reduce_queue = _new_prefetcher(), ReduceQueue()
+    state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
     devices = DeviceContexts()  # one set of streams per device, shared by the buckets
     reduce_queue.listeners.append(state.prefetcher.end_backward)
     by_runner: dict = {}
@@ -394,6 +388,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.adopt([originals[slot.fqn] for slot in planned.slots])
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
+        bucket.needs_hooks = planned.needs_hooks
         bucket.tp_specs = slot_specs(planned.slots, tp_specs)
         bucket.norm_groups = [norm_groups(bucket, i, tp) if i in bucket.grad_slots else None
                               for i, tp in enumerate(bucket.tp_specs or [None] * len(planned.slots))]
@@ -401,11 +396,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         state.buckets.append(bucket)
         if planned.needs_hooks:
             by_runner.setdefault(id(planned.runner), (planned.runner, []))[1].append(bucket)
-    # when a backward ends, the new sharded grads take full norms (sharded_grad.py)
-    reduce_queue.listeners.append(functools.partial(_wrap_grads, state.buckets))
-    # when a backward ends, every bucket lets go of what backward held (an int reshard's
-    # kept slice too, if backward never used it)
-    reduce_queue.listeners.append(functools.partial(_backward_done, state.buckets))
+    reduce_queue.listeners += [bucket.backward_ended for bucket in state.buckets]
     eager_compiled = EagerCompiledBlocks()  # one warning per model
     for runner, buckets in by_runner.values():
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
@@ -414,16 +405,6 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
         state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)
-
-
-def _backward_done(buckets) -> None:
-    for bucket in buckets:
-        bucket.backward_done()
-
-
-def _wrap_grads(buckets) -> None:
-    for bucket in buckets:
-        wrap_grads(bucket.params, bucket.norm_groups)
 
 
 def _bucket_groups(state, mesh) -> MeshGroups:

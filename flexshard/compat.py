@@ -201,7 +201,7 @@ def root_mesh(mesh):
     return _get_root_mesh(mesh)
 
 
-# DTensor's side of DCP's protocol (runtime/dtensor_param.py): its one chunk says
+# DTensor's side of DCP's protocol (planning/tensor_parallel.py): its one chunk says
 # where this rank's local tensor lies in the global tensor, for any placements.
 DTENSOR_CHUNKS = "__create_chunk_list__"
 

@@ -28,7 +28,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
-from ..runtime.dtensor_param import shift_boxes
 from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
 from .pieces import LivePieces, ShardedPieces, dtensor_shard, live_dtensor, piece_boxes
 
@@ -100,7 +99,10 @@ def slot_boxes(ref: SlotRef) -> tuple:
     """Where this rank's piece lies in the full tensor (the global one under TP)."""
     slot, bucket = ref.slot, ref.bucket
     boxes = piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size)
-    return boxes if ref.tp is None else shift_boxes(ref.tp, boxes)
+    if ref.tp is None:
+        return boxes
+    return tuple(box._replace(offsets=tuple(o + s for o, s in zip(box.offsets, ref.tp.offset)))
+                 for box in boxes)
 
 
 def dtensor_placements(bucket, slot):

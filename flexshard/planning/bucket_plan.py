@@ -40,7 +40,7 @@ def _gather_dtype(slot: SlotPlan, mp: MixedPrecisionPolicy) -> torch.dtype:
 def hooks_needed(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int,
                  replicas: int = 1, offload: bool = False, sub_mesh: bool = False) -> bool:
     """False at world size 1 without replicas, offload or a cast when every piece
-    has the full shape: the sharded params are the full ones (see Bucket.needs_hooks).
+    has the full shape: the sharded params are the full ones (Bucket.needs_hooks).
     A bucket on a mesh of its own smaller than the model's (`sub_mesh`: experts of
     one rank per expert-parallel group) is hooked even then: its grads are divided
     by the model's world size, and DTensor experts are rebuilt in forward."""

@@ -68,17 +68,6 @@ def plan_split(nbytes: int, pieces: Sequence[tuple]) -> TypedSplit:
     return TypedSplit(tuple(groups), len(pieces), nbytes)
 
 
-def split_views(buffer: torch.Tensor, split: TypedSplit) -> list:
-    """The flat typed pieces of `buffer` (`split.nbytes` long: uint8, or already of
-    a group's dtype, which then takes no view), in piece order."""
-    out: list = [None] * split.count
-    for dtype, sizes, picks in split.groups:
-        chunks = (buffer if buffer.dtype == dtype else buffer.view(dtype)).split(sizes)
-        for chunk, k in picks:
-            out[k] = chunks[chunk]
-    return out
-
-
 def segment_split(layout: BucketLayout, rank: int, regions: Sequence[int],
                   nbytes: Optional[int] = None) -> TypedSplit:
     """`rank`'s pieces of `regions` in its segment of `layout` (or in its first
@@ -168,10 +157,6 @@ class CopyOutPlans(NamedTuple):
     beside_views: SplitCopyOut  # the cast params that are no view (the rest view the output)
     every_cast: SplitCopyOut  # every cast param (none views the gather output)
 
-    def pick(self, views: bool) -> SplitCopyOut:
-        """The copy-out of a gather whose params view its output where they can
-        (`views`), or of one whose params view none of it."""
-        return self.beside_views if views else self.every_cast
 
 
 def _run(dtype: torch.dtype, cols: list, first: int, where: tuple) -> ColumnRun:
@@ -186,62 +171,6 @@ def _run(dtype: torch.dtype, cols: list, first: int, where: tuple) -> ColumnRun:
         sizes.append((stop - start) // size)
         at = (stop - first) // size
     return ColumnRun(dtype, (cols[0][0] - first) // size, at, tuple(sizes), tuple(picks), *where)
-
-
-class ColumnCopy(NamedTuple):
-    """One run's split-copy: `rows` (its columns of the gathered buffer, [world, n])
-    into `chunks` (views of a buffer of its own), split at `sizes`."""
-
-    rows: torch.Tensor
-    sizes: list
-    chunks: list
-
-    def run(self) -> None:
-        torch.split_with_sizes_copy(self.rows, self.sizes, dim=1, out=self.chunks)
-
-
-def column_copies(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> tuple:
-    """(a ColumnCopy per run of `plan`, {region: its full tensor as [world, n]}), over
-    `gathered` and new buffers, nothing copied yet: per run one buffer of its own,
-    which one split_with_sizes_copy fills (the out= form: CUDA's one fused kernel,
-    where the functional form clones chunk by chunk). An uneven region's column
-    is padded: its full tensor is the column's first numel elements."""
-    copies, out, typed = [], {}, {}
-    for run in plan.runs:
-        key = (run.dtype, run.base)
-        if key not in typed:
-            size = run.dtype.itemsize
-            block = gathered[run.base:run.base + world_size * run.width * size]
-            typed[key] = block.view(run.dtype).view(world_size, run.width)
-        rows = typed[key]
-        if run.start or run.stop != rows.shape[1]:
-            rows = rows[:, run.start:run.stop]
-        flat = torch.empty(world_size * (run.stop - run.start), dtype=run.dtype,
-                           device=gathered.device)
-        chunks = [c.view(world_size, n) for c, n in
-                  zip(flat.split([world_size * n for n in run.sizes]), run.sizes)]
-        copies.append(ColumnCopy(rows, list(run.sizes), chunks))
-        for chunk, j in run.picks:
-            out[j] = chunks[chunk]
-    return copies, out
-
-
-def copy_out_columns(gathered: torch.Tensor, plan: SplitCopyOut, world_size: int) -> dict:
-    """{region: its full tensor as [world, n]} for the regions of `plan`'s runs,
-    copied out of `gathered` into new buffers (column_copies, run)."""
-    copies, out = column_copies(gathered, plan, world_size)
-    for copy in copies:
-        copy.run()
-    return out
-
-
-def column_full(column: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """The full tensor of `shape` in a column of copy_out_columns: all of it, or (torch.chunk's
-    uneven pieces, padded to the largest) its first elements."""
-    numel = math.prod(shape)
-    if column.numel() == numel:
-        return column.view(shape)
-    return column.view(-1)[:numel].view(shape)
 
 
 # Reduce-scatter copy-in.

@@ -13,6 +13,7 @@ segment is padding that only the gather input and output carry.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -43,7 +44,8 @@ class Region(NamedTuple):
     group: int = 0  # the gather group (BucketLayout.groups) its pieces lie in
 
 
-class BucketLayout(NamedTuple):
+@dataclass(frozen=True)
+class BucketLayout:
     """The byte plan of one buffer kind of a bucket.
 
     A segment is cut into *gather groups*, contiguous byte ranges (start, stop)
@@ -52,17 +54,28 @@ class BucketLayout(NamedTuple):
     ranks' ranges rank-major ([world, stop - start]). A solo group holds one
     parameter's equal pieces (Shard(0)), so its block is the full tensor;
     the packed group holds the rest (see plan_layout). `groups` empty: one
-    group, the whole segment (the gathered buffer is [world, segment])."""
+    group, the whole segment (the gathered buffer is [world, segment]).
+
+    The sizes a step reads (`spans`, `wire_bytes`, `ideal_bytes`) are fields,
+    computed once here: a step reads them, it runs no planning code."""
 
     regions: tuple
     segment_bytes: int
     world_size: int
     groups: tuple = ()  # (start, stop) byte ranges of the segment, in order
+    # the gather groups, (start, stop) each: `groups`, or the whole segment
+    spans: tuple = field(init=False, compare=False, repr=False)
+    # bytes a collective over this layout moves (padding included): the gathered buffer's size
+    wire_bytes: int = field(init=False, compare=False, repr=False)
+    # bytes that must move: the sum of every rank's pieces
+    ideal_bytes: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def spans(self) -> tuple:
-        """The gather groups, (start, stop) each: `groups`, or the whole segment."""
-        return self.groups or ((0, self.segment_bytes),)
+    def __post_init__(self) -> None:
+        derived = (("spans", self.groups or ((0, self.segment_bytes),)),
+                   ("wire_bytes", self.segment_bytes * self.world_size),
+                   ("ideal_bytes", sum(sum(reg.nbytes) for reg in self.regions)))
+        for name, value in derived:
+            object.__setattr__(self, name, value)
 
     def block(self, group: int) -> tuple:
         """(start, stop) of `group`'s block in the gathered buffer."""
@@ -84,16 +97,6 @@ class BucketLayout(NamedTuple):
         """Byte offset of `rank`'s piece of `slot` in the gathered buffer."""
         reg = self.regions[slot]
         return self.gathered_at(rank, reg.offsets[rank], reg.group)
-
-    def group_parts(self, buffer: torch.Tensor, ranks: int = 1) -> list:
-        """`buffer` cut into the groups' parts (one split), for `ranks` consecutive
-        ranks: a rank's segment (ranks=1: the gather input, the reduce output), an int
-        reshard's kept slice, or the gathered buffer (ranks=world_size). The buffer
-        may be typed: its element size scales the byte offsets."""
-        if len(self.spans) == 1:
-            return [buffer]
-        size = buffer.element_size()
-        return list(buffer.split([(stop - start) * ranks // size for start, stop in self.spans]))
 
     def gathered_range(self, slot: int) -> Optional[tuple]:
         """(start, end) when the slot's pieces are back to back in the gathered
@@ -178,17 +181,6 @@ class BucketLayout(NamedTuple):
         """Whether the pieces cover every byte of every segment (no padding, no
         alignment gaps): a buffer every piece is written into needs no zeroing."""
         return self.ideal_bytes == self.wire_bytes
-
-    @property
-    def ideal_bytes(self) -> int:
-        """Bytes that must move: the sum of every rank's pieces."""
-        return sum(sum(reg.nbytes) for reg in self.regions)
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes a collective over this layout moves (padding included): the
-        gathered buffer's size."""
-        return self.segment_bytes * self.world_size
 
 
 def bind_placements(entries: Sequence[tuple], world_size: int,

@@ -1,6 +1,14 @@
 """DTensor params from tensor parallelism, checked and swapped for their local
 tensors before planning; `TPSpec` records where each local tensor sits in its
-DTensor (`runtime/dtensor_param.py` rebuilds the DTensors from it).
+DTensor.
+
+A bucket slot holds a DTensor param's TP-local tensor, sharded over dp as a
+plain tensor is (the slot's shape is the local shape). Forward installs
+`DTensor.from_local(unsharded local)` (`TPSpec.to_param`, runtime/bucket.py):
+TP's own modules see the DTensor they expect, and autograd hands the local
+gradient back to the bucket (from_local's backward first turns a Partial
+gradient into the param's placements over tp). Checkpoints and full state
+dicts describe the param in the global tensor (checkpoint/state_dict.py).
 
 flex_shard accepts a DTensor param when its mesh and flex_shard's mesh are
 slices of one (dp, tp) mesh: each of the DTensor's mesh dims is either one of

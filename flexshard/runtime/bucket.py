@@ -5,9 +5,10 @@ States: SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED. The bucket holds the
 sharded params (its storage), installs params on the modules and keeps the state;
 its gather (gather.py, `BucketGather`) and its gradient path (grad_reduce.py,
 `GradReduce`) own their own fields. Unsharded parameters are made by `_Unshard`
-(unshard_node.py), an autograd Function whose backward launches the bucket's
-gradient reduction; the model's ReduceQueue finishes it and the bucket's GradRoute
-(grad_reduce.py) hands the sharded gradients to `.grad`. A gather may be launched
+(below), an autograd Function: its forward is the bucket's gather, its backward
+packs the bucket's unsharded grads and defers the launch of their reduce-scatter
+until the node has returned; the model's ReduceQueue finishes it and the bucket's
+GradRoute (grad_reduce.py) hands the sharded gradients to `.grad`. A gather may be launched
 early (`start_gather`, prefetch) and consumed by the next unshard.
 """
 
@@ -26,15 +27,14 @@ from ..planning.layout import BucketLayout, SlotPlan
 from .comm import Comm
 from .counters import BucketCounters
 from .device import DeviceContexts, DeviceSite, HostContext
-from .dtensor_param import wrap_unsharded
 from .gather import BucketGather
-from .grad_reduce import GradReduce, GradRoute, ReduceQueue
+from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 from .inflight import PendingGather
 from .offload import Offload
+from .sharded_grad import wrap_grads
 from .identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
 from .unsharded import Forward
-from .unshard_node import _Unshard
 
 
 class BucketState(enum.Enum):
@@ -91,6 +91,11 @@ class Bucket:
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
+        # False at world size 1 without a cast or offload when every piece has the full
+        # shape (the sharded params are the full ones); flex_shard sets its wrap plan's
+        # value, which also counts DTensor slots and a bucket mesh smaller than the model's
+        self.needs_hooks = hooks_needed(slots, mp, world_size, replicate_size,
+                                        offload_policy is not None, False)
         self._held_version = -1
 
     @property
@@ -103,16 +108,6 @@ class Bucket:
     def device_ctx(self) -> HostContext:
         """Streams and events of the compute device."""
         return self.site.ctx
-
-    @property
-    def needs_hooks(self) -> bool:
-        """False at world size 1 without a cast or offload when every piece has
-        the full shape (the sharded params are the full ones), unless a slot was
-        a DTensor (which forward must see as a DTensor again) or the bucket's own
-        mesh is smaller than the model's (see hooks_needed)."""
-        return self.tp_specs is not None or hooks_needed(
-            self.slots, self.mp, self.world_size, self.replicate_size,
-            self.offload is not None, self.on_sub_mesh)
 
     def assert_state(self, *states: BucketState) -> None:
         if self.state not in states:
@@ -202,6 +197,23 @@ class Bucket:
                 "module.unshard() held them unsharded; call module.reshard() before changing "
                 "the params, then module.unshard() again")
 
+    def check_viewed(self) -> None:
+        """Refuse sharded params that no longer view their pieces of the buffer
+        (`p.data = t`, `p.set_(t)`): the gather reads the buffer, so the step
+        would train values the optimizer no longer writes. One pass of cached
+        pointers: cheap enough for every forward."""
+        ptrs = self.storage.ptrs
+        if list(map(torch.Tensor.data_ptr, self.params)) == ptrs:
+            return
+        index = next(i for i, p in enumerate(self.params) if p.data_ptr() != ptrs[i])
+        fqn = self.slots[index].fqn
+        raise ValueError(
+            f"parameter {fqn!r} (bucket {self.name!r}) no longer views its bucket's storage: its "
+            "tensor was swapped after flex_shard (p.data = ..., p.set_(...)), so the gather "
+            "would not see its values and the step would train the old ones. Write values in "
+            "place instead: `with torch.no_grad(): p.copy_(shard)` for this rank's shard, or "
+            f"load a full tensor: model.load_state_dict({{{fqn!r}: full_tensor}}, strict=False)")
+
     def _check_requires_grad(self) -> None:
         """Freezing a param after flex_shard is fine (its grad is left out, see
         _Unshard); unfreezing one the bucket has no gradient room for is not."""
@@ -224,7 +236,11 @@ class Bucket:
     def install(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
         """Point every alias of each slot at the given unsharded tensor (a DTensor
         again for a TP slot; None unregisters)."""
-        self._install(wrap_unsharded(self.tp_specs, tensors))
+        specs = self.tp_specs
+        if specs is not None:
+            tensors = [t if spec is None or t is None else spec.to_param(t)
+                       for spec, t in zip(specs, tensors)]
+        self._install(tensors)
 
     def _install(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
         for slot_aliases, tensor in zip(self.aliases, tensors):
@@ -248,8 +264,15 @@ class Bucket:
         return self.grad_route.anchor_for_unshard(self.reduce_queue, self.params,
                                                   bool(self.grad_slots), self.compute_device)
 
-    # What the backward's autograd nodes change (unshard_node.py): through these
+    # What the backward's autograd nodes change (_Unshard): through these
     # methods, never by writing the fields.
+
+    def backward_ended(self) -> None:
+        """A backward pass ended (a ReduceQueue listener): the new sharded grads take
+        full norms (sharded_grad.py), and the bucket lets go of what backward held
+        (an int reshard's kept slice too, if backward never used it)."""
+        wrap_grads(self.params, self.norm_groups)
+        self.backward_done()
 
     def backward_done(self, forward: Optional[Forward] = None) -> None:
         """Backward no longer needs the refilled params nor the int reshard's
@@ -327,6 +350,11 @@ class Bucket:
         self.assert_state(BucketState.SHARDED)
         self.gather.follow_reshard(value)
 
+    def prefetch(self) -> bool:
+        """Launch the gather ahead of its forward (prefetch.py), unless the modules
+        hold unsharded params or the bucket runs no hooks."""
+        return self.held is None and self.needs_hooks and self.start_gather()
+
     def start_gather(self, new_tensors: bool = False) -> bool:
         """Launch the gather now (prefetch), unless in flight or not sharded;
         `new_tensors`: not into the params made once (module.unshard(), see unshard)."""
@@ -339,3 +367,41 @@ class Bucket:
     @property
     def reduce_layout(self) -> BucketLayout:
         return self.grads.layout
+
+
+class _Unshard(torch.autograd.Function):
+    """Forward: the bucket's gather. Backward: the bucket's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, bucket: "Bucket", anchor: torch.Tensor, new_tensors: bool,
+                refill_in_backward: bool):
+        # The route's Delivery of this forward (None under no_grad): a later forward's
+        # new route must not receive this graph's grads.
+        ctx.bucket, ctx.delivery = bucket, bucket.grad_route.delivery
+        ctx.set_materialize_grads(False)
+        outs = bucket.gather.gather(None, new_tensors)
+        # What this graph's backward needs of the params made once (unsharded.py):
+        # held by the graph, so a forward never backpropagated stops counting.
+        ctx.forward = bucket.gather.open_forward() if refill_in_backward else None
+        # frozen now (requires_grad_(False) after the wrap included): no grad is computed
+        frozen = [o for o, p in zip(outs, bucket.params) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # The reduce-scatter runs while the rest of backward does; the queue
+        # delivers the sharded grads into .grad (at the latest when backward ends).
+        bucket = ctx.bucket
+        # Every grad is known: the block's backward is done with its refilled params;
+        # dropped before the reduce buffers are made, so the two never coexist.
+        bucket.backward_done(ctx.forward)  # and the int reshard's kept slice
+        bucket.reduce_queue.watch_backward()
+        bucket.reduce_queue.make_room()
+        packed = bucket.grads.pack(grads)
+        if packed is not None:
+            # Launched once this backward has returned and autograd has let go of the
+            # unsharded grads, so they never sit beside the collective's buffers.
+            bucket.reduce_queue.defer(Reduction(bucket.grads, packed, ctx.delivery))
+        return None, bucket.grad_route.anchor_grad(bucket.compute_device), None, None

@@ -7,21 +7,39 @@ inject one that counts, delays or fails them (wrapping the real ones).
 gloo flex_shard takes `GlooComm` (gloo.py) instead, a Comm whose large
 gathers and reduces run rooted: chosen from the process group's backend
 (`comm_for`), so no other code knows which backend runs.
+
+`hidden_from_checkpoint` keeps these collectives out of selective activation
+checkpointing's dispatch modes, which replay ops by call index.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..compat import all_gather_single, coalescing_manager, reduce_scatter_single
+from ..compat import (SAC_MODES as _SAC_MODES, all_gather_single, coalescing_manager,
+                      get_dispatch_stack_at, len_torch_dispatch_stack, pop_mode as _pop_mode,
+                      push_mode as _push_mode, reduce_scatter_single)
 
 
 def _op(op: Optional[dist.ReduceOp]) -> dict:
     """The `op` keyword for a c10d collective: none for SUM, torch's default."""
     return {} if op is None else {"op": op}
+
+
+def group_parts(buffer: torch.Tensor, spans: tuple, ranks: int = 1) -> list:
+    """`buffer` cut into its gather groups' parts (one split; `spans`: the groups'
+    (start, stop) byte ranges of a segment, BucketLayout.spans), for `ranks`
+    consecutive ranks: a rank's segment (ranks=1: the gather input, the reduce
+    output), an int reshard's kept slice, or the gathered buffer (ranks=world
+    size). The buffer may be typed: its element size scales the byte offsets."""
+    if len(spans) == 1:
+        return [buffer]
+    size = buffer.element_size()
+    return list(buffer.split([(stop - start) * ranks // size for start, stop in spans]))
 
 
 class Comm:
@@ -85,3 +103,32 @@ class Comm:
         segment j to rank j and receives `output_split_sizes[j]` from rank j
         (sizes may differ and be 0)."""
         dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+
+@contextmanager
+def hidden_from_checkpoint():
+    """Run a gather's ops outside selective-checkpoint dispatch modes.
+
+    Under the user's selective activation checkpointing (torchtitan's "op" AC),
+    torch replays ops by (op, call index), so the forward and the recompute
+    must issue the same ops. A gather may be launched early (prefetch) in one
+    and on demand in the other, so it never shows to those modes; other
+    dispatch modes (CommDebugMode, user modes) still see it.
+    """
+    depth = len_torch_dispatch_stack()
+    stack = [get_dispatch_stack_at(i) for i in range(depth)]
+    if not any(isinstance(m, _SAC_MODES) for m in stack):
+        yield
+        return
+    for _ in stack:
+        _pop_mode()
+    kept = [m for m in stack if not isinstance(m, _SAC_MODES)]
+    for m in kept:
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for m in stack:
+            _push_mode(m)

@@ -30,12 +30,3 @@ class BucketCounters:
         """Every counter back to 0, in place (the gather and the gradient path share it)."""
         for f in fields(self):
             setattr(self, f.name, f.default)
-
-    def count_gather(self, layout, collective: bool, post_forward: bool, copy_in: int) -> None:
-        """One gather over `layout` (a BucketLayout): `collective` unless at world size 1."""
-        self.gathers += 1
-        self.post_forward_gathers += post_forward
-        self.copy_in_bytes += copy_in
-        if collective:
-            self.gather_wire_bytes += layout.wire_bytes
-            self.gather_ideal_bytes += layout.ideal_bytes

@@ -17,17 +17,15 @@ from torch.profiler import record_function
 from ..compat import foreach_copy_, in_backward, set_versions, tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
-from ..planning.fused import (CopyOutPlans, column_full, copy_out_columns, plan_copy_in,
-                              plan_copy_out, split_views)
-from ..planning.wire_plan import cast_wire, plan_param_wires
-from .comm import Comm
+from ..planning.fused import CopyOutPlans, plan_copy_in, plan_copy_out
+from ..planning.wire_plan import cast_wire
+from .comm import Comm, group_parts, hidden_from_checkpoint
 from .counters import BucketCounters
 from .device import DeviceSite, HostContext, on_stream
-from .dispatch import hidden_from_checkpoint
 from .inflight import PendingGather
-from .postforward import PostForwardShard, keep_slice, usable
 from .storage import BucketStorage, segment_views
-from .unsharded import Forward, UnshardedParams
+from .wires import column_full, copy_out_columns, plan_param_wires, split_views
+from .unsharded import Forward, PostForwardShard, UnshardedParams, keep_slice, usable
 
 
 class BucketGather:
@@ -111,7 +109,7 @@ class BucketGather:
         plans = self._plans.get(id(layout))
         return plans if plans is not None else self._layout_plans(layout)
 
-    # The int reshard's kept slice (postforward.py).
+    # The int reshard's kept slice (unsharded.py, PostForwardShard).
 
     @property
     def post_forward_size(self) -> Optional[int]:
@@ -235,7 +233,7 @@ class BucketGather:
         """The unsharded params from the gather output, on the compute stream: views
         where `view_ok` and the layout allow, one split-copy per run of uniform
         columns (planning/fused.py), the wire formats' decode for the rest."""
-        fused = plans.copy_out.pick(view_ok)
+        fused = plans.copy_out.beside_views if view_ok else plans.copy_out.every_cast
         columns = copy_out_columns(gathered, fused, self.world_size) if fused.runs else {}
         done = {}
         for i, wire in enumerate(plans.wires):
@@ -262,8 +260,8 @@ class BucketGather:
                 if piece is not None:
                     wire.encode(send, piece.to(device))
             if self.world_size > 1:
-                self.comm.all_gather_groups(layout.group_parts(gathered, self.world_size),
-                                            layout.group_parts(send), self.group)
+                self.comm.all_gather_groups(group_parts(gathered, layout.spans, self.world_size),
+                                            group_parts(send, layout.spans), self.group)
             else:
                 gathered = send
             return [wire.decode(gathered, False)[0] for wire in plans.wires]
@@ -329,10 +327,19 @@ class BucketGather:
             send, gathered = self._buffers(layout, plans, source, device, unsharded)
             before = None if unsharded is None else tensor_version(gathered)
             work, done = self._fill(send, gathered, layout, plans, source, async_op, ctx)
-        self.counters.count_gather(layout, self.world_size > 1, source is not None,
-                                   0 if source is not None else plans.copy_in_bytes)
+        self._count(layout, source is not None, 0 if source is not None else plans.copy_in_bytes)
         return PendingGather(work if async_op else None, gathered, layout, version, send, done,
                              ctx.current(), before)
+
+    def _count(self, layout: BucketLayout, post_forward: bool, copy_in: int) -> None:
+        """One gather over `layout` in the bucket's counters (no wire at world size 1)."""
+        counters = self.counters
+        counters.gathers += 1
+        counters.post_forward_gathers += post_forward
+        counters.copy_in_bytes += copy_in
+        if self.world_size > 1:
+            counters.gather_wire_bytes += layout.wire_bytes
+            counters.gather_ideal_bytes += layout.ideal_bytes
 
     def _fill(self, send, gathered, layout: BucketLayout, plans: LayoutPlans,
               source: Optional[PostForwardShard], async_op: bool, ctx: HostContext) -> tuple:
@@ -357,10 +364,11 @@ class BucketGather:
         unsharded = self.unsharded
         if unsharded is not None and gathered is unsharded.gathered:
             outputs = unsharded.gathered_parts
-            inputs = unsharded.send_parts if send is gathered else layout.group_parts(send, ranks)
+            inputs = (unsharded.send_parts if send is gathered
+                      else group_parts(send, layout.spans, ranks))
         else:
-            outputs = layout.group_parts(gathered, self.world_size)
-            inputs = layout.group_parts(send, ranks)
+            outputs = group_parts(gathered, layout.spans, self.world_size)
+            inputs = group_parts(send, layout.spans, ranks)
         return self.comm.all_gather_groups(outputs, inputs, group, async_op=async_op)
 
     def _buffers(self, layout: BucketLayout, plans: LayoutPlans,
@@ -422,7 +430,7 @@ class BucketGather:
                 and unsharded.copy_in_dst is not None  # in place, per group (_buffers)
             foreach_copy_(unsharded.copy_in_dst if in_output else split_views(send, fused.dst),
                           srcs)
-        if plans.wires.encodes:  # the other formats, batched where they batch (wire_plan.py)
+        if plans.wires.encodes:  # the other formats, batched where they batch (wires.py)
             views = (self.storage.views if staged is None
                      else segment_views(staged, self.storage.layout, self.slots, self.rank))
             mesh = self.shard_mesh(send.device) if plans.needs_mesh else None

@@ -45,11 +45,11 @@ from torch.profiler import record_function
 
 from ..compat import (chunk_cat, current_graph_task_id, foreach_copy_, foreach_zero_,
                       in_backward, queue_callback)
-from .comm import Comm
+from .comm import Comm, group_parts
 from ..planning.copyplan import plan_copies
-from ..planning.fused import (plan_chunk_cat, plan_split, segment_split, span_split,
-                              split_views)
+from ..planning.fused import plan_chunk_cat, plan_split, segment_split, span_split
 from .counters import BucketCounters
+from .wires import split_views
 from .device import DeviceSite, on_stream
 from .inflight import PendingReduce, ReduceOp
 from ..planning.layout import BucketLayout, SlotPlan
@@ -258,8 +258,8 @@ class GradReduce:
         self.counters.reduce_ideal_bytes += self.layout.ideal_bytes
         kwargs = {} if op.op == dist.ReduceOp.SUM else {"op": op.op}  # a Comm may not take op
         return self.comm.reduce_scatter_groups(
-            self.layout.group_parts(self.typed(out)),
-            self.layout.group_parts(self.typed(send), self.world_size), self.group,
+            group_parts(self.typed(out), self.layout.spans),
+            group_parts(self.typed(send), self.layout.spans, self.world_size), self.group,
             async_op=True, **kwargs)
 
     # Step 3: finish.

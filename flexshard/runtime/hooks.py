@@ -209,7 +209,7 @@ class RootHooks:
 
     def pre_forward(self, module, args):
         for bucket in self.all_buckets:  # before any collective: each rank raises alike
-            bucket.storage.check_viewed(bucket.params, bucket.name)
+            bucket.check_viewed()
         if self.stray is not None:
             self.stray.disarm()
         if not in_backward():
@@ -285,7 +285,7 @@ def unshard_explicitly(buckets: Sequence[Bucket], async_op: bool):
     """Launch the gathers of `buckets` (module.unshard()); see UnshardHandle."""
     buckets = [b for b in buckets if b.held is None and b.hold_handle is None]
     for bucket in buckets:
-        bucket.storage.check_viewed(bucket.params, bucket.name)
+        bucket.check_viewed()
         if bucket.state is not BucketState.SHARDED:
             raise RuntimeError(f"module.unshard() called while bucket {bucket.name!r} is "
                                f"{bucket.state.value} (inside its forward?); call it between steps")

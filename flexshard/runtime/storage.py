@@ -44,22 +44,6 @@ class BucketStorage:
         self.flat = [v.view(-1) for v in self.views]
         self.ptrs = [v.data_ptr() for v in self.views]
 
-    def check_viewed(self, params, bucket: str) -> None:
-        """Refuse sharded params that no longer view their pieces of the buffer
-        (`p.data = t`, `p.set_(t)`): the gather reads the buffer, so the step
-        would train values the optimizer no longer writes. One pass of cached
-        pointers: cheap enough for every forward."""
-        if list(map(torch.Tensor.data_ptr, params)) == self.ptrs:
-            return
-        index = next(i for i, p in enumerate(params) if p.data_ptr() != self.ptrs[i])
-        fqn = self.slots[index].fqn
-        raise ValueError(
-            f"parameter {fqn!r} (bucket {bucket!r}) no longer views its bucket's storage: its "
-            "tensor was swapped after flex_shard (p.data = ..., p.set_(...)), so the gather "
-            "would not see its values and the step would train the old ones. Write values in "
-            "place instead: `with torch.no_grad(): p.copy_(shard)` for this rank's shard, or "
-            f"load a full tensor: model.load_state_dict({{{fqn!r}: full_tensor}}, strict=False)")
-
     @property
     def short(self) -> bool:
         """Whether the buffer is shorter than the layout's segment, so it cannot be

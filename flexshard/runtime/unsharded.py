@@ -23,18 +23,28 @@ gather output through FSDP2's fsdp_post_all_gather(out=), any other decoded anew
 and copied into the first one's tensor. So every resharding bucket refills params
 made once; a bucket that keeps its params until backward gathers new tensors,
 which autograd frees once unneeded (runtime/gather.py, in_place).
+
+`PostForwardShard`: under an int reshard_after_forward N (FSDP2's "reshard to a
+smaller group"), what a rank keeps of a bucket's forward gather for backward.
+The shard group's S ranks form S/N post-forward groups of N consecutive ranks.
+Rank r, index i = r mod N in its group, keeps segments i*S/N .. (i+1)*S/N - 1
+of each gather group's block of the gather output; the group's all-gather of
+those slices, rank-major per gather group, is the whole gather output again, so
+backward's regather stays within N ranks.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..compat import preserve_versions
+from ..compat import preserve_versions, tensor_version
 from ..planning.bucket_plan import LayoutPlans
-from ..planning.fused import column_copies, column_full, split_views
 from ..planning.layout import BucketLayout
+from .comm import group_parts
+from .wires import column_copies, column_full, split_views
 
 
 class Forward:
@@ -50,7 +60,8 @@ class Forward:
 def _runs(plans: LayoutPlans):
     """The fused copy-out of a resharding bucket: params view the gather output
     where the layout keeps views (no padding is pinned past forward)."""
-    return plans.copy_out.pick(plans.keeps_views)
+    return (plans.copy_out.beside_views if plans.keeps_views
+            else plans.copy_out.every_cast)
 
 
 def _decoded(plans: LayoutPlans) -> dict:
@@ -84,7 +95,7 @@ class UnshardedParams:
         # what each gather group's collective writes, made once as the params are; with
         # several groups this rank's segment is several ranges of the output: the gather
         # inputs (each group's range) and the copy-in's destinations in them, made once
-        self.gathered_parts = layout.group_parts(self.gathered, world_size)
+        self.gathered_parts = group_parts(self.gathered, layout.spans, world_size)
         self.send_parts = self.copy_in_dst = None
         # a format that encodes writes its segment offsets: it gets a segment of its own
         if len(self.gathered_parts) > 1 and not plans.same_bytes and not plans.wires.encodes:
@@ -192,3 +203,31 @@ class UnshardedParams:
     def awaiting_backward(self) -> bool:
         """Whether a forward whose graph is alive still waits for its backward."""
         return len(self.forwards) > 0
+
+
+class PostForwardShard(NamedTuple):
+    """This rank's 1/N of a forward's gather output, kept for backward."""
+
+    send: torch.Tensor  # its S/N segments of the gather output (gather layout), per group
+    group: Any  # the N consecutive shard ranks backward all-gathers within
+    version: int  # storage version at forward: a later write makes it stale
+    ranks: int  # S/N: how many ranks' segments `send` holds
+
+
+def keep_slice(gathered: torch.Tensor, layout: BucketLayout, rank: int, n: int, group,
+               storage: torch.Tensor) -> PostForwardShard:
+    """The slice of `gathered` rank `rank` keeps in its post-forward group of `n`: of
+    each gather group's block, the S/N segments of that group's share (one copy)."""
+    ranks = layout.world_size // n
+    first = (rank % n) * ranks
+    parts = [block.view(layout.world_size, -1)[first:first + ranks].reshape(-1)
+             for block in group_parts(gathered, layout.spans, layout.world_size)]
+    kept = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+    return PostForwardShard(kept, group, tensor_version(storage), ranks)
+
+
+def usable(shard: Optional[PostForwardShard], storage: torch.Tensor) -> Optional[PostForwardShard]:
+    """`shard` while the sharded params are still those it was cut from."""
+    if shard is None or shard.version != tensor_version(storage):
+        return None
+    return shard
