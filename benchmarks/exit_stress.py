@@ -3,7 +3,7 @@
 A finished run must exit 0; a run that prints "terminate called" (SIGABRT at
 interpreter exit) or exits non-zero counts as an abort. The "+300" cases end the
 quickstart with 300 all-reduces, which makes an abort at exit likely when the
-process group is left to interpreter finalization (flexshard/runtime/teardown.py). `--load K` starts K
+process group is left to interpreter finalization (flexshard/wrap/teardown.py). `--load K` starts K
 busy-looping processes for the duration, to reproduce a loaded machine.
 
     PYTHONPATH=$PWD python -m benchmarks.exit_stress --runs 12 --load 2

@@ -30,13 +30,13 @@ from .runtime.gloo import comm_for
 from .runtime.hooks import (ModuleHooks, RootHooks, StrayCallHooks, reshard_explicitly,
                             unshard_explicitly)
 from .runtime.device import DeviceContexts
-from .runtime.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
+from .wrap.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.prefetch import Prefetcher
 from .runtime.grad_reduce import ReduceQueue
-from .runtime.registration import RegistrationGuard
+from .wrap.registration import RegistrationGuard
 from .runtime.sharded_grad import norm_groups
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
-from .runtime.teardown import destroy_gloo_group_at_exit
+from .wrap.teardown import destroy_gloo_group_at_exit
 
 
 class FlexShardModule:

@@ -16,7 +16,7 @@ USER_ERRORS = {"ValueError", "TypeError", "NotImplementedError", "RuntimeError",
 AREAS = [  # (heading, path prefixes under flexshard/), first match wins
     ("Compiling the whole step: fs.compile", ("whole_step.py", "runtime/traced.py")),
     ("Wrapping a model: flex_shard, BucketSpec, policies", ("api.py", "config.py", "planning/", "dry_run/",
-                                                            "runtime/")),
+                                                            "runtime/", "wrap/")),
     ("Placements", ("placements/",)),
     ("Checkpoints, state dicts and loading", ("checkpoint/",)),
     ("Activation collectives", ("collectives.py",)),

@@ -32,7 +32,7 @@ from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 from .inflight import PendingGather
 from .offload import Offload
 from .sharded_grad import wrap_grads
-from .identity import adopt, mark_stale
+from ..wrap.identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
 from .unsharded import Forward
 
@@ -149,7 +149,7 @@ class Bucket:
 
     def adopt(self, originals: Sequence[torch.Tensor]) -> None:
         """After load_full: each slot's original Parameter object becomes its
-        sharded param in place (runtime/identity.py), or, where it cannot, is
+        sharded param in place (wrap/identity.py), or, where it cannot, is
         marked so that an optimizer stepping it raises."""
         for i, (slot, original) in enumerate(zip(self.slots, originals)):
             kept = adopt(original, self.params[i])

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..planning.layout import BucketLayout, typed_view
-from .identity import replace_keeping
+from ..wrap.identity import replace_keeping
 
 
 def segment_views(buffer: torch.Tensor, layout: BucketLayout, slots, rank: int) -> list:
