@@ -125,9 +125,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
-    modes = args.modes
     rows = [row for reshard in args.reshard.split(",")
-            for row in run_reshard(args.model, modes, reshard == "on", args)]
+            for row in run_reshard(args.model, args.modes, reshard == "on", args)]
     if rank == 0:
         print(f"model {args.model}, world size {world}, {args.steps} timed steps per mode "
               f"(interleaved) after {args.warmup} warm-up, CPU inductor, torch {torch.__version__}, "
