@@ -1,1 +1,2 @@
-"""Benchmarks of flexshard against FSDP2 (run `python -m benchmarks.compare --help`)."""
+"""Benchmarks of flexshard against FSDP2: the shared machinery in benchmarks/harness/,
+each study a module beside it (start with `python -m benchmarks.compare --help`)."""

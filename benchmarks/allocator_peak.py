@@ -5,25 +5,23 @@
 
 `benchmarks/compare.py` tracks storages through a TorchDispatchMode; this one reads the
 profiler's raw allocator records instead (every allocation and free the CPU allocator
-sees, inside ops or not), the meter `compile_bench.py` uses too. For flexshard and FSDP2 (one
-group per block plus the root, reshard after forward on and off, eager, AdamW; fp32 unless
-`--dtype`, flexshard's placement Shard(0) unless `--placement`) it
-reports, for one step after two warm-up steps, the bytes allocated minus freed:
-at their peak during the forward, at the end of the forward, at their peak during the
-backward (counted from the step's start), and at their peak over the whole step
-(optimizer included). What exists when the step begins (sharded params, AdamW state) is
-in none of them. Rank 0's numbers, max over ranks for the whole-step peak; then, per rank,
-the bytes resident when the step begins (the storages of the params and the optimizer state,
-padding included) beside the step's peak.
+sees, inside ops or not: `benchmarks/harness/allocator.py`, the meter `compile_bench.py`
+uses too). For flexshard and FSDP2 (one group per block plus the root, reshard after
+forward on and off, eager, AdamW; fp32 unless `--dtype`, flexshard's placement Shard(0)
+unless `--placement`) it reports, for one step after two warm-up steps, the bytes
+allocated minus freed: at their peak during the forward, at the end of the forward, at
+their peak during the backward (counted from the step's start), and at their peak over the
+whole step (optimizer included). What exists when the step begins (sharded params, AdamW
+state) is in none of them. Rank 0's numbers, max over ranks for the whole-step peak; then,
+per rank, the bytes resident when the step begins (the storages of the params and the
+optimizer state, padding included) beside the step's peak.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 
 if not __package__:  # `python benchmarks/<name>.py`: the checkout first, and import as a package
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,74 +33,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import flexshard as fs
 
-from .meters import distinct_storages
-from .model import batch, build_model, loss_fn
-from .runners import DTYPES, flexshard_placement
+from .harness.allocator import allocated
+from .harness.meters import distinct_storages
+from .harness.model import batch, build_model, loss_fn
+from .harness.runners import DTYPES, flexshard_placement
 
 MIB = 2 ** 20
-
-
-def allocated(fn) -> tuple:
-    """(fn's result, bytes allocated minus freed at the end, at the peak, what was
-    live at the peak: a LiveAtPeak) while fn runs.
-
-    Read from the profiler's raw allocator records ("[memory]" events: one per malloc
-    and free, its size signed), in time order, from every thread the profiler saw. Not
-    from `prof.events()`' per-op self memory: that attribution is not a faithful sum
-    (it read 66 to 98 MiB after a forward whose raw records say 36.2 MiB, varying run to
-    run). What was live: {(allocating span, op): bytes} over the allocations made
-    during fn and not yet freed at the peak."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        out = fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    records = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    live = peak = peak_ts = 0
-    held, at_peak = {}, {}
-    for e in records:
-        size, addr = e["args"]["Bytes"], e["args"]["Addr"]
-        live += size
-        if size > 0:
-            held[addr] = (size, e["ts"])
-        else:
-            held.pop(addr, None)
-        if live > peak:
-            peak, at_peak, peak_ts = live, dict(held), e["ts"]
-    spans = [e for e in events if e.get("ph") == "X"]
-    return out, live, peak, LiveAtPeak(_by_span(at_peak.values(), spans), _running(peak_ts, spans))
-
-
-class LiveAtPeak(dict):
-    """{(span, op): bytes} live at the peak; `running`: the spans running then."""
-
-    def __init__(self, groups: dict, running: str) -> None:
-        super().__init__(groups)
-        self.running = running
-
-
-def _running(ts, spans) -> str:
-    """The outermost-first chain of non-aten spans running at time `ts`."""
-    around = sorted((s for s in spans if s["ts"] <= ts <= s["ts"] + s.get("dur", 0)),
-                    key=lambda s: -s.get("dur", 0))
-    return " > ".join(s["name"][:40] for s in around
-                      if not s["name"].startswith(("aten::", "[", "PyTorch Profiler")))[-160:]
-
-
-def _by_span(allocations, spans) -> dict:
-    """Bytes per (innermost span that is not an aten op, innermost op) at allocation."""
-    out: dict = {}
-    for size, ts in allocations:
-        around = sorted((s for s in spans if s["ts"] <= ts <= s["ts"] + s.get("dur", 0)),
-                        key=lambda s: s.get("dur", 0))
-        names = [s["name"] for s in around] or ["?"]
-        span = next((n for n in names if not n.startswith(("aten::", "["))), names[0])
-        key = (span[:48], names[0][:32])
-        out[key] = out.get(key, 0) + size
-    return out
 
 
 def wrap(name: str, runner: str, reshard: bool, placement: str = "shard",
@@ -195,7 +131,7 @@ def _worker(rank: int, world: int, port: int, model: str, breakdown: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama", help="a name in benchmarks/model.py")
+    parser.add_argument("--model", default="llama", help="a name in benchmarks/harness/model.py")
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks to spawn (gloo, CPU; default 2)")
     parser.add_argument("--port", type=int, default=29617,

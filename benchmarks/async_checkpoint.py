@@ -2,8 +2,8 @@
 `fs.save_checkpoint(..., async_=True)` against FSDP2 + DCP's `async_save` of
 DSD's state dicts (torchtitan's "async" mode: a gloo group of its own).
 
-Both train the benchmark Llama (benchmarks/model.py, hidden 384) from the same
-weights on the same batches with AdamW, their steps alternating. Every
+Both train the benchmark Llama (benchmarks/harness/model.py, hidden 384) from the
+same weights on the same batches with AdamW, their steps alternating. Every
 `--every` steps each saves; the blocked time is the wall time of the save call
 (flexshard: its checks, barriers and the copy to CPU; FSDP2: get_state_dict and
 async_save's copy). The write runs meanwhile; each library waits for its
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 
 import flexshard as fs
 
-from .model import SHAPES, batch, build_model, loss_fn
+from .harness.model import SHAPES, batch, build_model, loss_fn
 
 
 def _flexshard(name: str):
@@ -84,7 +84,7 @@ def _train_step(model, opt, name: str, step: int, rank: int) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama", choices=sorted(SHAPES),
-                        help="model shape from benchmarks/model.py (default llama)")
+                        help="model shape from benchmarks/harness/model.py (default llama)")
     parser.add_argument("--steps", type=int, default=12,
                         help="training steps to time (default 12)")
     parser.add_argument("--every", type=int, default=2,

@@ -3,8 +3,8 @@ and peak memory, reshard on and off.
 
     PYTHONPATH=$PWD python -m benchmarks.compile_bench [--model llama] [--world-size 2]
 
-For each reshard setting one model per mode trains `benchmarks/model.py`'s model
-under flex_shard (one bucket per block plus root): "eager"; "hooks", every block
+For each reshard setting one model per mode trains `benchmarks/harness/model.py`'s
+model under flex_shard (one bucket per block plus root): "eager"; "hooks", every block
 compiled after flex_shard (`block.compile()`, inductor), the gather in flexshard's
 eager hooks around it; "whole", the whole model compiled with every gather and
 gradient reduction inside the graph (`fs.compile`, reshard = the compiler's selective
@@ -18,11 +18,21 @@ and range over the timed steps. Peak memory is the highest sum of live CPU
 allocations during one step, read from the profiler's allocator events (these see
 inductor's buffers as much as eager's, which a TorchDispatchMode would not), max
 over ranks and over `--peak-steps` steps.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python -m benchmarks.compile_bench --fake-world 8
+
+`--fake-world N`: peak memory of one forward+backward, eager against compiled blocks,
+flexshard against FSDP2, at one rank of a fake world of N ranks ("FSDP2's peak fell with
+compile"): harness/fake_world.py's model and wrapping (HF Llama, bf16 params, fp32
+reduce, reshard after forward; `--modes` eager and/or compile, torch.compile of each
+block), after `--warmup` steps. The peak is read from the same allocator events. Printed
+per side and mode: the peak, what ran at the peak, and the `--top` largest live groups.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -37,10 +47,13 @@ import torch.distributed as dist
 
 import flexshard as fs
 
-from .allocator_peak import allocated
-from .model import batch, build_model, loss_fn
+from .harness.allocator import allocated
+from .harness.fake_world import PRESETS, Side, fake_world
+from .harness.model import batch, build_model, loss_fn
 
 MODES = ("eager", "hooks", "whole")  # and "whole-aot" (backend aot_eager), on request
+FAKE_WORLD_MODES = ("eager", "compile")  # --fake-world: torch.compile of each block, or not
+MIB = 2 ** 20
 
 
 def _step(model, opt, name: str, step: int, rank: int) -> float:
@@ -112,9 +125,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
-    modes = tuple(args.modes.split(","))
     rows = [row for reshard in args.reshard.split(",")
-            for row in run_reshard(args.model, modes, reshard == "on", args)]
+            for row in run_reshard(args.model, args.modes, reshard == "on", args)]
     if rank == 0:
         print(f"model {args.model}, world size {world}, {args.steps} timed steps per mode "
               f"(interleaved) after {args.warmup} warm-up, CPU inductor, torch {torch.__version__}, "
@@ -132,23 +144,63 @@ def _fmt(spread: tuple) -> str:
     return "{:.3f} [{:.3f}, {:.3f}]".format(*spread)
 
 
-def main() -> None:
+def fake_world_peaks(args) -> None:
+    """--fake-world N: per mode and side, the peak of one forward+backward after
+    `args.warmup` steps, what ran at the peak and the largest live groups."""
+    device = torch.device("cpu")
+    with fake_world(args.fake_world, 0, device) as mesh:
+        for mode in args.modes:
+            for side in ("fsdp2", "flexshard"):
+                s = Side(side, mode, PRESETS["cpu"], mesh, device)
+                for _ in range(args.warmup):
+                    s.step()
+                _, _, peak, live = allocated(s.forward_backward)
+                s.optimizer_step()
+                print(f"{mode:8s} {side:9s} peak {peak / MIB:6.1f} MiB at {live.running}")
+                for (span, op), n in sorted(live.items(), key=lambda kv: -kv[1])[:args.top]:
+                    print(f"    {n / MIB:6.1f} MiB  {span} / {op}")
+                del s
+                gc.collect()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="even", help="a name in benchmarks/model.py")
+    parser.add_argument("--model", default="even", help="a name in benchmarks/harness/model.py")
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks to spawn (gloo, CPU; default 2)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps before the timed ones, compilation included "
-                             "(default 3)")
+                             "(default 3); with --fake-world, forward+backward passes before "
+                             "the measured one")
     parser.add_argument("--steps", type=int, default=8,
                         help="timed steps (default 8)")
     parser.add_argument("--peak-steps", type=int, default=2,
                         help="steps whose peak memory is read after the timed ones (default 2)")
-    parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES + ("whole-aot",)))
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="of " + ", ".join(MODES + ("whole-aot",)) + " (default "
+                             + ",".join(MODES) + "; commas or spaces); with --fake-world of "
+                             + " and ".join(FAKE_WORLD_MODES) + " (default both)")
     parser.add_argument("--reshard", default="on,off", help="on, off or on,off")
     parser.add_argument("--port", type=int, default=29613,
                         help="MASTER_PORT of the spawned ranks' process group (default 29613)")
-    args = parser.parse_args()
+    fake = parser.add_argument_group("fake world (peak memory at one rank of N, one process)")
+    fake.add_argument("--fake-world", type=int, default=None, metavar="N",
+                      help="instead of the timed runs: each side's peak, eager and compiled "
+                           "blocks, at rank 0 of N ranks")
+    fake.add_argument("--top", type=int, default=6,
+                      help="with --fake-world: largest live allocation groups printed at the "
+                           "peak (default 6)")
+    args = parser.parse_args(argv)
+    default = FAKE_WORLD_MODES if args.fake_world is not None else MODES
+    args.modes = tuple(m for arg in args.modes or default for m in arg.split(",") if m)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.fake_world is not None:
+        fake_world_peaks(args)
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.multiprocessing.spawn(_worker, (args.world_size, args.port, args),
                                 nprocs=args.world_size)

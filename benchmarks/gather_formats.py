@@ -5,8 +5,8 @@ goal 5).
 
     OMP_NUM_THREADS=1 python -m benchmarks.gather_formats [--world 8] [--preset cpu]
 
-One process: each row makes its own fake world (benchmarks/fake_world.py: torch's
-"fake" backend, collectives move nothing) over the same HF Llama (bf16 params,
+One process: each row makes its own fake world (benchmarks/harness/fake_world.py:
+torch's "fake" backend, collectives move nothing) over the same HF Llama (bf16 params,
 fp32 reduce, reshard after forward) and counts one forward+backward after a
 warm-up step with fake_world's OpCounter, and the peak of live bytes over a
 third step (meters.MemoryMeter: params, grads, temporaries; CPU allocator
@@ -37,8 +37,9 @@ import flexshard as fs
 from flexshard.placements.quantized import BlockQuantized
 from flexshard.placements.subclass import SubclassGather
 
-from .fake_world import PRESETS, Counts, OpCounter, fake_world, hf_llama, to_float8, wrap
-from .meters import MemoryMeter
+from .harness.fake_world import PRESETS, fake_world, hf_llama, to_float8, wrap
+from .harness.meters import MemoryMeter
+from .harness.op_counter import Counts, OpCounter
 
 
 class Row(NamedTuple):
@@ -140,7 +141,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8,
                         help="ranks of the fake world (default 8)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                        help="model size from benchmarks/fake_world.py's PRESETS (default cpu)")
+                        help="model size from benchmarks/harness/fake_world.py's PRESETS "
+                             "(default cpu)")
     args = parser.parse_args()
     shape = PRESETS[args.preset]
     print(f"one rank of a fake world of {args.world}, HF Llama {shape}")

@@ -9,9 +9,9 @@
 
 `--fake-world N` measures one rank of an N-rank job in one process (torch's
 "fake" backend, flexshard against FSDP2 on an HF Llama; Llama-3-8B layers on
-a GPU): see fake_world.py; `count_step` counts one side's ops and copied bytes.
+a GPU): see harness/fake_world.py; `count_step` counts one side's ops and copied bytes.
 
-The model is benchmarks/model.py's Llama (RMSNorm, SwiGLU, rotary positions,
+The model is benchmarks/harness/model.py's Llama (RMSNorm, SwiGLU, rotary positions,
 untied head) at the "1b" preset: hidden 2048, 16 layers of 16 heads, SwiGLU
 width 8192, vocabulary 32768, sequence 2048: 1.21 B parameters. Each runner
 keeps fp32 master weights and computes in bf16: flexshard and FSDP2 with
@@ -24,7 +24,7 @@ Phase 1, each runner alone on the device: warm-up steps, then the peak
 `torch.cuda.max_memory_allocated` and `max_memory_reserved` over one more
 step, both net of what was allocated before the runner was built (and, with
 --profile, one profiled step: a Chrome trace and a summary of it, see
-gpu_profile.py). Phase 2 (`--timing alternate`, the default): every runner
+harness/trace.py). Phase 2 (`--timing alternate`, the default): every runner
 built again, steps alternating (A B C, B C A, ...) so drift hits all alike;
 `--timing sequential` times each runner in phase 1 instead (when three
 copies of the model do not fit together). Tokens/s = tokens per step over the
@@ -59,12 +59,13 @@ from torch.utils.checkpoint import checkpoint
 
 import flexshard as fs
 
-from .compare import _spread, time_steps
-from .fake_world import PRESETS as FAKE_PRESETS
-from .fake_world import MODES, PLACEMENTS, count_step  # noqa: F401  (count_step: engine tests)
-from .gpu_profile import profile_step
-from .model import BenchLlama, ModelShape, loss_fn
-from .runners import StepTime, flexshard_placement
+from .harness import fake_world_report, fake_world_run
+from .harness.fake_world import PRESETS as FAKE_PRESETS
+from .harness.fake_world import MODES, PLACEMENTS, count_step  # noqa: F401  (re-exported)
+from .harness.model import BenchLlama, ModelShape, loss_fn
+from .harness.runners import StepTime, flexshard_placement
+from .harness.timing import spread, time_steps
+from .harness.trace import profile_step
 
 PRESETS = {
     "1b": ModelShape(vocab=32768, dim=2048, heads=16, hidden=8192, layers=16, seq=2048, batch=2),
@@ -246,7 +247,7 @@ def report(args, shape, device, kinds, alone, record, flops: float) -> dict:
     for k in kinds:
         median = statistics.median(record[k]["step_s"])
         tok_s = tokens / median
-        runners[k] = {"tokens_per_s": tok_s, "step_s": _spread(record[k]["step_s"]),
+        runners[k] = {"tokens_per_s": tok_s, "step_s": spread(record[k]["step_s"]),
                       "mfu": tok_s * flops / (args.peak_tflops * 1e12 * _world()),
                       "final_loss": record[k]["loss"][-1], **alone[k]}
     gaps = [abs(a - b) / abs(b) for a, b in zip(record.get("flexshard", {}).get("loss", []),
@@ -413,15 +414,13 @@ def _init(device_arg: str) -> tuple:
 
 def fake_world_main(args) -> int:
     """--fake-world N: both sides in each mode; markdown to stdout, JSON under --out."""
-    from . import fake_world_bench
-
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    result = fake_world_bench.run(args, device)
-    print(fake_world_bench.text(result), flush=True)
+    result = fake_world_run.run(args, device)
+    print(fake_world_report.text(result), flush=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = Path(args.json) if args.json else Path(args.out) / f"{device.type}-{stamp}.json"
-    print(f"wrote {fake_world_bench.write(result, path)}")
+    print(f"wrote {fake_world_run.write(result, path)}")
     return 0
 
 

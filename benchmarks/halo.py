@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flexshard as fs
-from benchmarks.meters import MemoryMeter, TrafficMeter
+from benchmarks.harness.meters import MemoryMeter, TrafficMeter
 from flexshard.collectives import FullGrad, HaloPlan, gather_tensor, halo_exchange
 
 HIDDEN = 384

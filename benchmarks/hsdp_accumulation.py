@@ -8,8 +8,8 @@ sequence 256):
     torchrun --standalone --nproc-per-node 4 -m benchmarks.hsdp_accumulation
 
 Bytes and collective counts only: 4 ranks oversubscribe 2 cores, so no timing.
-The collectives are read by benchmarks/meters.py's TrafficMeter (every c10d op
-with its largest buffer), the same meter for both libraries.
+The collectives are read by benchmarks/harness/meters.py's TrafficMeter (every c10d
+op with its largest buffer), the same meter for both libraries.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import flexshard as fs
-from benchmarks.meters import TrafficMeter
-from benchmarks.model import batch, build_model, loss_fn
+from benchmarks.harness.meters import TrafficMeter
+from benchmarks.harness.model import batch, build_model, loss_fn
 
 
 def wrap(library: str, mesh):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.meters import MemoryMeter, TrafficMeter
+from benchmarks.harness.meters import MemoryMeter, TrafficMeter
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 384, 6, 2, 64, 2
 EXPERTS, TOP_K, EXPERT_HIDDEN, VOCAB, SEQ, BATCH = 8, 2, 768, 2048, 256, 2

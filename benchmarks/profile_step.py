@@ -50,15 +50,15 @@ def _profile(runner, steps: int, top: int, sort: str = "cumulative") -> str:
 def main(argv=None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .configs import Config
-    from .runners import Runner
+    from .harness.configs import Config
+    from .harness.runners import Runner
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
                    help="fp32, or bf16 mixed precision (default bf16)")
     p.add_argument("--model", choices=("odd", "even", "llama"), default="odd",
-                   help="model shape from benchmarks/model.py: odd pads at every world size, "
-                        "even divides evenly, llama is Llama-like (default odd)")
+                   help="model shape from benchmarks/harness/model.py: odd pads at every world "
+                        "size, even divides evenly, llama is Llama-like (default odd)")
     p.add_argument("--placement", choices=("shard", "ragged", "owned"), default="shard",
                    help="flexshard's placement for every parameter (default shard)")
     p.add_argument("--sort", choices=("cumulative", "tottime"), default="cumulative",

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.meters import MemoryMeter, TrafficMeter
+from benchmarks.harness.meters import MemoryMeter, TrafficMeter
 
 CHANNELS, LAYERS, SIZE, IN, OUT = 384, 4, 32, 3, 2
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "shard_tensor.py"

@@ -15,21 +15,21 @@ def _run(variants):
     import torch.distributed as dist
 
     from benchmarks.compare import run_configs
-    from benchmarks.configs import Config
+    from benchmarks.harness.configs import Config
 
     ws = dist.get_world_size()
     return run_configs([Config(ws, **v) for v in variants], steps=2, warmup=1, device="cpu")
 
 
 def _model_bytes(prefix: str = ""):
-    from benchmarks.model import build_model
+    from benchmarks.harness.model import build_model
 
     return sum(p.numel() * p.element_size() for fqn, p in build_model("odd").named_parameters()
                if fqn.startswith(prefix))
 
 
 def _param_count():
-    from benchmarks.model import build_model
+    from benchmarks.harness.model import build_model
 
     return len(list(build_model("odd").parameters()))
 
@@ -124,7 +124,7 @@ def test_world_size_2_side_by_side(ws2_results):
 
 
 def test_report_renders(ws1_results):
-    from benchmarks.report import markdown
+    from benchmarks.harness.report import markdown
 
     results = ws1_results
     meta = {"date": "today", "torch": "x", "backend": "gloo", "cpu_cores": 2,
@@ -187,7 +187,7 @@ def test_command_line_writes_report(tmp_path):
 
 
 def test_bad_configurations_are_refused():
-    from benchmarks.configs import Config
+    from benchmarks.harness.configs import Config
 
     with pytest.raises(ValueError, match=r"Config.placement='rows'; use one of"):
         Config(2, placement="rows")

@@ -77,7 +77,7 @@ def _train(kind: str, param_dtype, fp8_gather: bool = True, offload: bool = Fals
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict)
 
-    from benchmarks.meters import TrafficMeter
+    from benchmarks.harness.meters import TrafficMeter
 
     rank = dist.get_rank()
     model = _wrap(kind, float8_model(fp8_gather), param_dtype, offload)

@@ -63,7 +63,7 @@ def test_profile_writes_a_trace_and_a_summary_per_runner(dry_run):
 
 
 def test_trace_summary_arithmetic():
-    from benchmarks.gpu_profile import summarize_trace
+    from benchmarks.harness.trace import summarize_trace
 
     def kernel(name, ts, dur, stream, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
@@ -141,7 +141,7 @@ def fake_run(tmp_path_factory):
     script = (
         "import json, sys\n"
         "from benchmarks import gpu\n"
-        "from benchmarks.fake_world import PRESETS\n"
+        "from benchmarks.harness.fake_world import PRESETS\n"
         f"gpu.main(['--fake-world', '{FAKE_WORLD}', '--device', 'cpu', '--counts', '--preset',"
         f" 'tiny', '--steps', '2', '--warmup', '1', '--json', sys.argv[1]])\n"
         f"c = gpu.count_step('flexshard', world={FAKE_WORLD}, shape=PRESETS['tiny'])\n"
@@ -155,7 +155,7 @@ def fake_run(tmp_path_factory):
 
 
 def _gathers(by_op: dict) -> int:
-    from benchmarks.meters import is_collective
+    from benchmarks.harness.meters import is_collective
 
     return sum(c for n, (c, _) in by_op.items() if is_collective(n) and "gather" in n)
 
@@ -171,7 +171,7 @@ def _shard_bytes_bf16(shape, world: int) -> tuple:
 
 
 def test_fake_world_counts_both_sides(fake_run):
-    from benchmarks.fake_world import PRESETS
+    from benchmarks.harness.fake_world import PRESETS
 
     result, stdout, _ = fake_run
     assert result["config"]["world"] == FAKE_WORLD and result["config"]["device"] == "cpu"
@@ -201,7 +201,7 @@ def test_fake_world_counts_both_sides(fake_run):
         assert mode["ratios"][key] == pytest.approx(a / b)
     # every op lands in one region; every copy a library makes is inside its labels, so
     # the unlabelled copies are the model's own: the same bytes on both sides
-    from benchmarks.fake_world import OUTSIDE
+    from benchmarks.harness.op_counter import OUTSIDE
 
     for side in ("flexshard", "fsdp2"):
         regions = sides[side]["counts"]["by_region"]
@@ -226,7 +226,8 @@ def test_engine_copy_bytes_are_what_fsdp2_writes_by_hand(fake_run):
     (split_with_sizes_copy), and per reduce the full grads in fp32 into the reduce input
     (chunk_cat); nothing else (no padding at this shape). On both sides the engine bytes
     are the total less the model's own (the unlabelled row, the same on both sides)."""
-    from benchmarks.fake_world import OUTSIDE, PRESETS
+    from benchmarks.harness.fake_world import PRESETS
+    from benchmarks.harness.op_counter import OUTSIDE
 
     result, _, _ = fake_run
     shape, sides = PRESETS["tiny"], result["modes"][0]["sides"]
@@ -255,7 +256,7 @@ def test_count_step_matches_the_cli(fake_run):
 def test_written_bytes_of_copy_ops():
     import torch
 
-    from benchmarks.fake_world import OpCounter
+    from benchmarks.harness.op_counter import OpCounter
 
     a, b = torch.zeros(6), torch.ones(4, dtype=torch.bfloat16)
     outs = [torch.empty(2), torch.empty(4)]
@@ -276,7 +277,7 @@ def test_ops_are_attributed_to_the_innermost_library_range():
     import torch
     from torch.profiler import record_function
 
-    from benchmarks.fake_world import OUTSIDE, OpCounter
+    from benchmarks.harness.op_counter import OUTSIDE, OpCounter
 
     a = torch.zeros(4)
     with OpCounter() as counter:
@@ -309,7 +310,7 @@ def test_device_summary_attributes_kernels_to_copies():
     and per library label (made-up events, as torch.profiler's FunctionEvents)."""
     from types import SimpleNamespace
 
-    from benchmarks.fake_world_bench import device_summary
+    from benchmarks.harness.device_time import device_summary
 
     cpu, cuda = SimpleNamespace(name="CPU"), SimpleNamespace(name="CUDA")
     ev = _event
@@ -333,7 +334,7 @@ def test_engine_gpu_time_leaves_out_the_kernels_under_collectives():
     they are set apart (made-up events, as torch.profiler's FunctionEvents)."""
     from types import SimpleNamespace
 
-    from benchmarks.fake_world_bench import device_summary, engine_label_us
+    from benchmarks.harness.device_time import device_summary, engine_label_us
 
     cpu, cuda = SimpleNamespace(name="CPU"), SimpleNamespace(name="CUDA")
     ev = _event
@@ -365,7 +366,7 @@ def test_device_summary_reads_real_profiler_events():
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from benchmarks.fake_world_bench import device_summary
+    from benchmarks.harness.device_time import device_summary
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("FlexShard::all_gather_copy_in"):
@@ -405,7 +406,7 @@ def test_fake_world_defaults():
 
 
 def test_fake_world_refuses_an_unknown_placement():
-    from benchmarks.fake_world import wrap
+    from benchmarks.harness.fake_world import wrap
 
     with pytest.raises(ValueError, match=r"unknown placement 'rows'; use one of"):
         wrap("flexshard", None, None, placement="rows")
@@ -414,7 +415,7 @@ def test_fake_world_refuses_an_unknown_placement():
 def test_fake_world_presets_are_what_the_issues_ask():
     """CPU: hidden >= 384, 4 layers, sequence >= 256 (issue 34); GPU: Llama-3-8B's
     layer shapes at sequence 4096 (issue 33)."""
-    from benchmarks.fake_world import PRESETS
+    from benchmarks.harness.fake_world import PRESETS
 
     cpu, gpu = PRESETS["cpu"], PRESETS["8b"]
     assert cpu.dim >= 384 and cpu.layers == 4 and cpu.seq >= 256
@@ -422,7 +423,7 @@ def test_fake_world_presets_are_what_the_issues_ask():
 
 
 def test_compile_checks_name_eager_and_recompiling_blocks():
-    from benchmarks.fake_world_bench import compile_checks
+    from benchmarks.harness.fake_world_run import compile_checks
 
     def side(calls, again):
         return {"profile": {"compiled_graph_calls": calls}, "graphs_after_warmup": again}
@@ -436,7 +437,7 @@ def test_compile_checks_name_eager_and_recompiling_blocks():
 
 
 def test_count_step_refuses_compiled_modes():
-    from benchmarks.fake_world import count_step
+    from benchmarks.harness.fake_world import count_step
 
     with pytest.raises(ValueError, match="count an eager mode"):
         count_step("flexshard", mode="compile")
@@ -445,7 +446,7 @@ def test_count_step_refuses_compiled_modes():
 def test_fake_world_targets_per_mode_and_device():
     """Issue 34's targets: ops and copy bytes against FSDP2 everywhere, times and memory
     on a GPU only; a quantized-gather mode against flexshard's bf16 gathers, time only."""
-    from benchmarks.fake_world_bench import targets
+    from benchmarks.harness.fake_world_run import targets
 
     def mode(name, **r):
         return {"mode": name, "ratios": r}
@@ -465,7 +466,7 @@ def test_the_gpu_battery_names_real_modes_and_fits_one_device_call():
     (one device command's limit), leaving the start and the transfers room."""
     import re
 
-    from benchmarks.fake_world import MODES
+    from benchmarks.harness.fake_world import MODES
 
     text = (REPO / "benchmarks" / "gpu_battery.sh").read_text()
     modes = re.search(r"\$\{MODES:-([^}]*)\}", text).group(1).split()

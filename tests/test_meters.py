@@ -1,4 +1,4 @@
-"""benchmarks/meters.py's MemoryMeter counts the storages that hold bytes: a wrapper
+"""benchmarks/harness/meters.py's MemoryMeter counts the storages that hold bytes: a wrapper
 subclass (torchao's float8 weight, here torch's TwoTensor) by its inner tensors'
 storages, never by its own placeholder, whose size follows its shape, dtype and
 storage offset rather than any allocation."""
@@ -6,7 +6,7 @@ storage offset rather than any allocation."""
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
-from benchmarks.meters import MemoryMeter, footprint
+from benchmarks.harness.meters import MemoryMeter, footprint
 
 N = 1024
 
@@ -31,8 +31,9 @@ def test_coalesced_collectives_count_as_collectives_not_copies():
     collectives (with their bytes), never as copies."""
     import torch.distributed as dist
 
-    from benchmarks.fake_world import COPY_OPS, OpCounter, fake_world
-    from benchmarks.meters import TrafficMeter, is_collective
+    from benchmarks.harness.fake_world import fake_world
+    from benchmarks.harness.op_counter import COPY_OPS, OpCounter
+    from benchmarks.harness.meters import TrafficMeter, is_collective
     from flexshard.compat import all_gather_single, coalescing_manager, reduce_scatter_single
 
     names = ("c10d::allgather_into_tensor_coalesced_", "c10d::reduce_scatter_tensor_coalesced_")

@@ -54,7 +54,7 @@ def test_storage_holds_only_each_ranks_own_pieces():
     buffers hold no such padding (each rank's is its own pieces and their 16-byte
     alignment, where it used to be the segment on every rank; a storage is the whole
     segment only where the padding would be at most 1/16 of it)."""
-    from benchmarks.model import build_model
+    from benchmarks.harness.model import build_model
 
     plan = fs.describe(build_model("odd"), mesh_shape=(1, 2), placement=fs.Owned())
     for b in plan.buckets:

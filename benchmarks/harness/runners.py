@@ -1,4 +1,6 @@
-"""The three ways the benchmark trains one model: plain (unwrapped), FSDP2
+"""The three ways the benchmark trains one model: plain, FSDP2 and flexshard.
+
+The three ways the benchmark trains one model: plain (unwrapped), FSDP2
 (`fully_shard` per block plus root) and flexshard (one bucket per block plus
 root, `fs.flex_shard`'s default buckets). Each runner owns its model copy,
 its optimizers and its step."""

@@ -1,6 +1,8 @@
-"""One profiled training step of a benchmarks/gpu.py runner, and a short text
-summary of its trace: device time per stream, where the GPU idles and between
-which kernels.
+"""One profiled training step and a text summary of its Chrome trace.
+
+One profiled training step (`python -m benchmarks.gpu --profile DIR`), and a
+short text summary of its Chrome trace: device time per stream, where the GPU
+idles and between which kernels.
 
 The summary reads the Chrome trace torch.profiler exports (events whose "cat"
 is "kernel", "gpu_memcpy" or "gpu_memset" carry "ts", "dur" in microseconds and
@@ -104,22 +106,32 @@ def _top_cpu_ops(events: list, n: int = 5) -> list:
     return sorted(totals.items(), key=lambda kv: -kv[1])[:n]
 
 
-def profile_step(step: Callable[[], None], device: torch.device, out_dir: Path,
-                 name: str) -> TraceSummary:
-    """Run `step` once under torch.profiler; write `name`.json (the Chrome trace)
-    and `name`-summary.txt into `out_dir`; return the summary."""
+def record(step: Callable[[], None], device: torch.device, trace_path: Path):
+    """Run `step` once under torch.profiler (CPU, and CUDA on a GPU); write its
+    Chrome trace to `trace_path`; return the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
     with profile(activities=activities) as prof:
+        step()
+    prof.export_chrome_trace(str(trace_path))
+    return prof
+
+
+def profile_step(step: Callable[[], None], device: torch.device, out_dir: Path,
+                 name: str) -> TraceSummary:
+    """Run `step` once under torch.profiler; write `name`.json (the Chrome trace)
+    and `name`-summary.txt into `out_dir`; return the summary."""
+    def synced() -> None:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
     trace_path = out_dir / f"{name}.json"
-    prof.export_chrome_trace(str(trace_path))
+    record(synced, device, trace_path)
     summary = summarize_trace(json.loads(trace_path.read_text()))
     (out_dir / f"{name}-summary.txt").write_text(summary.text(name) + "\n")
     return summary

@@ -1,4 +1,6 @@
-"""The transformers the benchmark trains: a GPT with even sizes, one with odd
+"""The transformers the benchmark trains: an even GPT, an odd GPT and a Llama.
+
+The transformers the benchmark trains: a GPT with even sizes, one with odd
 sizes, and a Llama-shaped model (RMSNorm, SwiGLU MLP, rotary positions)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""What one training step moves, copies and holds, measured the same way for
+"""TrafficMeter and MemoryMeter: what one training step moves, copies and holds.
+
+What one training step moves, copies and holds, measured the same way for
 every runner: TorchDispatchModes that see each op with its tensors.
 
 TrafficMeter: collectives by kind with their bytes, and local copies by kind.
