@@ -17,7 +17,7 @@ if sys.argv[1].startswith("flexshard"):
     import time
 
     import flexshard as fs
-    from flexshard.runtime import teardown
+    from flexshard.wrap import teardown
 
     if sys.argv[1] == "flexshard-pause50":
         teardown.settle_threads = lambda: time.sleep(0.05)
