@@ -23,7 +23,7 @@ from .planning.options import check_options, check_params, check_specs, resolve_
 from .planning.plan import WrapPlan, plan_wrap
 from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,
                                        to_local_params)
-from .runtime.bucket import Bucket, BucketState
+from .runtime.bucket import Bucket, BucketState, SlotWiring
 from .runtime.comm import Comm
 from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
@@ -389,10 +389,10 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
         bucket.needs_hooks = planned.needs_hooks
-        bucket.tp_specs = slot_specs(planned.slots, tp_specs)
-        bucket.norm_groups = [norm_groups(bucket, i, tp) if i in bucket.grad_slots else None
-                              for i, tp in enumerate(bucket.tp_specs or [None] * len(planned.slots))]
-        bucket.attach(planned.aliases)
+        tps = slot_specs(planned.slots, tp_specs) or (None,) * len(planned.slots)
+        bucket.wire([SlotWiring(aliases, tp, norm_groups(bucket, i, tp)
+                                if i in bucket.grad_slots else None)
+                     for i, (aliases, tp) in enumerate(zip(planned.aliases, tps))])
         state.buckets.append(bucket)
         if planned.needs_hooks:
             by_runner.setdefault(id(planned.runner), (planned.runner, []))[1].append(bucket)

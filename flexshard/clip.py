@@ -57,8 +57,7 @@ def _grads_by_group(state) -> dict:
     buckets' order, the same on every rank."""
     out: dict = {(): []}
     for b in state.buckets:
-        specs = b.tp_specs or (None,) * len(b.params)
-        for p, spec in zip(b.params, specs):
+        for p, spec in zip(b.params, (w.tp for w in b.wiring)):
             if p.grad is not None:
                 out.setdefault(_tp_groups(spec), []).append(plain(p.grad))  # local norms
     return out

@@ -22,7 +22,7 @@ def full_grads(module: nn.Module) -> dict:
     for bucket in get_state(module).buckets:
         pieces = _agreed_grads(bucket, "full_grads")
         fulls = bucket.gather.gather_pieces([plain(g) if g is not None else None for g in pieces])
-        specs = bucket.tp_specs or (None,) * len(fulls)
+        specs = [w.tp for w in bucket.wiring]
         for slot, grad, full, spec in zip(bucket.slots, pieces, fulls, specs):
             out[slot.fqn] = None if grad is None else full if spec is None else spec.full_of(full)
     return out
@@ -44,7 +44,7 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict:
                 continue
             fqns.append(bucket.slots[i].fqn)
             local.append(_local_norm(plain(grad), float(norm_type)))
-            spec = bucket.norm_groups[i]
+            spec = bucket.wiring[i].norms
             specs.append(None if spec is None else spec._replace(refusal=None))
     with record_function("FlexShard::grad_norms"):
         out.update(zip(fqns, complete_norms(local, specs, float(norm_type))))

@@ -46,7 +46,7 @@ class TracedForward:
         self.buckets = hooks.buckets
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
         self.names = [[[".".join(filter(None, ("module", names[id(m)], attr))) for m, attr in slot]
-                       for slot in b.aliases] for b in hooks.buckets]
+                       for slot in (w.aliases for w in b.wiring)] for b in hooks.buckets]
         self.body, self.mp = _Body(module), hooks.mp
         # A module holding other running modules keeps its params to backward, as
         # FSDP2's root does: its backward starts right after its forward ends.
@@ -104,7 +104,7 @@ def _wrap_grads_when_accumulated(state) -> None:
     makes them: torch's clip_grad_norm_ on model.parameters() stays global."""
     for bucket in state.buckets:
         for i in bucket.grad_slots:
-            spec = bucket.norm_groups[i]
+            spec = bucket.wiring[i].norms
             if spec is not None:
                 bucket.params[i].register_post_accumulate_grad_hook(
                     functools.partial(_wrap_grad, spec=spec))

@@ -204,7 +204,7 @@ def _check_bucket_meshes(state, what: str) -> None:
     for bucket in state.buckets:
         if bucket.mesh is None or bucket.mesh.size() >= state.mesh_size:
             continue
-        specs = bucket.tp_specs or (None,) * len(bucket.slots)
+        specs = [w.tp for w in bucket.wiring]
         plain = [s.fqn for s, spec in zip(bucket.slots, specs)
                  if spec is None or not spec.sharded_over_tp]
         if plain:

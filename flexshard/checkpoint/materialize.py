@@ -105,7 +105,7 @@ def _materialize(sub: nn.Module, entries) -> None:
 def _full_shape(bucket, index) -> tuple:
     """The shape init functions see: the global one for a DTensor param (TP), so
     that every TP rank keeps its block of the unsharded model's values."""
-    spec = bucket.tp_specs[index] if bucket.tp_specs is not None else None
+    spec = bucket.wiring[index].tp
     return tuple(bucket.slots[index].shape) if spec is None else tuple(spec.shape)
 
 
@@ -119,7 +119,7 @@ def _store_piece(sub, attr, bucket, index, name) -> None:
             f"{None if value is None else tuple(value.shape)}, expected a tensor of shape "
             f"{shape}; initialise the parameter in place")
     value = value.detach()
-    if bucket.tp_specs is not None and bucket.tp_specs[index] is not None:
-        value = bucket.tp_specs[index].local_of(value)  # this TP rank's block
+    if bucket.wiring[index].tp is not None:
+        value = bucket.wiring[index].tp.local_of(value)  # this TP rank's block
     piece = slot.placement.shard(value.to(slot.dtype), bucket.rank, bucket.world_size)
     bucket.storage.views[index].copy_(piece)

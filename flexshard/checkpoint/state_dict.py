@@ -45,8 +45,7 @@ class SlotRef(NamedTuple):
     @property
     def tp(self):
         """The slot's TPSpec when the param was a DTensor (tensor parallel), else None."""
-        specs = self.bucket.tp_specs
-        return None if specs is None else specs[self.index]
+        return self.bucket.wiring[self.index].tp
 
     @property
     def shape(self) -> tuple:
@@ -199,8 +198,8 @@ def _owner_refs(state: FlexShardState) -> list:
     """[(module, {attr: SlotRef})] for every module registering a sharded param."""
     owners: dict = {}
     for bucket in state.buckets:
-        for index, pairs in enumerate(bucket.aliases):
-            for module, attr in pairs:
+        for index, wiring in enumerate(bucket.wiring):
+            for module, attr in wiring.aliases:
                 owners.setdefault(id(module), (module, {}))[1][attr] = SlotRef(bucket, index)
     return list(owners.values())
 
@@ -372,7 +371,7 @@ def full_state_dict(module: nn.Module) -> dict:
     with torch.no_grad():
         for bucket in state.buckets:
             gathered = bucket.gather.gather(bucket.storage.layout)
-            specs = bucket.tp_specs or (None,) * len(gathered)
+            specs = [w.tp for w in bucket.wiring]
             for slot, full, spec in zip(bucket.slots, gathered, specs):
                 fulls[slot.fqn] = full.clone() if spec is None else spec.full_of(full)
     slots = named_slots(module, state)

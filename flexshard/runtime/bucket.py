@@ -15,7 +15,7 @@ early (`start_gather`, prefetch) and consumed by the next unshard.
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,7 @@ from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
 from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
 from ..planning.layout import BucketLayout, SlotPlan
+from ..planning.tensor_parallel import TPSpec
 from .comm import Comm
 from .counters import BucketCounters
 from .device import DeviceContexts, DeviceSite, HostContext
@@ -31,10 +32,20 @@ from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 from .inflight import PendingGather
 from .offload import Offload
-from .sharded_grad import wrap_grads
+from .sharded_grad import NormGroups, wrap_grads
 from ..wrap.identity import adopt, mark_stale
 from .storage import BucketStorage, moved_param
 from .unsharded import Forward
+
+
+class SlotWiring(NamedTuple):
+    """What a running bucket knows of one slot beyond its plan, set once by
+    flex_shard (`Bucket.wire`): where the param is registered, its TP spec and
+    how its grad's norm completes."""
+
+    aliases: tuple = ()  # every (module, attr) registering it (tied names included)
+    tp: Optional[TPSpec] = None  # a DTensor param's TPSpec (planning/tensor_parallel.py)
+    norms: Optional[NormGroups] = None  # a trainable slot's (sharded_grad.py)
 
 
 class BucketState(enum.Enum):
@@ -84,9 +95,8 @@ class Bucket:
             reshard_after_forward=reshard_after_forward, offload=self.offload,
             subgroups=subgroups)
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
-        self.aliases: tuple = ()  # per slot: every (module, attr) registering it (see attach)
-        self.tp_specs: Optional[tuple] = None  # per slot: a DTensor param's TPSpec, or None
-        self.norm_groups: list = [None] * len(self.slots)  # per slot: sharded_grad.NormGroups
+        self.wiring: tuple = tuple(SlotWiring() for _ in self.slots)  # per slot (see wire)
+        self.has_tp = False  # a slot is a DTensor param: forward installs DTensors
         self.held: Optional[list] = None  # unsharded params held by module.unshard()
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
@@ -228,23 +238,27 @@ class Bucket:
 
     # The modules registering the params (tied aliases included).
 
-    def attach(self, aliases: Sequence[Sequence[tuple]]) -> None:
-        """Take each slot's (module, attr) aliases and install the sharded params there."""
-        self.aliases = tuple(tuple(a) for a in aliases)
+    def wire(self, wiring: Sequence[SlotWiring]) -> None:
+        """Take each slot's wiring (flex_shard, once) and install the sharded params
+        on every alias."""
+        if len(wiring) != len(self.slots):
+            raise AssertionError(f"bucket {self.name!r}: {len(wiring)} wirings for "
+                                 f"{len(self.slots)} slots")
+        self.wiring = tuple(wiring)
+        self.has_tp = any(w.tp is not None for w in self.wiring)
         self.install_sharded()
 
     def install(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
         """Point every alias of each slot at the given unsharded tensor (a DTensor
         again for a TP slot; None unregisters)."""
-        specs = self.tp_specs
-        if specs is not None:
-            tensors = [t if spec is None or t is None else spec.to_param(t)
-                       for spec, t in zip(specs, tensors)]
+        if self.has_tp:
+            tensors = [t if w.tp is None or t is None else w.tp.to_param(t)
+                       for w, t in zip(self.wiring, tensors)]
         self._install(tensors)
 
     def _install(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
-        for slot_aliases, tensor in zip(self.aliases, tensors):
-            for module, attr in slot_aliases:
+        for wiring, tensor in zip(self.wiring, tensors):
+            for module, attr in wiring.aliases:
                 # Straight into _parameters: setattr would refuse the unsharded
                 # params, plain tensors (autograd outputs), in a Parameter's place.
                 module._parameters[attr] = tensor
@@ -271,7 +285,7 @@ class Bucket:
         """A backward pass ended (a ReduceQueue listener): the new sharded grads take
         full norms (sharded_grad.py), and the bucket lets go of what backward held
         (an int reshard's kept slice too, if backward never used it)."""
-        wrap_grads(self.params, self.norm_groups)
+        wrap_grads(self.params, [w.norms for w in self.wiring])
         self.backward_done()
 
     def backward_done(self, forward: Optional[Forward] = None) -> None:

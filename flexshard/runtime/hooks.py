@@ -237,7 +237,7 @@ class StrayCallHooks:
     def __init__(self, root: nn.Module, buckets: Sequence[Bucket], names: dict) -> None:
         self.checks = []  # (module, hook)
         for bucket in buckets:
-            modules = {id(m): m for aliases in bucket.aliases for m, _ in aliases}
+            modules = {id(m): m for w in bucket.wiring for m, _ in w.aliases}
             self.checks += [(m, functools.partial(_check_gathered, bucket, names[id(m)]))
                             for m in modules.values() if m is not root]
         self.handles: list = []

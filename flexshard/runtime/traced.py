@@ -148,7 +148,7 @@ def traced_unsupported(bucket: Bucket) -> list:
     return [what for what, bad in (
         ("CPU offload", bucket.offload is not None),
         ("an int reshard_after_forward", bucket.post_forward_size is not None),
-        ("DTensor (tensor-parallel) params", any(bucket.tp_specs or ())),
+        ("DTensor (tensor-parallel) params", bucket.has_tp),
         ("params of several dtypes", len({s.dtype for s in bucket.slots}) > 1),
         (f"the wire format(s) {', '.join(sorted(formats))}", bool(formats)),
         ("a mesh of its own smaller than the model's", bucket.on_sub_mesh),
