@@ -91,7 +91,7 @@ class FlexShardModule:
         _check_between_steps(buckets, "set_reshard_after_forward")
         for bucket, value in zip(buckets, values):
             bucket.set_reshard_after_forward(value)  # re-plans what depends on it
-            if bucket.post_forward_size is not None:
+            if bucket.gather.post_forward_size is not None:
                 bucket.subgroups.of(bucket.rank, value)  # made now, by every member
 
     def set_prefetch_depth(self, depth: int) -> None:
@@ -382,8 +382,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
                         offload_policy=planned.offload_policy)
         bucket.mesh = groups.mesh
         bucket.on_sub_mesh = groups.shard_size * groups.replicate_size < state.mesh_size
-        if bucket.post_forward_size is not None:
-            bucket.subgroups.of(bucket.rank, bucket.post_forward_size)  # made now, by every member
+        if bucket.gather.post_forward_size is not None:
+            bucket.subgroups.of(bucket.rank, bucket.gather.post_forward_size)  # made now, by every member
         bucket.load_full(lambda fqn: named[fqn].detach())
         bucket.adopt([originals[slot.fqn] for slot in planned.slots])
         bucket.reduce_queue = reduce_queue

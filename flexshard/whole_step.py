@@ -50,7 +50,7 @@ class TracedForward:
         self.body, self.mp = _Body(module), hooks.mp
         # A module holding other running modules keeps its params to backward, as
         # FSDP2's root does: its backward starts right after its forward ends.
-        self.reshard = not nested and any(b.reshard_after_forward for b in hooks.buckets)
+        self.reshard = not nested and any(b.gather.reshard_after_forward for b in hooks.buckets)
 
     def region(self, params, args, kwargs):
         fulls = {}

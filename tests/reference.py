@@ -115,8 +115,8 @@ def train_sharded(steps: int, config: dict, model_kw=None, make_opt: Optional[Ca
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    buckets = [(b.name, b.reshard_after_forward, dataclasses.asdict(b.counters),
-                b.gather_layout, [s.placement for s in b.slots]) for b in get_state(model).buckets]
+    buckets = [(b.name, b.gather.reshard_after_forward, dataclasses.asdict(b.counters),
+                b.gather.layout, [s.placement for s in b.slots]) for b in get_state(model).buckets]
     full = fs.full_state_dict(model)
     made_once = [b.name for b in get_state(model).buckets if b.gather.unsharded is not None]
     stats = {"comms": counts, "step_comms": step_counts, "buckets": buckets,

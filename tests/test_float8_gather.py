@@ -345,11 +345,11 @@ def _encode_both(n: int, bias: bool, param_dtype) -> tuple:
     from flexshard.runtime.state import find_state
 
     bucket = find_state(model).buckets[0]
-    wires = bucket.gather.plans_for(bucket.gather_layout).wires
+    wires = bucket.gather.plans_for(bucket.gather.layout).wires
     assert len(wires.batches) == 1 and len(wires.batches[0].members) == n
     mesh = bucket.gather.shard_mesh(torch.device("cpu"))
     views = bucket.storage.views
-    fused = torch.zeros(bucket.gather_layout.segment_bytes, dtype=torch.uint8)
+    fused = torch.zeros(bucket.gather.layout.segment_bytes, dtype=torch.uint8)
     alone = fused.clone()
     wires.encode(fused, views, mesh)  # the first one puts its index tensor on the device
     with _OpCount() as batched:
@@ -401,7 +401,7 @@ def _amax_all_reduces() -> tuple:
         opt.step()
         opt.zero_grad()
         counts.append(mode.collectives)
-    buckets = sum(any(not w.cast for w in b.gather.plans_for(b.gather_layout).wires)
+    buckets = sum(any(not w.cast for w in b.gather.plans_for(b.gather.layout).wires)
                   for b in find_state(model).buckets)
     return counts, buckets
 
@@ -461,8 +461,8 @@ def _made_once() -> list:
 
     model = _wrap("flexshard", float8_model(), None)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    buckets = [b for b in find_state(model).buckets if b.reshard_after_forward is True
-               and any(not w.cast for w in b.gather.plans_for(b.gather_layout).wires)]
+    buckets = [b for b in find_state(model).buckets if b.gather.reshard_after_forward is True
+               and any(not w.cast for w in b.gather.plans_for(b.gather.layout).wires)]
     seen = []
     for step in range(2):
         x, y = data(step, dist.get_rank())

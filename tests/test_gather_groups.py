@@ -172,7 +172,7 @@ def _train_save_load(root: str, save_grouped: bool, load_world_grouped: bool) ->
         fresh_opt.zero_grad()
         assert fs.load_checkpoint(root, fresh, fresh_opt) == 1
         loaded = fs.full_state_dict(fresh)
-        groups = [len(b.gather_layout.spans) for b in fs_buckets(fresh)]
+        groups = [len(b.gather.layout.spans) for b in fs_buckets(fresh)]
         state = all(torch.equal(opt.state[a][k], fresh_opt.state[b][k])
                     for a, b in zip(model.parameters(), fresh.parameters()) if a.numel()
                     for k in ("exp_avg", "exp_avg_sq"))

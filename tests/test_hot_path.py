@@ -49,7 +49,7 @@ def _ops_per_step(world: int, placement, mp=None) -> tuple:
     step(bucket, grads)
     with OpCount() as mode:
         step(bucket, grads)
-    kinds = [w.copies[0].kind for w in bucket.gather.plans_for(bucket.gather_layout).wires]
+    kinds = [w.copies[0].kind for w in bucket.gather.plans_for(bucket.gather.layout).wires]
     return mode.ops, mode.data_ops, kinds
 
 
@@ -78,7 +78,7 @@ def test_each_plan_kind_is_exercised():
 def test_uneven_chunks_take_few_runs():
     """torch.chunk's short tail: full pieces, one short piece, empty ranks."""
     bucket = make_bucket(64, fs.Shard(0), [(100, 3), (70,)])
-    runs = [w.copies[0].runs for w in bucket.gather.plans_for(bucket.gather_layout).wires]
+    runs = [w.copies[0].runs for w in bucket.gather.plans_for(bucket.gather.layout).wires]
     assert all(r is not None and len(r) <= 3 for r in runs), runs
 
 

@@ -85,7 +85,7 @@ def _train_case(shape, placement: str, reshard: bool, bf16: bool) -> tuple:
         losses.append(mean.item() / WORLD)
     from flexshard.runtime.state import get_state
 
-    buckets = [b.reshard_after_forward for b in get_state(model).buckets]
+    buckets = [b.gather.reshard_after_forward for b in get_state(model).buckets]
     return losses, fs.full_state_dict(model), comms, buckets
 
 

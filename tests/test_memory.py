@@ -20,7 +20,7 @@ from training_helpers import UnshardedTracker, check_against_reference, settled,
 def _in_flight(model) -> list:
     from flexshard.runtime.state import get_state
 
-    return [b.name for b in get_state(model).buckets if b.inflight is not None]
+    return [b.name for b in get_state(model).buckets if b.gather.inflight is not None]
 
 
 def forward_window(depth: int) -> dict:

@@ -29,7 +29,7 @@ def nested_counts() -> tuple:
     with CommDebugMode() as mode:
         loss_fn(model(x), y).backward()
     buckets = get_state(model).buckets
-    return (_counts(mode), len(buckets), sum(b.reshard_after_forward for b in buckets),
+    return (_counts(mode), len(buckets), sum(b.gather.reshard_after_forward for b in buckets),
             fs.describe(model).gathers_per_step)
 
 

@@ -148,7 +148,7 @@ def _held_bytes():
         return sum(seen.values())
 
     return [(b.name, b.storage.layout.segment_bytes, b.storage.layout.storage_bytes(rank),
-             b.reduce_layout.storage_bytes(rank), storages(b.params),
+             b.grads.layout.storage_bytes(rank), storages(b.params),
              storages([p.grad for p in b.params])) for b in get_state(model).buckets]
 
 

@@ -175,9 +175,9 @@ def test_storage_gather_and_reduce_layouts_are_disjoint_and_aligned(bucket, mp):
     world, slots, trainable = bucket
     b = Bucket("b", slots, trainable, mp, False, None, 0, world, fs.Comm(), torch.device("cpu"))
     _check_layout(b.storage.layout, slots, world)
-    _check_layout(b.gather_layout, slots, world)
+    _check_layout(b.gather.layout, slots, world)
     if b.grad_slots:
-        _check_layout(b.reduce_layout, [slots[i] for i in b.grad_slots], world)
+        _check_layout(b.grads.layout, [slots[i] for i in b.grad_slots], world)
 
 
 @SETTINGS
@@ -206,7 +206,7 @@ def test_reduce_gives_each_rank_its_piece_of_the_mean_gradient(bucket, mp, seed)
     grads = [[torch.randn(s.shape, generator=gen).to(s.dtype) if t else None
               for s, t in zip(slots, trainable)] for _ in range(world)]
     results = played.run(lambda bucket, rank: bucket.grads.finish(bucket.grads.start(grads[rank])))
-    reduce_dtype = played.buckets[0].reduce_layout.regions[0].dtype
+    reduce_dtype = played.buckets[0].grads.layout.regions[0].dtype
     for i, slot in enumerate(slots):
         if not trainable[i]:
             assert all(out[i] is None for out in results)

@@ -83,7 +83,7 @@ def _train_case(shape, placement, bf16, how) -> tuple:
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
     buckets = get_state(model).buckets
-    counters = [(b.reshard_after_forward, b.counters.gathers, b.counters.post_forward_gathers)
+    counters = [(b.gather.reshard_after_forward, b.counters.gathers, b.counters.post_forward_gathers)
                 for b in buckets]
     return losses, fs.full_state_dict(model), calls, counters, fs.describe(model)
 

@@ -111,7 +111,7 @@ def _regathered(bucket) -> bool:
     """Whether a resharding bucket holds params refilled for backward: its params
     made once, filled."""
     unsharded = bucket.gather.unsharded
-    return bool(bucket.reshard_after_forward) and unsharded is not None and unsharded.filled
+    return bool(bucket.gather.reshard_after_forward) and unsharded is not None and unsharded.filled
 
 
 def backward_window(reshard: str) -> dict:

@@ -152,7 +152,7 @@ def test_grads_are_let_go_after_the_pack_and_only_the_reduce_input_is_held():
     assert ("wait", "compute", log[packed][2]) in log[packed:scatter]
     held = pending.held
     assert len(held) == 1 and held[0].numel() * held[0].element_size() == \
-        bucket.reduce_layout.wire_bytes
+        bucket.grads.layout.wire_bytes
     assert not any(g is h for g in grads for h in pending.held)
 
 

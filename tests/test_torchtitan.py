@@ -253,7 +253,7 @@ def test_mixed_precision_and_reshard_come_from_torchtitan_config(policy, blocks_
         assert b.mp == fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32,
                                                cast_forward_inputs=False)
-        assert b.reshard_after_forward == (blocks_reshard and b.name != "root"), b.name
+        assert b.gather.reshard_after_forward == (blocks_reshard and b.name != "root"), b.name
         assert b.grads.gradient_divide_factor == 1.0  # torchtitan's loss is already normalised
     if policy == "default":
         loss = titan_loss(model, tokens(0, 0), BATCH * SEQ)

@@ -76,10 +76,10 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True) ->
     buckets = get_state(model).buckets
     # what forward saves for backward: an unsharded block weight or a block's gather output?
     unsharded = {p.numel() for p in make_model().layers[0].parameters() if p.dim() == 2}
-    unsharded |= {b.gather_layout.wire_bytes // 4 for b in buckets if b.name != "root"}
+    unsharded |= {b.gather.layout.wire_bytes // 4 for b in buckets if b.name != "root"}
     kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
     return {**run, "breaks": _breaks(), "graphs": graphs, "kept": kept,
-            "buckets": [(b.name, b.reshard_after_forward) for b in buckets]}
+            "buckets": [(b.name, b.gather.reshard_after_forward) for b in buckets]}
 
 
 def mixed(fqn: str, param) -> fs.Placement:

@@ -75,7 +75,7 @@ def _pair(steps: int, config: dict) -> tuple:
     split = train_sharded(steps, {**config, "mp_policy": SPLIT})
     model = fs.flex_shard(__import__("reference").make_model(), **{**config, "mp_policy": SPLIT})
     bucket = get_state(model).buckets[0]
-    return plain, split, len(bucket.slots), len(bucket.gather_layout.regions)
+    return plain, split, len(bucket.slots), len(bucket.gather.layout.regions)
 
 
 @pytest.mark.parametrize("world,config", [

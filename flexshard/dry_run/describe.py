@@ -76,12 +76,12 @@ def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
     for bucket in state.buckets:
         shape = (bucket.replicate_size, bucket.world_size)  # its own mesh's, or the model's
         runner = runners.get(id(bucket))
-        layouts = BucketLayouts(bucket.storage.layout, bucket.gather_layout, bucket.reduce_layout,
+        layouts = BucketLayouts(bucket.storage.layout, bucket.gather.layout, bucket.grads.layout,
                                 bucket.gather.wire)
         trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
-        regather = bool(bucket.reshard_after_forward)  # refilled before its block's backward
+        regather = bool(bucket.gather.reshard_after_forward)  # refilled before its block's backward
         rows.append(bucket_plan(
-            bucket.name, bucket.slots, layouts, trainable, bucket.reshard_after_forward,
+            bucket.name, bucket.slots, layouts, trainable, bucket.gather.reshard_after_forward,
             None if runner is None else names.get(id(runner), ""),
             runner is not None and regather, shape))
     return ShardingPlan(state.replicate_size * state.world_size, tuple(rows), mesh_shape)

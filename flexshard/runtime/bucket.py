@@ -23,14 +23,13 @@ import torch.nn as nn
 from ..compat import tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
 from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
-from ..planning.layout import BucketLayout, SlotPlan
+from ..planning.layout import SlotPlan
 from ..planning.tensor_parallel import TPSpec
 from .comm import Comm
 from .counters import BucketCounters
 from .device import DeviceContexts, DeviceSite, HostContext
 from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
-from .inflight import PendingGather
 from .offload import Offload
 from .sharded_grad import NormGroups, wrap_grads
 from ..wrap.identity import adopt, mark_stale
@@ -50,7 +49,7 @@ class SlotWiring(NamedTuple):
 
 class BucketState(enum.Enum):
     SHARDED = "sharded"  # modules hold sharded parameters, no gather in flight
-    UNSHARDING = "unsharding"  # the gather runs (a prefetched one lives in Bucket.inflight)
+    UNSHARDING = "unsharding"  # the gather runs (a prefetched one is the gather's inflight)
     UNSHARDED = "unsharded"  # modules hold unsharded parameters
 
 
@@ -342,23 +341,6 @@ class Bucket:
 
     # The gather (gather.py owns its fields and steps).
 
-    @property
-    def gather_layout(self) -> BucketLayout:
-        return self.gather.layout
-
-    @property
-    def reshard_after_forward(self):
-        """True, False or an int N (see BucketSpec); set_reshard_after_forward changes it."""
-        return self.gather.reshard_after_forward
-
-    @property
-    def post_forward_size(self) -> Optional[int]:
-        return self.gather.post_forward_size
-
-    @property
-    def inflight(self) -> Optional[PendingGather]:
-        return self.gather.inflight
-
     def set_reshard_after_forward(self, value) -> None:
         """The setter's part in the bucket (between steps): the gather follows."""
         self.assert_state(BucketState.SHARDED)
@@ -376,11 +358,6 @@ class Bucket:
             return False
         return self.gather.start(new_tensors)
 
-    # The gradient path (grad_reduce.py owns its fields and steps).
-
-    @property
-    def reduce_layout(self) -> BucketLayout:
-        return self.grads.layout
 
 
 class _Unshard(torch.autograd.Function):

@@ -80,7 +80,7 @@ class ModuleHooks:
             bucket.install(outs)
             # An int reshard keeps 1/N of the gather for backward (also under the user's
             # activation checkpoint, whose recompute then gathers within the N ranks).
-            bucket.gather.keep_post_forward_shard(handled and bool(bucket.reshard_after_forward))
+            bucket.gather.keep_post_forward_shard(handled and bool(bucket.gather.reshard_after_forward))
             forward = bucket.gather.take_opened()
             if forward is not None:  # the params made once (unsharded.py)
                 self._forwards.append((bucket, forward))
@@ -112,13 +112,13 @@ class ModuleHooks:
         keep = torch.is_grad_enabled() and not in_backward()
         for bucket in self.buckets:
             if bucket.held is not None or (keep and bucket.used_in_nested_runner
-                                           and not bucket.reshard_after_forward):
+                                           and not bucket.gather.reshard_after_forward):
                 continue  # kept unsharded until backward ends (see reshard_kept)
             bucket.install_sharded()
             bucket.mark_resharded()
             # the params made once: freed now, refilled before the block's backward;
             # a recompute's stay for the backward that follows it
-            if not in_backward() and (not keep or bucket.reshard_after_forward):
+            if not in_backward() and (not keep or bucket.gather.reshard_after_forward):
                 bucket.free_unsharded()
         forwards, self._forwards = self._forwards, []
         if keep and forwards:

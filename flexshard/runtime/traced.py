@@ -143,11 +143,11 @@ def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def traced_unsupported(bucket: Bucket) -> list:
     """What the traced gather leaves out for `bucket`, in words (empty: none)."""
-    layout, wire = bucket.gather_layout, bucket.gather.wire
+    layout, wire = bucket.gather.layout, bucket.gather.wire
     formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))}
     return [what for what, bad in (
         ("CPU offload", bucket.offload is not None),
-        ("an int reshard_after_forward", bucket.post_forward_size is not None),
+        ("an int reshard_after_forward", bucket.gather.post_forward_size is not None),
         ("DTensor (tensor-parallel) params", bucket.has_tp),
         ("params of several dtypes", len({s.dtype for s in bucket.slots}) > 1),
         (f"the wire format(s) {', '.join(sorted(formats))}", bool(formats)),
@@ -166,7 +166,7 @@ class TracedBucket:
                 "compile each block with block.compile() instead, which keeps the gather in "
                 "flexshard's hooks")
         self.name, rank = bucket.name, bucket.rank
-        self.layout, self.wire = bucket.gather_layout, bucket.gather.wire
+        self.layout, self.wire = bucket.gather.layout, bucket.gather.wire
         self.wires = plan_param_wires(self.layout, self.wire, rank)
         self.sends = [[(self.layout.regions[j].offsets[rank], self.layout.regions[j].dtype,
                         self.wire.slots[j].local_shapes[rank]) for j in self.wire.regions(i)]
