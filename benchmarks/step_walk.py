@@ -162,7 +162,8 @@ def _table(results: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--world", type=int, default=8,
+                        help="ranks of the fake world the one rank runs in (default 8)")
     parser.add_argument("--calls", action="store_true", help="list the calls per file")
     args = parser.parse_args(argv)
     results = {}
