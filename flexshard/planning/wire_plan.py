@@ -5,7 +5,7 @@ runtime/wires.py's."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 

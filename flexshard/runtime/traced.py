@@ -20,7 +20,7 @@ nothing reads them.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
