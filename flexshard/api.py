@@ -24,14 +24,12 @@ from .planning.plan import WrapPlan, plan_wrap
 from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,
                                        to_local_params)
 from .runtime.bucket import Bucket, BucketState, SlotWiring
-from .runtime.comm import Comm
+from .runtime.comm import Comm, DeviceContexts
 from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
-from .runtime.hooks import (ModuleHooks, RootHooks, StrayCallHooks, reshard_explicitly,
-                            unshard_explicitly)
-from .runtime.device import DeviceContexts
+from .runtime.hooks import (ModuleHooks, Prefetcher, RootHooks, StrayCallHooks,
+                            reshard_explicitly, unshard_explicitly)
 from .wrap.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
-from .runtime.prefetch import Prefetcher
 from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard
 from .runtime.sharded_grad import norm_groups

@@ -130,11 +130,6 @@ current_graph_task_id = resolve("torch._C:_current_graph_task_id",
 queue_callback = resolve("torch.autograd:Variable._execution_engine.queue_callback",
                          "to finish gradient reductions when a backward pass ends")
 
-
-def in_backward() -> bool:
-    """True while autograd's engine runs a backward pass on this thread."""
-    return current_graph_task_id() != -1
-
 # Tensors.
 # A bucket's fused copies (planning/fused.py, FSDP2's _fsdp_collectives.py): one
 # kernel per bucket and direction. foreach_copy_ copies (and casts) pairs of equal
@@ -243,11 +238,6 @@ def inductor_cpp_compilers() -> tuple:
 # (AOTAutograd's CompiledFunction), to tell a compiled run from an eager one.
 COMPILED_CALL_IMPL = "_compiled_call_impl"
 COMPILED_GRAPH_NODE = "CompiledFunctionBackward"
-
-
-def module_compiled(module) -> bool:
-    """Whether `module.compile()` was called on `module`."""
-    return getattr(module, COMPILED_CALL_IMPL, None) is not None
 
 
 # torch.compile of the activation collectives (collectives/): torch 2.11's dynamo traces

@@ -150,7 +150,7 @@ def check_parity(device, param_dtype, rtol=1e-5, atol=1e-6, offloaded=None, **co
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_bf16_parity(nccl, placement, reshard):
-    from flexshard.runtime.device import CudaContext
+    from flexshard.runtime.comm import CudaContext
     from flexshard.runtime.state import get_state
 
     model = check_parity(nccl, torch.bfloat16, placement=PLACEMENTS[placement], mp_policy=BF16,

@@ -193,7 +193,7 @@ def _packed(layout, slots, fulls) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_fused_plans_write_what_the_per_param_plans_write(name, world):
     from flexshard.planning.fused import plan_chunk_cat, plan_copy_out, span_split
-    from flexshard.runtime.wires import column_full, copy_out_columns, split_views
+    from flexshard.runtime.unsharded import column_full, copy_out_columns, split_views
 
     slots, layout = _layout(name, world)
     fulls = [torch.randn(s.shape, generator=torch.Generator().manual_seed(i)).bfloat16()

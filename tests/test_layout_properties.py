@@ -14,7 +14,7 @@ import flexshard as fs
 from flexshard.planning.fused import plan_copy_out
 from flexshard.planning.layout import ALIGN, SlotPlan, bind_placements, plan_layout
 from flexshard.planning.wire_plan import cast_wire
-from flexshard.runtime.wires import ParamWire
+from flexshard.runtime.unsharded import ParamWire
 from flexshard.runtime.storage import segment_views
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.uint8]

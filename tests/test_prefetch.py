@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flexshard as fs
-from flexshard.runtime.device import HostContext
+from flexshard.runtime.comm import HostContext
 from flexshard.runtime.state import get_state
 from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn

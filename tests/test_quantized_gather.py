@@ -16,7 +16,7 @@ import flexshard as fs
 from flexshard.planning.layout import SlotPlan, bind_placements, plan_layout
 from flexshard.placements.wire import Cast
 from flexshard.planning.wire_plan import plan_wire
-from flexshard.runtime.wires import ParamWire, plan_param_wires
+from flexshard.runtime.unsharded import ParamWire, plan_param_wires
 from harness import run_world
 from models import batch, loss_fn
 from reference import assemble_grads, make_model, reference_run, train_sharded

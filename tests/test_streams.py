@@ -1,4 +1,4 @@
-"""The stream model (runtime/device.py, design.md "Streams and buffers"), checked
+"""The stream model (runtime/comm.py, design.md "Streams and buffers"), checked
 on CPU through a device context that records every stream switch, event
 record and event wait, and which stream each op and collective ran on."""
 
@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from benchmarks.hot_path import LocalComm, make_bucket
-from flexshard.runtime.device import DeviceContexts, HostContext
+from flexshard.runtime.comm import DeviceContexts, HostContext
 
 SHAPES = [(16, 4), (8,)]
 

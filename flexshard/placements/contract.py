@@ -126,7 +126,7 @@ class WireFormat(abc.ABC):
         lives as long as the batch (for index tensors made on first use).
         A param whose piece is empty on this rank is left out (its meta is None)."""
         raise AssertionError(f"{type(self).__name__} has a batch_key but no encode_batch "
-                             "(refused at wrap time: runtime/wires.py, plan_param_wires)")
+                             "(refused at wrap time: runtime/unsharded.py, plan_param_wires)")
 
     def encode_batch_into(self, formats: Sequence["WireFormat"], pieces: Sequence[torch.Tensor],
                           outs: Sequence[Sequence[torch.Tensor]], mesh, cache: dict) -> Optional[list]:

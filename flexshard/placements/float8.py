@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..compat import foreach_norm, in_backward, tensor_version
+from ..compat import current_graph_task_id, foreach_norm, tensor_version
 from .batch import back_to_back, joined, spread
 
 EPS = 1e-12  # torchao.float8.float8_utils.EPS: an all-zero weight keeps a finite scale
@@ -65,7 +65,8 @@ def bucket_scales(pieces: Sequence[torch.Tensor], mesh, dtype: torch.dtype,
     FSDP2 + torchao's precompute makes one per step for the whole model."""
     version = tensor_version(pieces[0])  # the storage's counter, shared by its views
     kept = cache.get("scale")
-    if (kept is not None and in_backward() and kept[0] == version
+    in_backward = current_graph_task_id() != -1  # a regather, inside backward
+    if (kept is not None and in_backward and kept[0] == version
             and all(a is b for a, b in zip(kept[1], pieces))):
         return kept[2]
     out = scales(amax(pieces, mesh), dtype)

@@ -1,7 +1,7 @@
 """A bucket's wire: the format each parameter is sent in and the parts (wire
 slots) those formats make, which the gather layout is planned over. Each
 param's way through a layout at step time, its encode and decode, is
-runtime/wires.py's."""
+runtime/unsharded.py's."""
 
 from __future__ import annotations
 

@@ -25,9 +25,8 @@ from ..config import MixedPrecisionPolicy, OffloadPolicy
 from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
 from ..planning.layout import SlotPlan
 from ..planning.tensor_parallel import TPSpec
-from .comm import Comm
+from .comm import Comm, DeviceContexts, DeviceSite, HostContext
 from .counters import BucketCounters
-from .device import DeviceContexts, DeviceSite, HostContext
 from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 from .offload import Offload
@@ -347,7 +346,7 @@ class Bucket:
         self.gather.follow_reshard(value)
 
     def prefetch(self) -> bool:
-        """Launch the gather ahead of its forward (prefetch.py), unless the modules
+        """Launch the gather ahead of its forward (hooks.py), unless the modules
         hold unsharded params or the bucket runs no hooks."""
         return self.held is None and self.needs_hooks and self.start_gather()
 

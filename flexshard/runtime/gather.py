@@ -4,7 +4,7 @@ an offloaded storage's H2D first), the all-gather on the gather stream, the
 wait on the compute stream and the copy-out into unsharded params. `BucketGather`
 owns every field of it: the gather layout and its copy plans, the reshard value
 they depend on, a gather a prefetch launched, and an int reshard's kept slice.
-It runs where its `DeviceSite` (device.py) says at the moment of each call.
+It runs where its `DeviceSite` (comm.py) says at the moment of each call.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import Optional
 import torch
 from torch.profiler import record_function
 
-from ..compat import foreach_copy_, in_backward, set_versions, tensor_version
+from ..compat import foreach_copy_, set_versions, tensor_version
 from ..planning.bucket_plan import BucketLayouts, LayoutPlans
 from ..planning.layout import BucketLayout
 from ..planning.fused import CopyOutPlans, plan_copy_in, plan_copy_out
 from ..planning.wire_plan import cast_wire
-from .comm import Comm, group_parts, hidden_from_checkpoint
+from .comm import (Comm, DeviceSite, HostContext, group_parts, hidden_from_checkpoint,
+                   in_backward, on_stream)
 from .counters import BucketCounters
-from .device import DeviceSite, HostContext, on_stream
 from .inflight import PendingGather
 from .storage import BucketStorage, segment_views
-from .wires import column_full, copy_out_columns, plan_param_wires, split_views
-from .unsharded import Forward, PostForwardShard, UnshardedParams, keep_slice, usable
+from .unsharded import (Forward, PostForwardShard, UnshardedParams, column_full, copy_out_columns,
+                        keep_slice, plan_param_wires, split_views, usable)
 
 
 class BucketGather:
@@ -430,7 +430,7 @@ class BucketGather:
                 and unsharded.copy_in_dst is not None  # in place, per group (_buffers)
             foreach_copy_(unsharded.copy_in_dst if in_output else split_views(send, fused.dst),
                           srcs)
-        if plans.wires.encodes:  # the other formats, batched where they batch (wires.py)
+        if plans.wires.encodes:  # the other formats, batched where they batch (unsharded.py)
             views = (self.storage.views if staged is None
                      else segment_views(staged, self.storage.layout, self.slots, self.rank))
             mesh = self.shard_mesh(send.device) if plans.needs_mesh else None

@@ -44,13 +44,12 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..compat import (chunk_cat, current_graph_task_id, foreach_copy_, foreach_zero_,
-                      in_backward, queue_callback)
-from .comm import Comm, group_parts
+                      queue_callback)
+from .comm import Comm, DeviceSite, group_parts, in_backward, on_stream
 from ..planning.copyplan import plan_copies
 from ..planning.fused import plan_chunk_cat, plan_split, segment_split, span_split
 from .counters import BucketCounters
-from .wires import split_views
-from .device import DeviceSite, on_stream
+from .unsharded import split_views
 from .inflight import PendingReduce, ReduceOp
 from ..planning.layout import BucketLayout, SlotPlan
 

@@ -4,7 +4,7 @@ holds the whole step (fs.compile, flexshard/whole_step.py).
 Forward: this rank's pieces go through the bucket's wire format into one send
 buffer, one functional all-gather per gather group writes the rank-major
 output, and each param is decoded out of it by the same copy plans the eager
-path uses (runtime/wires.py). Backward: each unsharded param's grad flows,
+path uses (runtime/unsharded.py). Backward: each unsharded param's grad flows,
 through autograd, into a stand-in of the bucket's *reduce* layout (the grads
 packed as the eager reduction packs them), which one functional reduce-scatter
 per gather group sums over the shard group (and an all-reduce over HSDP's
@@ -30,7 +30,7 @@ from ..placements.quantized import DECODE_NAMESPACE, BlockQuantized
 from ..placements.wire import Cast
 from ..planning.copyplan import plan_copies
 from .bucket import Bucket
-from .wires import plan_param_wires
+from .unsharded import plan_param_wires
 
 # aten ops that turn a shard into unsharded params besides views (a cast's encode,
 # the send's join and gaps, copy-outs, casts, the stand-in): recomputed in backward
