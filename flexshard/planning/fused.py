@@ -230,8 +230,8 @@ class CopyInPlan(NamedTuple):
     cast: tuple  # slots sent as they are (placements/wire.py Cast), non-empty here
     dst: TypedSplit  # their pieces in this rank's segment of the gather layout
     src: TypedSplit  # their pieces in the storage buffer (or its staged copy)
-    in_output: Optional[TypedSplit]  # their pieces where this rank's segment lies in the
-    #                                  gather output (several gather groups only)
+    in_output: TypedSplit  # their pieces where this rank's segment lies in the gather
+    #                        output (the copy-in's views made once: runtime/unsharded.py)
 
 
 def plan_copy_in(storage: BucketLayout, storage_bytes: int, gather: BucketLayout, wire,
@@ -240,7 +240,7 @@ def plan_copy_in(storage: BucketLayout, storage_bytes: int, gather: BucketLayout
     cast = tuple(i for i, f in enumerate(wire.formats)
                  if isinstance(f, Cast) and storage.regions[i].nbytes[rank])
     regions = [wire.first[i] for i in cast]
-    in_output = None if len(gather.spans) == 1 else plan_split(gather.wire_bytes, [
+    in_output = plan_split(gather.wire_bytes, [
         (gather.piece_start(j, rank), gather.regions[j].dtype,
          gather.regions[j].nbytes[rank] // gather.regions[j].dtype.itemsize) for j in regions])
     return CopyInPlan(cast, segment_split(gather, rank, regions),

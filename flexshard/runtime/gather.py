@@ -378,10 +378,10 @@ class BucketGather:
         is the gather input when it can be (no cast, not offloaded, not shorter
         than the segment); otherwise the copy-in writes this rank's segment of the
         gather output and the all-gather reads it there, in place (as FSDP2's), so
-        no segment-sized temporary exists beside the output; where the layout has
-        several gather groups the segment is several ranges of the output: the params
-        made once hold those ranges (and the copy-in's views of them) and gather in
-        place, a new-tensor gather copies in to a segment of its own. The output is
+        no segment-sized temporary exists beside the output. The params made once hold
+        this rank's ranges of their output and the copy-in's views of them (one range,
+        or one per gather group); a new-tensor gather slices its one range, or copies in
+        to a segment of its own where the layout has several groups. The output is
         that of the params made once (`unsharded`), reallocated, where they are."""
         send = self.storage.buffer if source is None else source.send
         copy_in = source is None and (not plans.is_storage or self.offload is not None)
@@ -395,10 +395,10 @@ class BucketGather:
             gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
         if self.world_size == 1:
             return (gathered if copy_in else send), gathered
-        if copy_in and len(layout.spans) > 1:  # the segment is not one range of the output:
-            # in place into the params made once (their views of it made once), else its own
-            send = gathered if unsharded is not None and unsharded.send_parts is not None \
-                else torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
+        if copy_in and unsharded is not None and unsharded.send_parts is not None:
+            send = gathered  # in place: the params made once hold the views of the segment
+        elif copy_in and len(layout.spans) > 1:  # the segment is not one range of the output
+            send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
         elif copy_in:
             send = gathered[self.rank * layout.segment_bytes:][:layout.segment_bytes]
         return send, gathered

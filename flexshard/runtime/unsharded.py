@@ -108,13 +108,15 @@ class UnshardedParams:
     def __init__(self, layout: BucketLayout, plans: LayoutPlans, world_size: int,
                  device: torch.device, rank: int) -> None:
         self.gathered = torch.empty(layout.wire_bytes, dtype=torch.uint8, device=device)
-        # what each gather group's collective writes, made once as the params are; with
-        # several groups this rank's segment is several ranges of the output: the gather
-        # inputs (each group's range) and the copy-in's destinations in them, made once
+        # what each gather group's collective writes, made once as the params are, and
+        # the gather inputs (this rank's range of each group: several ranges of the output
+        # with several groups) with the copy-in's destinations in them, so a gather makes
+        # no view of its own (a slice and a split per gather, 5 ops, on every rank whose
+        # segment is one range: every Owned bucket)
         self.gathered_parts = group_parts(self.gathered, layout.spans, world_size)
         self.send_parts = self.copy_in_dst = None
         # a format that encodes writes its segment offsets: it gets a segment of its own
-        if len(self.gathered_parts) > 1 and not plans.same_bytes and not plans.wires.encodes:
+        if not plans.same_bytes and not plans.wires.encodes:
             self.send_parts = [part.view(world_size, -1)[rank] for part in self.gathered_parts]
             self.copy_in_dst = split_views(self.gathered, plans.copy_in.in_output)
         runs = _runs(plans)
