@@ -240,7 +240,7 @@ def plan_copy_in(storage: BucketLayout, storage_bytes: int, gather: BucketLayout
     cast = tuple(i for i, f in enumerate(wire.formats)
                  if isinstance(f, Cast) and storage.regions[i].nbytes[rank])
     regions = [wire.first[i] for i in cast]
-    in_output = None if len(gather.spans) == 1 else plan_split(gather.wire_bytes, [
+    in_output = None if not gather.split_segment else plan_split(gather.wire_bytes, [
         (gather.piece_start(j, rank), gather.regions[j].dtype,
          gather.regions[j].nbytes[rank] // gather.regions[j].dtype.itemsize) for j in regions])
     return CopyInPlan(cast, segment_split(gather, rank, regions),
