@@ -99,11 +99,10 @@ class Comm:
         rank, pieces = dist.get_rank(group), []
         for output, input, sizes in zip(outputs, inputs, uneven):
             if sizes is not None:
-                at = [sum(sizes[:k]) for k in range(len(sizes))]
-                mine = output[at[rank]:at[rank] + sizes[rank]]
-                if sizes[rank] and mine.data_ptr() != input.data_ptr():
-                    mine.copy_(input[:sizes[rank]])
-                pieces += [(output[at[k]:at[k] + n], k) for k, n in enumerate(sizes) if n]
+                split = output.split(sizes)  # one op: every rank's piece, back to back
+                if sizes[rank] and split[rank].data_ptr() != input.data_ptr():
+                    split[rank].copy_(input[:sizes[rank]])
+                pieces += [(piece, k) for k, piece in enumerate(split) if sizes[k]]
         # NCCL: with the device named, torch groups the broadcasts with the fast-path
         # all-gathers (one ncclGroupStart/End); elsewhere they run as launched, waited below
         device = outputs[0].device if outputs[0].device.type == "cuda" else None
