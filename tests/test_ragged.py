@@ -328,3 +328,39 @@ def test_comm_gathers_uneven_pieces_by_broadcasts(comm, async_op):
         assert even == [0.0] * 4 + [1.0] * 4
         assert ragged == [10.0] * 3 + [11.0] * 2
         assert alone == [20.0] * 3 + [21.0] * 2
+
+
+# At 4 ranks the mlp's up (514 rows: 129, 129, 128, 128) is uneven; an int reshard
+# keeps a rank-major slice of each block, so its buckets gather over the padded layout.
+AT_FOUR = {"dim": 132, "hidden": 514, "heads": 4}
+
+
+def test_an_int_reshard_trains_over_the_padded_layout():
+    results = check_parity(4, {"placement": fs.RaggedShard(), "reshard_after_forward": 2},
+                           make_opt=sgd, model_kw=AT_FOUR)
+    for name, _, counters, layout, _ in results[0][3]["buckets"]:
+        assert not any(reg.uneven for reg in layout.regions), name
+        if name.startswith("layers"):
+            assert counters["post_forward_gathers"] > 0
+
+
+def _setter_switches_layouts():
+    """Rank body: set_reshard_after_forward(2) moves a bucket to the padded layout and
+    True back to the uneven one; a step runs under each."""
+    import torch.distributed as dist
+
+    from flexshard.runtime.state import get_state
+    from models import batch, loss_fn
+
+    model = fs.flex_shard(make_model(**AT_FOUR), placement=fs.RaggedShard())
+    bucket = next(b for b in get_state(model).buckets if b.name == "layers.0")
+    seen, x = [], batch(0, dist.get_rank())
+    for value in (True, 2, True):
+        model.set_reshard_after_forward(value)
+        loss_fn(model(x[0]), x[1]).backward()
+        seen.append(sum(reg.uneven for reg in bucket.gather.layout.regions))
+    return seen
+
+
+def test_the_reshard_setter_switches_between_the_layouts():
+    assert run_world(4, _setter_switches_layouts) == [[1, 0, 1]] * 4
