@@ -202,7 +202,7 @@ def test_the_padded_layout_where_a_gather_slices_or_encodes_blocks():
     slots = [_ragged_slot("up", (512, 128), world)]
     layouts = plan_bucket_layouts(slots, [True], mp, world)
     assert layouts.gather.regions[0].uneven and not layouts.padded.regions[0].uneven
-    assert layouts.gather_for(True) is layouts.gather and layouts.gather_for(False) is layouts.gather
+    assert layouts.gather_for(True) is layouts.gather is layouts.gather_for(False)
     assert layouts.gather_for(3) is layouts.padded  # an int's kept slice is rank-major
     offloaded = plan_bucket_layouts(slots, [True], mp, world, offload=True)
     assert offloaded.gather is offloaded.padded  # the staged copy-in writes a segment
@@ -364,3 +364,10 @@ def _setter_switches_layouts():
 
 def test_the_reshard_setter_switches_between_the_layouts():
     assert run_world(4, _setter_switches_layouts) == [[1, 0, 1]] * 4
+
+
+def test_uneven_groups_with_an_empty_rank_train_as_one_process():
+    """units=(3, 0, 1): rank 1 holds none of the matrices, so broadcasts nothing."""
+    results = check_parity(3, {"placement": uneven_units}, make_opt=sgd, model_kw=BIG)
+    layout = next(b[3] for b in results[0][3]["buckets"] if b[0].startswith("layers"))
+    assert any(sizes is not None and sizes[1] == 0 for sizes in layout.uneven)
