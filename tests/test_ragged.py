@@ -154,3 +154,220 @@ def test_parity_four_ranks_balanced_no_reshard():
     results = check_parity(4, {"placement": fs.RaggedShard(), "reshard_after_forward": False},
                            count_comms=True)
     assert_one_collective_per_bucket(results)
+
+
+# Uneven gather groups: a large RaggedShard param split unevenly (171, 171, 170 rows)
+# is gathered by one broadcast per rank straight into its full tensor, which views it.
+
+BIG = {"dim": 128, "hidden": 512, "heads": 4}  # at 3 ranks: up, down, proj split unevenly
+UNEVEN = ("proj.weight", "up.weight", "down.weight")
+
+
+def sgd(model) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.numel()], lr=0.05)
+
+
+def _ragged_slot(fqn, shape, world):
+    from flexshard.planning.layout import SlotPlan
+
+    placement = fs.RaggedShard().bind(torch.Size(shape), 4, world, (0,) * world)
+    shapes = tuple(placement.local_shape(torch.Size(shape), r, world) for r in range(world))
+    return SlotPlan(fqn, torch.Size(shape), torch.float32, placement, shapes)
+
+
+def test_an_uneven_ragged_param_is_its_own_uneven_group_and_a_view_of_its_block():
+    from flexshard.planning.layout import plan_layout
+
+    world = 3
+    slots = [_ragged_slot("norm", (128,), world), _ragged_slot("up", (512, 128), world)]
+    padded = plan_layout(slots, [torch.float32] * 2, world)
+    layout = plan_layout(slots, [torch.float32] * 2, world, uneven=True)
+    assert padded.uneven == (None,) and padded.gathered_range(1) is None  # copied out
+    rows = [s[0] for s in slots[1].local_shapes]
+    assert sorted(rows) == [170, 171, 171]
+    assert layout.uneven == (tuple(r * 512 for r in rows), None)
+    assert layout.regions[1].uneven and layout.spans[0] == (0, 171 * 512)  # its widest piece
+    assert layout.block(0) == (0, 512 * 512)  # no padding: the pieces back to back
+    assert layout.gathered_range(1) == (0, 512 * 512)
+    assert [layout.piece_start(1, r) for r in range(world)] == [0, rows[0] * 512,
+                                                               (rows[0] + rows[1]) * 512]
+    assert layout.wire_bytes == 512 * 512 + layout.block_bytes[1] < padded.wire_bytes
+    assert sum(b - a for a, b in layout.gaps()) == layout.wire_bytes - layout.ideal_bytes
+
+
+def test_the_padded_layout_where_a_gather_slices_or_encodes_blocks():
+    from flexshard.planning.bucket_plan import plan_bucket_layouts
+
+    world, mp = 3, fs.MixedPrecisionPolicy()
+    slots = [_ragged_slot("up", (512, 128), world)]
+    layouts = plan_bucket_layouts(slots, [True], mp, world)
+    assert layouts.gather.regions[0].uneven and not layouts.padded.regions[0].uneven
+    assert layouts.gather_for(True) is layouts.gather is layouts.gather_for(False)
+    assert layouts.gather_for(3) is layouts.padded  # an int's kept slice is rank-major
+    offloaded = plan_bucket_layouts(slots, [True], mp, world, offload=True)
+    assert offloaded.gather is offloaded.padded  # the staged copy-in writes a segment
+    assert not layouts.reduce.regions[0].uneven  # the reduce-scatter keeps its padded input
+
+
+def _block_views_uneven_groups(reshard):
+    """Rank body: each uneven param, seen inside its Linear's forward, views its block
+    of the gather output (the params made once: their gathered buffer)."""
+    from flexshard.runtime.state import get_state
+
+    model = fs.flex_shard(make_model(**BIG), placement=fs.RaggedShard(),
+                          reshard_after_forward=reshard)
+    block = model.layers[0]
+    bucket = next(b for b in get_state(model).buckets if b.name == "layers.0")
+    layout, seen = bucket.gather.layout, {}
+    for name in UNEVEN:
+        linear = block.get_submodule(name.rsplit(".", 1)[0])
+
+        def record(module, args, name=name):
+            weight = module.weight
+            j = next(j for j, s in enumerate(bucket.slots) if s.fqn == f"layers.0.{name}")
+            unsharded = bucket.gather.unsharded
+            if unsharded is None:  # kept until backward: new tensors per gather
+                seen[name] = layout.regions[j].uneven
+                return
+            gathered = unsharded.gathered
+            seen[name] = (layout.regions[j].uneven
+                          and weight.untyped_storage().data_ptr()
+                          == gathered.untyped_storage().data_ptr()
+                          and weight.data_ptr() == gathered.data_ptr()
+                          + layout.block(layout.regions[j].group)[0])
+        linear.register_forward_pre_hook(record)
+    from models import batch, loss_fn
+
+    import torch.distributed as dist
+
+    x, y = batch(0, dist.get_rank())
+    loss_fn(model(x), y).backward()
+    return seen
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_uneven_ragged_params_view_the_gather_output(reshard):
+    for seen in run_world(3, _block_views_uneven_groups, reshard):
+        assert seen == dict.fromkeys(UNEVEN, True)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_uneven_groups_train_as_one_process_with_no_copy_out(reshard):
+    from flexshard.planning.fused import _uniform
+
+    results = check_parity(3, {"placement": fs.RaggedShard(), "reshard_after_forward": reshard},
+                           make_opt=sgd, model_kw=BIG, count_comms=True)
+    for name, _, counters, layout, _ in results[0][3]["buckets"]:
+        if not name.startswith("layers"):
+            continue
+        uneven = [j for j, reg in enumerate(layout.regions) if reg.uneven]
+        assert len(uneven) == len(UNEVEN), name
+        assert all(layout.gathered_range(j) is not None for j in uneven)
+        # each gather copied out only the params that view nothing (small ones, packed)
+        copied = sum(reg.nbytes[0] * layout.world_size if _uniform(layout, j) else sum(reg.nbytes)
+                     for j, reg in enumerate(layout.regions) if layout.gathered_range(j) is None)
+        assert counters["gathers"] > 0
+        assert counters["copy_out_bytes"] == copied * counters["gathers"], name
+    for result in results:  # each uneven group: one broadcast per rank, with the all-gathers
+        for got in result[3]["comms"]:
+            assert got.get("broadcast_", 0) > 0, got
+
+
+def test_uneven_groups_on_the_fake_backend():
+    """One rank of a 6-rank world under torch's "fake" backend (the benchmark's): the
+    coalesced broadcasts run, and the uneven params view the gather output."""
+    import torch.distributed as dist
+
+    from benchmarks.harness.fake_world import fake_world
+    from flexshard.runtime.state import get_state
+
+    if dist.is_initialized():  # fake_world needs the default group
+        return
+    with fake_world(6):
+        model = fs.flex_shard(make_model(**BIG), placement=fs.RaggedShard())
+        x = torch.randint(0, 37, (2, 11))
+        model(x).sum().backward()
+        buckets = [b for b in get_state(model).buckets if b.name.startswith("layers")]
+        for bucket in buckets:
+            layout = bucket.gather.layout
+            assert sum(reg.uneven for reg in layout.regions) == len(UNEVEN)
+            assert bucket.counters.gathers == 2  # forward, and backward's refill
+
+
+def _comm_gathers_uneven(comm_name, async_op):
+    """Rank body: Comm.all_gather_groups with an even pair and an uneven one (rank r's
+    input its first sizes[r] elements, not written in place), and an uneven pair alone."""
+    import torch.distributed as dist
+
+    from flexshard.runtime.comm import Comm
+    from flexshard.runtime.gloo import GlooComm
+
+    comm = {"comm": Comm(), "gloo": GlooComm(rooted_min_bytes=0)}[comm_name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = (3, 2)[:world]
+    even, ragged = torch.zeros(world * 4), torch.zeros(sum(sizes))
+    inputs = [torch.full((4,), float(rank)), torch.full((3,), 10.0 + rank)]
+    work = comm.all_gather_groups([even, ragged], inputs, None, async_op=async_op,
+                                  uneven=(None, sizes))
+    if async_op:
+        work.wait()
+    alone = torch.zeros(sum(sizes))
+    at = sum(sizes[:rank])
+    alone[at:at + sizes[rank]] = 20.0 + rank  # in place: the input is the output's piece
+    work = comm.all_gather_groups([alone], [alone[at:at + sizes[rank]]], None,
+                                  async_op=async_op, uneven=(sizes,))
+    if async_op:
+        work.wait()
+    return even.tolist(), ragged.tolist(), alone.tolist()
+
+
+@pytest.mark.parametrize("comm", ["comm", "gloo"])
+@pytest.mark.parametrize("async_op", [False, True])
+def test_comm_gathers_uneven_pieces_by_broadcasts(comm, async_op):
+    for even, ragged, alone in run_world(2, _comm_gathers_uneven, comm, async_op):
+        assert even == [0.0] * 4 + [1.0] * 4
+        assert ragged == [10.0] * 3 + [11.0] * 2
+        assert alone == [20.0] * 3 + [21.0] * 2
+
+
+# At 4 ranks the mlp's up (514 rows: 129, 129, 128, 128) is uneven; an int reshard
+# keeps a rank-major slice of each block, so its buckets gather over the padded layout.
+AT_FOUR = {"dim": 132, "hidden": 514, "heads": 4}
+
+
+def test_an_int_reshard_trains_over_the_padded_layout():
+    results = check_parity(4, {"placement": fs.RaggedShard(), "reshard_after_forward": 2},
+                           make_opt=sgd, model_kw=AT_FOUR)
+    for name, _, counters, layout, _ in results[0][3]["buckets"]:
+        assert not any(reg.uneven for reg in layout.regions), name
+        if name.startswith("layers"):
+            assert counters["post_forward_gathers"] > 0
+
+
+def _setter_switches_layouts():
+    """Rank body: set_reshard_after_forward(2) moves a bucket to the padded layout and
+    True back to the uneven one; a step runs under each."""
+    import torch.distributed as dist
+
+    from flexshard.runtime.state import get_state
+    from models import batch, loss_fn
+
+    model = fs.flex_shard(make_model(**AT_FOUR), placement=fs.RaggedShard())
+    bucket = next(b for b in get_state(model).buckets if b.name == "layers.0")
+    seen, x = [], batch(0, dist.get_rank())
+    for value in (True, 2, True):
+        model.set_reshard_after_forward(value)
+        loss_fn(model(x[0]), x[1]).backward()
+        seen.append(sum(reg.uneven for reg in bucket.gather.layout.regions))
+    return seen
+
+
+def test_the_reshard_setter_switches_between_the_layouts():
+    assert run_world(4, _setter_switches_layouts) == [[1, 0, 1]] * 4
+
+
+def test_uneven_groups_with_an_empty_rank_train_as_one_process():
+    """units=(3, 0, 1): rank 1 holds none of the matrices, so broadcasts nothing."""
+    results = check_parity(3, {"placement": uneven_units}, make_opt=sgd, model_kw=BIG)
+    layout = next(b[3] for b in results[0][3]["buckets"] if b[0].startswith("layers"))
+    assert any(sizes is not None and sizes[1] == 0 for sizes in layout.uneven)

@@ -61,21 +61,23 @@ def _saved_numels(model, x) -> set:
     return seen
 
 
-def train_whole(config: dict, backend: str = "count", fullgraph: bool = True) -> dict:
-    """Rank body: STEPS SGD steps of fs.compile(flex_shard(TinyGPT))."""
+def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
+                model_kw=None) -> dict:
+    """Rank body: STEPS SGD steps of fs.compile(flex_shard(TinyGPT(**model_kw)))."""
     import torch.distributed as dist
 
     torch._dynamo.reset()
     counters.clear()
     rank = dist.get_rank()
-    model = fs.flex_shard(make_model(), **config)
+    model = fs.flex_shard(make_model(**(model_kw or {})), **config)
     graphs: list = []
     fs.compile(model, fullgraph=fullgraph,
                backend=counting_backend(graphs) if backend == "count" else backend)
     run = _run(model, rank, clip=False)
     buckets = get_state(model).buckets
     # what forward saves for backward: an unsharded block weight or a block's gather output?
-    unsharded = {p.numel() for p in make_model().layers[0].parameters() if p.dim() == 2}
+    unsharded = {p.numel() for p in make_model(**(model_kw or {})).layers[0].parameters()
+                 if p.dim() == 2}
     unsharded |= {b.gather.layout.wire_bytes // 4 for b in buckets if b.name != "root"}
     kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
     return {**run, "breaks": _breaks(), "graphs": graphs, "kept": kept,
@@ -92,7 +94,8 @@ def mixed(fqn: str, param) -> fs.Placement:
 def check_whole(world: int, config: dict, rel: float = 1e-5, **kw) -> list:
     ref_losses, ref_params, ref_grads = reference_run(
         world, STEPS, make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=LR),
-        param_dtype=(config.get("mp_policy") or fs.MixedPrecisionPolicy()).param_dtype)
+        param_dtype=(config.get("mp_policy") or fs.MixedPrecisionPolicy()).param_dtype,
+        model_kw=kw.get("model_kw"))
     results = run_world(world, train_whole, config, timeout=400, **kw)
     mean = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=rel, atol=0)
@@ -139,6 +142,15 @@ def test_whole_step_uneven_world_mixed_placements_and_inductor():
     way, inductor: the same training."""
     config = {"placement": mixed}
     check_whole(3, config, backend="inductor")
+
+
+def test_whole_step_ragged_with_uneven_groups_gathers_the_padded_layout():
+    """World 3, RaggedShard, matrices large enough for uneven gather groups in eager
+    (layout.py): the whole-step graph gathers over the padded layout, the same training."""
+    results = check_whole(3, {"placement": fs.RaggedShard()},
+                          model_kw={"dim": 128, "hidden": 512, "heads": 4})
+    for r in results:
+        assert r["breaks"] == 0
 
 
 def test_whole_step_bf16_gathers():

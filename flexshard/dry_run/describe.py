@@ -77,7 +77,7 @@ def wrapped_plan(module: nn.Module, state: FlexShardState) -> ShardingPlan:
         shape = (bucket.replicate_size, bucket.world_size)  # its own mesh's, or the model's
         runner = runners.get(id(bucket))
         layouts = BucketLayouts(bucket.storage.layout, bucket.gather.layout, bucket.grads.layout,
-                                bucket.gather.wire)
+                                bucket.gather.wire, bucket.gather.layout)  # the one it gathers over
         trainable = [i in set(bucket.grad_slots) for i in range(len(bucket.slots))]
         regather = bool(bucket.gather.reshard_after_forward)  # refilled before its block's backward
         rows.append(bucket_plan(

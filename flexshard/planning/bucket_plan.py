@@ -67,6 +67,13 @@ class BucketLayouts(NamedTuple):
     gather: BucketLayout  # the all-gather: every slot's wire parts (see `wire`)
     reduce: BucketLayout  # the reduce-scatter of the trainable slots (one reduce dtype)
     wire: WirePlan  # what each slot sends in the all-gather
+    # the gather layout with no uneven group (`gather` itself when it has none): for a
+    # gather that slices or encodes rank-major blocks (gathers_uneven says which)
+    padded: BucketLayout = None
+
+    def gather_for(self, reshard_after_forward) -> BucketLayout:
+        """The gather layout a bucket resharding so gathers over (see gathers_uneven)."""
+        return self.gather if _reshards_whole(reshard_after_forward) else self.padded
 
 
 def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size: int) -> tuple:
@@ -84,12 +91,35 @@ def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size
     return tuple(out)
 
 
+def _reshards_whole(reshard_after_forward) -> bool:
+    """A bool reshard_after_forward (an int N keeps a rank-major slice: PostForwardShard)."""
+    return isinstance(reshard_after_forward, bool)
+
+
+def gathers_uneven(wire: WirePlan, offload: bool) -> bool:
+    """The one rule for uneven gather groups (layout.py, design.md "Gather groups"):
+    a bucket's gather layout has them when every param is sent as it is (a Cast:
+    encoded formats write and read rank-major blocks) and its storage is not
+    offloaded (the staged copy-in writes a segment); and it gathers over that
+    layout while reshard_after_forward is a bool (an int's kept slice cuts
+    rank-major blocks: BucketLayouts.gather_for). Elsewhere, and in the whole-step
+    graph (runtime/traced.py), the padded layout."""
+    return not offload and all(isinstance(f, Cast) for f in wire.formats)
+
+
 def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
-                        mp: MixedPrecisionPolicy, world_size: int) -> BucketLayouts:
+                        mp: MixedPrecisionPolicy, world_size: int,
+                        offload: bool = False) -> BucketLayouts:
     """The layouts a Bucket of `slots` uses; the dry run (planning/dry_run_plan.py) reads the same."""
     grads = [s for s, t in zip(slots, trainable) if t]
     reduce_dtype = _reduce_dtype(grads, mp)
     wire = plan_wire(slots, wire_formats(slots, mp, world_size), world_size)
-    return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size),
-                         plan_layout(wire.slots, [s.dtype for s in wire.slots], world_size),
-                         plan_layout(grads, [reduce_dtype] * len(grads), world_size), wire)
+    wire_dtypes = [s.dtype for s in wire.slots]
+    padded = plan_layout(wire.slots, wire_dtypes, world_size)
+    gather = padded
+    if gathers_uneven(wire, offload):
+        uneven = plan_layout(wire.slots, wire_dtypes, world_size, uneven=True)
+        gather = uneven if any(reg.uneven for reg in uneven.regions) else padded
+    return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size), gather,
+                         plan_layout(grads, [reduce_dtype] * len(grads), world_size), wire,
+                         padded)

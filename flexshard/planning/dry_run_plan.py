@@ -76,7 +76,7 @@ def _row(planned, names: dict):
     autograd saves one of its params, as every matmul does)."""
     mesh_shape = planned.mesh_shape  # a bucket's own mesh, else the dry run's
     layouts = plan_bucket_layouts(planned.slots, planned.trainable, planned.mp_policy,
-                                  mesh_shape[1])
+                                  mesh_shape[1], offload=planned.offload_policy is not None)
     hooked = planned.needs_hooks
     return bucket_plan(planned.spec.label, planned.slots, layouts, planned.trainable,
                        planned.reshard_after_forward,

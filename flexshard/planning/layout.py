@@ -42,6 +42,7 @@ class Region(NamedTuple):
     rank_major: bool = True  # the placement's pieces, back to back, are the full tensor
     padded: bool = False  # uneven torch.chunk pieces, each given the largest one's bytes
     group: int = 0  # the gather group (BucketLayout.groups) its pieces lie in
+    uneven: bool = False  # alone in an uneven gather group: its unequal pieces back to back
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class BucketLayout:
     parameter's equal pieces (Shard(0)), so its block is the full tensor;
     the packed group holds the rest (see plan_layout). `groups` empty: one
     group, the whole segment (the gathered buffer is [world, segment]).
+    An *uneven* group (a Region with `uneven`) holds one parameter's unequal
+    pieces: its block is those pieces back to back, each rank's at the sum of
+    the previous ranks' sizes (no padding), so it is the full tensor too; its
+    range of a segment is as wide as the largest piece (the gather input).
 
     The sizes a step reads (`spans`, `wire_bytes`, `ideal_bytes`) are fields,
     computed once here: a step reads them, it runs no planning code."""
@@ -69,18 +74,43 @@ class BucketLayout:
     wire_bytes: int = field(init=False, compare=False, repr=False)
     # bytes that must move: the sum of every rank's pieces
     ideal_bytes: int = field(init=False, compare=False, repr=False)
+    # per gather group: None, or each rank's bytes of an uneven group (its region's pieces)
+    uneven: tuple = field(init=False, compare=False, repr=False)
+    # per gather group: bytes of its block in the gathered buffer, and where the block starts
+    block_bytes: tuple = field(init=False, compare=False, repr=False)
+    bases: tuple = field(init=False, compare=False, repr=False)
+    # whether a rank's segment is several ranges of the gathered buffer (several gather
+    # groups, or an uneven one), not one: a copy-in then writes those ranges (or its own)
+    split_segment: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        derived = (("spans", self.groups or ((0, self.segment_bytes),)),
-                   ("wire_bytes", self.segment_bytes * self.world_size),
+        spans = self.groups or ((0, self.segment_bytes),)
+        uneven = [None] * len(spans)
+        for reg in self.regions:
+            if reg.uneven:
+                uneven[reg.group] = reg.nbytes
+        sizes = tuple((stop - start) * self.world_size if uneven[g] is None else sum(uneven[g])
+                      for g, (start, stop) in enumerate(spans))
+        derived = (("spans", spans), ("uneven", tuple(uneven)), ("block_bytes", sizes),
+                   ("bases", tuple(sum(sizes[:g]) for g in range(len(sizes)))),
+                   ("split_segment", len(spans) > 1 or any(uneven)),
+                   ("wire_bytes", sum(sizes)),
                    ("ideal_bytes", sum(sum(reg.nbytes) for reg in self.regions)))
         for name, value in derived:
             object.__setattr__(self, name, value)
 
     def block(self, group: int) -> tuple:
         """(start, stop) of `group`'s block in the gathered buffer."""
-        start, stop = self.spans[group]
-        return start * self.world_size, stop * self.world_size
+        return self.bases[group], self.bases[group] + self.block_bytes[group]
+
+    def rank_part(self, group: int, rank: int) -> tuple:
+        """(start, stop) of `rank`'s range of `group`'s block, bytes from the block's start."""
+        sizes = self.uneven[group]
+        if sizes is None:
+            start, stop = self.spans[group]
+            return rank * (stop - start), (rank + 1) * (stop - start)
+        return sum(sizes[:rank]), sum(sizes[:rank + 1])
+
 
     def stride(self, slot: int) -> int:
         """Bytes between consecutive ranks' pieces of `slot` in the gathered buffer."""
@@ -90,8 +120,7 @@ class BucketLayout:
     def gathered_at(self, rank: int, offset: int, group: int) -> int:
         """Byte of the gathered buffer holding byte `offset` of `rank`'s segment,
         which lies in `group`."""
-        start, stop = self.spans[group]
-        return start * self.world_size + rank * (stop - start) + offset - start
+        return self.bases[group] + self.rank_part(group, rank)[0] + offset - self.spans[group][0]
 
     def piece_start(self, slot: int, rank: int) -> int:
         """Byte offset of `rank`'s piece of `slot` in the gathered buffer."""
@@ -126,12 +155,13 @@ class BucketLayout:
         """(start, stop) byte ranges of the gathered buffer that no piece covers,
         adjacent ones merged: padding and alignment."""
         out: list = []
-        for group, (first, last) in enumerate(self.spans):
+        for group, (first, _) in enumerate(self.spans):
             for rank in range(self.world_size):
                 base, at = self.gathered_at(rank, first, group), first
+                lo, hi = self.rank_part(group, rank)
                 pieces = sorted((reg.offsets[rank], reg.nbytes[rank]) for reg in self.regions
                                 if reg.nbytes[rank] and reg.group == group)
-                for start, nbytes in pieces + [(last, 0)]:
+                for start, nbytes in pieces + [(first + hi - lo, 0)]:
                     if start > at:
                         lo, hi = base + at - first, base + start - first
                         if out and out[-1][1] == lo:
@@ -339,17 +369,31 @@ def _solo(slot: SlotPlan, pieces: Sequence[int]) -> bool:
             and sum(pieces) >= SOLO_MIN_BYTES)
 
 
+def _uneven_solo(slot: SlotPlan, pieces: Sequence[int]) -> bool:
+    """Whether `slot` gets an uneven gather group of its own: large, rank-major, no
+    column (a balanced RaggedShard over a world not dividing its rows: 171, 171,
+    170 ...), on 2+ ranks, each piece a multiple of ALIGN (so the next one, right
+    after it in the block, stays aligned)."""
+    return (slot.placement.rank_major(slot.shape) and not _columnar(slot, pieces)
+            and sum(1 for b in pieces if b) > 1 and all(b % ALIGN == 0 for b in pieces)
+            and sum(pieces) >= SOLO_MIN_BYTES)
+
+
 def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
-                world_size: int) -> BucketLayout:
+                world_size: int, uneven: bool = False) -> BucketLayout:
     """Lay each rank's pieces of `slots`, typed as `dtypes`, into its segment.
 
-    Large column params (`_solo`) come first, a gather group each; the rest
-    follow in the packed group (`plan_packed`). One group when there is no
+    Large column params (`_solo`) come first, a gather group each; with `uneven`
+    (a gather layout whose bucket can gather so: bucket_plan.gathers_uneven), so
+    do large uneven rank-major params (`_uneven_solo`), each an uneven group. The
+    rest follow in the packed group (`plan_packed`). One group when there is no
     solo param (or at world size 1, where every param is a view anyway)."""
     nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
               for s, d in zip(slots, dtypes)]
+    ragged = {i for i, (s, b) in enumerate(zip(slots, nbytes))
+              if uneven and world_size > 1 and _uneven_solo(s, b)}
     solo = [i for i, (s, b) in enumerate(zip(slots, nbytes))
-            if world_size > 1 and _solo(s, b)]
+            if world_size > 1 and (_solo(s, b) or i in ragged)]
     if not solo:
         return plan_packed(slots, dtypes, world_size)
     rest = [i for i in range(len(slots)) if i not in solo]
@@ -357,9 +401,9 @@ def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
     regions: list = [None] * len(slots)
     groups, at = [], 0
     for g, i in enumerate(solo):
-        width = nbytes[i][0]
+        width = max(nbytes[i])  # rank 0's, but for an uneven group's
         regions[i] = Region(dtypes[i], (at,) * world_size, tuple(nbytes[i]), True,
-                            len(set(nbytes[i])) > 1, g)
+                            i not in ragged and len(set(nbytes[i])) > 1, g, i in ragged)
         groups.append((at, at + width))
         at += width
     for k, i in enumerate(rest):

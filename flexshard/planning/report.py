@@ -125,7 +125,8 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
     """A bucket's record from its bound slots and layouts; `module_name` is None
     when no hook runs it, `regather` whether backward gathers it again."""
     replicas, shards = mesh_shape
-    storage, gather, reduce, wire = layouts
+    storage, reduce, wire = layouts.storage, layouts.reduce, layouts.wire
+    gather = layouts.gather_for(reshard)
     hooked, grads = module_name is not None, any(trainable)
     gathers = (1 + regather) if hooked and shards > 1 else 0
     regather_ranks = 0 if gathers < 2 else (shards if isinstance(reshard, bool) else reshard)

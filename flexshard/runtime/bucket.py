@@ -71,7 +71,8 @@ class Bucket:
         self.mesh = None  # its DeviceMesh (its own or the model's; None without a process group)
         self.on_sub_mesh = False  # its own mesh has fewer ranks than the model's (experts)
         # Planned once: no setter changes what the layouts depend on.
-        layouts = plan_bucket_layouts(slots, trainable, mp, world_size)
+        layouts = plan_bucket_layouts(slots, trainable, mp, world_size,
+                                      offload=offload_policy is not None)
         # CPU offload: the storage lives in host memory, `device` is the compute device.
         self.offload = None if offload_policy is None else Offload(offload_policy, device)
         self.storage = BucketStorage(layouts.storage, slots, rank,

@@ -73,16 +73,48 @@ class Comm:
                                      **_op(op))
 
     def all_gather_groups(self, outputs: list, inputs: list, group,
-                          async_op: bool = False):
+                          async_op: bool = False, uneven: Optional[tuple] = None):
         """One rank-major gather per (output, input) pair, launched as one coalesced
         collective (a bucket's gather groups, planning/layout.py); one pair is
-        `all_gather` itself. Returns a work to wait on when `async_op`."""
+        `all_gather` itself. `uneven`: per pair None, or each rank's element count
+        of an uneven gather: rank r's input (its first count r elements) lands
+        after the previous ranks' in the output. Returns a work to wait on when
+        `async_op`."""
+        if uneven is not None and any(sizes is not None for sizes in uneven):
+            return self._gather_uneven(outputs, inputs, group, async_op, uneven)
         if len(outputs) == 1:
             return self.all_gather(outputs[0], inputs[0], group, async_op=async_op)
         with coalescing_manager(group, async_ops=async_op) as launched:
             for output, input in zip(outputs, inputs):
                 all_gather_single(output, input, group=group)
         return launched if async_op else None
+
+    def _gather_uneven(self, outputs: list, inputs: list, group, async_op: bool,
+                       uneven: tuple):
+        """all_gather_groups with uneven pairs: each one broadcast per rank, rank r
+        the source of its own piece (an uneven all_gather as NCCL runs it, a
+        ncclBroadcast per rank in one group; gloo and "fake" refuse uneven lists),
+        in the coalescing manager of the even pairs' all-gathers. The caller's
+        copy-in usually wrote a rank's piece in place (its input is that piece)."""
+        rank, pieces = dist.get_rank(group), []
+        for output, input, sizes in zip(outputs, inputs, uneven):
+            if sizes is not None:
+                split = output.split(sizes)  # one op: every rank's piece, back to back
+                if sizes[rank] and split[rank].data_ptr() != input.data_ptr():
+                    split[rank].copy_(input[:sizes[rank]])
+                pieces += [(piece, k) for k, piece in enumerate(split) if sizes[k]]
+        # NCCL: with the device named, torch groups the broadcasts with the fast-path
+        # all-gathers (one ncclGroupStart/End); elsewhere they run as launched, waited below
+        device = outputs[0].device if outputs[0].device.type == "cuda" else None
+        with coalescing_manager(group, device=device, async_ops=async_op) as launched:
+            works = [dist.broadcast(piece, group=group, group_src=k, async_op=True)
+                     for piece, k in pieces]
+            for output, input, sizes in zip(outputs, inputs, uneven):
+                if sizes is None:
+                    all_gather_single(output, input, group=group)
+        works = ([] if device is not None else works) + ([launched] if async_op else [])
+        done = _Launched(works)
+        return done if async_op else done.wait() and None
 
     def reduce_scatter_groups(self, outputs: list, inputs: list, group,
                               async_op: bool = False,
@@ -115,6 +147,19 @@ class Comm:
         segment j to rank j and receives `output_split_sizes[j]` from rank j
         (sizes may differ and be 0)."""
         dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+
+class _Launched:
+    """Several launched collectives as one handle to wait on."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return True
 
 
 def in_backward() -> bool:

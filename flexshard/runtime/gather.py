@@ -25,7 +25,7 @@ from .counters import BucketCounters
 from .inflight import PendingGather
 from .storage import BucketStorage, segment_views
 from .unsharded import (Forward, PostForwardShard, UnshardedParams, column_full, copy_out_columns,
-                        keep_slice, plan_param_wires, split_views, usable)
+                        keep_slice, output_parts, plan_param_wires, split_views, usable)
 
 
 class BucketGather:
@@ -53,15 +53,25 @@ class BucketGather:
         self._opened: Optional[Forward] = None  # the last open_forward's, until take_opened()
         # Looked up by identity (comparing layouts is O(ranks)).
         self._plans = {id(storage.layout): self._layout_plans(storage.layout)}
-        self.layout = layouts.gather
+        self.layout = layouts.gather_for(reshard_after_forward)
         self._plans[id(self.layout)] = self._layout_plans(self.layout)
 
     def follow_reshard(self, value) -> None:
         """set_reshard_after_forward's part: what was launched or kept under the
-        old value goes (the layout and its plans do not depend on it)."""
+        old value goes; an int's kept slice needs the padded gather layout
+        (planning/bucket_plan.py, gathers_uneven), with params made anew."""
         self.discard()
         self.reshard_after_forward = value
         self.drop_forward_buffers()
+        layout = self._layouts.gather_for(value)
+        if layout is not self.layout:
+            self.layout, self.unsharded, self._in_place = layout, None, None
+            self._plans.setdefault(id(layout), self._layout_plans(layout))
+
+    @property
+    def padded_layout(self) -> BucketLayout:
+        """The gather layout with no uneven group (planning/bucket_plan.py, gathers_uneven)."""
+        return self._layouts.padded
 
     @property
     def wire(self):
@@ -367,9 +377,11 @@ class BucketGather:
             inputs = (unsharded.send_parts if send is gathered
                       else group_parts(send, layout.spans, ranks))
         else:
-            outputs = group_parts(gathered, layout.spans, self.world_size)
+            outputs = output_parts(gathered, layout)
             inputs = group_parts(send, layout.spans, ranks)
-        return self.comm.all_gather_groups(outputs, inputs, group, async_op=async_op)
+        # `uneven` only where a group is: a user's Comm may predate the argument
+        uneven = {"uneven": layout.uneven} if any(layout.uneven) else {}
+        return self.comm.all_gather_groups(outputs, inputs, group, async_op=async_op, **uneven)
 
     def _buffers(self, layout: BucketLayout, plans: LayoutPlans,
                  source: Optional[PostForwardShard], device: torch.device,
@@ -397,7 +409,7 @@ class BucketGather:
             return (gathered if copy_in else send), gathered
         if copy_in and unsharded is not None and unsharded.send_parts is not None:
             send = gathered  # in place: the params made once hold the views of the segment
-        elif copy_in and len(layout.spans) > 1:  # the segment is not one range of the output
+        elif copy_in and layout.split_segment:  # the segment is not one range of the output
             send = torch.empty(layout.segment_bytes, dtype=torch.uint8, device=device)
         elif copy_in:
             send = gathered[self.rank * layout.segment_bytes:][:layout.segment_bytes]

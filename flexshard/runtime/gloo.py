@@ -13,6 +13,10 @@ ranks went from 0.90 / 0.97x FSDP2's wall / CPU time with gloo's all_gather_into
 and reduce_scatter_tensor to 0.81 / 0.87x. Below that size the one collective is kept
 (one round trip instead of W), and above `ROOTED_MAX_RANKS` ranks the W launches per
 collective would grow a bucket's step with the world.
+
+A bucket's uneven gather groups (Comm.all_gather_groups' `uneven`) are one broadcast per
+rank already, as Comm runs them on every backend (gloo refuses an uneven list all_gather):
+GlooComm inherits that path.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def traced_unsupported(bucket: Bucket) -> list:
     """What the traced gather leaves out for `bucket`, in words (empty: none)."""
-    layout, wire = bucket.gather.layout, bucket.gather.wire
+    layout, wire = bucket.gather.padded_layout, bucket.gather.wire
     formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))}
     return [what for what, bad in (
         ("CPU offload", bucket.offload is not None),
@@ -166,7 +166,8 @@ class TracedBucket:
                 "compile each block with block.compile() instead, which keeps the gather in "
                 "flexshard's hooks")
         self.name, rank = bucket.name, bucket.rank
-        self.layout, self.wire = bucket.gather.layout, bucket.gather.wire
+        # the padded layout: the graph gathers with all_gather_into_tensor (bucket_plan.py)
+        self.layout, self.wire = bucket.gather.padded_layout, bucket.gather.wire
         self.wires = plan_param_wires(self.layout, self.wire, rank)
         self.sends = [[(self.layout.regions[j].offsets[rank], self.layout.regions[j].dtype,
                         self.wire.slots[j].local_shapes[rank]) for j in self.wire.regions(i)]

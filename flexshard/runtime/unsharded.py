@@ -113,11 +113,12 @@ class UnshardedParams:
         # with several groups) with the copy-in's destinations in them, so a gather makes
         # no view of its own (a slice and a split per gather, 5 ops, on every rank whose
         # segment is one range: every Owned bucket)
-        self.gathered_parts = group_parts(self.gathered, layout.spans, world_size)
+        self.gathered_parts = output_parts(self.gathered, layout)
         self.send_parts = self.copy_in_dst = None
         # a format that encodes writes its segment offsets: it gets a segment of its own
         if not plans.same_bytes and not plans.wires.encodes:
-            self.send_parts = [part.view(world_size, -1)[rank] for part in self.gathered_parts]
+            self.send_parts = [part[slice(*layout.rank_part(g, rank))]
+                               for g, part in enumerate(self.gathered_parts)]
             self.copy_in_dst = split_views(self.gathered, plans.copy_in.in_output)
         runs = _runs(plans)
         self._copies, self._columns = (column_copies(self.gathered, runs, world_size) if runs.runs
@@ -236,6 +237,9 @@ def keep_slice(gathered: torch.Tensor, layout: BucketLayout, rank: int, n: int, 
                storage: torch.Tensor) -> PostForwardShard:
     """The slice of `gathered` rank `rank` keeps in its post-forward group of `n`: of
     each gather group's block, the S/N segments of that group's share (one copy)."""
+    if any(sizes is not None for sizes in layout.uneven):
+        raise AssertionError("an int reshard_after_forward gathers over the padded layout "
+                             "(BucketLayouts.gather_for)")
     ranks = layout.world_size // n
     first = (rank % n) * ranks
     parts = [block.view(layout.world_size, -1)[first:first + ranks].reshape(-1)
@@ -249,6 +253,13 @@ def usable(shard: Optional[PostForwardShard], storage: torch.Tensor) -> Optional
     if shard is None or shard.version != tensor_version(storage):
         return None
     return shard
+
+
+def output_parts(gathered: torch.Tensor, layout: BucketLayout) -> list:
+    """The gather output cut into its gather groups' blocks (one split)."""
+    if len(layout.spans) == 1:
+        return [gathered]
+    return list(gathered.split(layout.block_bytes))
 
 
 # The wire: each param's encode, decode and copy-out.
