@@ -111,7 +111,6 @@ class BucketLayout:
             return rank * (stop - start), (rank + 1) * (stop - start)
         return sum(sizes[:rank]), sum(sizes[:rank + 1])
 
-
     def stride(self, slot: int) -> int:
         """Bytes between consecutive ranks' pieces of `slot` in the gathered buffer."""
         start, stop = self.spans[self.regions[slot].group]
