@@ -251,10 +251,16 @@ def test_uneven_ragged_params_view_the_gather_output(reshard):
         assert seen == dict.fromkeys(UNEVEN, True)
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_uneven_groups_train_as_one_process_with_no_copy_out(reshard):
+def _copied_out(layout) -> int:
+    """Bytes a gather over `layout` copies out: the params that view nothing."""
     from flexshard.planning.fused import _uniform
 
+    return sum(reg.nbytes[0] * layout.world_size if _uniform(layout, j) else sum(reg.nbytes)
+               for j, reg in enumerate(layout.regions) if layout.gathered_range(j) is None)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_uneven_groups_train_as_one_process_with_no_copy_out(reshard):
     results = check_parity(3, {"placement": fs.RaggedShard(), "reshard_after_forward": reshard},
                            make_opt=sgd, model_kw=BIG, count_comms=True)
     for name, _, counters, layout, _ in results[0][3]["buckets"]:
@@ -264,10 +270,8 @@ def test_uneven_groups_train_as_one_process_with_no_copy_out(reshard):
         assert len(uneven) == len(UNEVEN), name
         assert all(layout.gathered_range(j) is not None for j in uneven)
         # each gather copied out only the params that view nothing (small ones, packed)
-        copied = sum(reg.nbytes[0] * layout.world_size if _uniform(layout, j) else sum(reg.nbytes)
-                     for j, reg in enumerate(layout.regions) if layout.gathered_range(j) is None)
         assert counters["gathers"] > 0
-        assert counters["copy_out_bytes"] == copied * counters["gathers"], name
+        assert counters["copy_out_bytes"] == _copied_out(layout) * counters["gathers"], name
     for result in results:  # each uneven group: one broadcast per rank, with the all-gathers
         for got in result[3]["comms"]:
             assert got.get("broadcast_", 0) > 0, got
@@ -275,15 +279,11 @@ def test_uneven_groups_train_as_one_process_with_no_copy_out(reshard):
 
 def test_uneven_groups_on_the_fake_backend():
     """One rank of a 6-rank world under torch's "fake" backend (the benchmark's): the
-    coalesced broadcasts run, and the uneven params view the gather output."""
-    import torch.distributed as dist
-
+    coalesced broadcasts run, and only the params outside uneven groups are copied out."""
     from benchmarks.harness.fake_world import fake_world
     from flexshard.runtime.state import get_state
 
-    if dist.is_initialized():  # fake_world needs the default group
-        return
-    with fake_world(6):
+    with fake_world(6):  # raises if this process already has a default group
         model = fs.flex_shard(make_model(**BIG), placement=fs.RaggedShard())
         x = torch.randint(0, 37, (2, 11))
         model(x).sum().backward()
@@ -292,6 +292,8 @@ def test_uneven_groups_on_the_fake_backend():
             layout = bucket.gather.layout
             assert sum(reg.uneven for reg in layout.regions) == len(UNEVEN)
             assert bucket.counters.gathers == 2  # forward, and backward's refill
+            assert bucket.counters.copy_out_bytes == 2 * _copied_out(layout)
+            assert _copied_out(layout) < sum(sum(reg.nbytes) for reg in layout.regions) // 10
 
 
 def _comm_gathers_uneven(comm_name, async_op):
