@@ -114,7 +114,10 @@ class Comm:
                     all_gather_single(output, input, group=group)
         works = ([] if device is not None else works) + ([launched] if async_op else [])
         done = _Launched(works)
-        return done if async_op else done.wait() and None
+        if async_op:
+            return done
+        done.wait()
+        return None
 
     def reduce_scatter_groups(self, outputs: list, inputs: list, group,
                               async_op: bool = False,
