@@ -206,7 +206,11 @@ def test_the_padded_layout_where_a_gather_slices_or_encodes_blocks():
     assert layouts.gather_for(3) is layouts.padded  # an int's kept slice is rank-major
     offloaded = plan_bucket_layouts(slots, [True], mp, world, offload=True)
     assert offloaded.gather is offloaded.padded  # the staged copy-in writes a segment
-    assert not layouts.reduce.regions[0].uneven  # the reduce-scatter keeps its padded input
+    # the reduce-scatter's input is the grads back to back, uneven too, on every path but
+    # the whole-step graph's, and whatever the gather does (offloaded, an int reshard)
+    assert layouts.reduce.regions[0].uneven and offloaded.reduce.regions[0].uneven
+    assert layouts.reduce.gathered_range(0) == (0, 512 * 128 * 4)  # the grad packs as a view
+    assert not layouts.padded_reduce.regions[0].uneven
 
 
 def _block_views_uneven_groups(reshard):
@@ -272,9 +276,10 @@ def test_uneven_groups_train_as_one_process_with_no_copy_out(reshard):
         # each gather copied out only the params that view nothing (small ones, packed)
         assert counters["gathers"] > 0
         assert counters["copy_out_bytes"] == _copied_out(layout) * counters["gathers"], name
-    for result in results:  # each uneven group: one broadcast per rank, with the all-gathers
-        for got in result[3]["comms"]:
+    for result in results:  # each uneven group: one broadcast per rank, with the all-gathers,
+        for got in result[3]["comms"]:  # and one list reduce-scatter in backward
             assert got.get("broadcast_", 0) > 0, got
+            assert got.get("reduce_scatter_", 0) >= len(UNEVEN), got
 
 
 def test_uneven_groups_on_the_fake_backend():
@@ -321,6 +326,45 @@ def _comm_gathers_uneven(comm_name, async_op):
     if async_op:
         work.wait()
     return even.tolist(), ragged.tolist(), alone.tolist()
+
+
+def _comm_reduces_uneven(comm_name, async_op):
+    """Rank body: Comm.reduce_scatter_groups with an even pair and an uneven one whose
+    pieces are 3, 0 and 2 elements (a rank with none), then the uneven pair alone."""
+    import torch.distributed as dist
+
+    from flexshard.runtime.comm import Comm
+    from flexshard.runtime.gloo import GlooComm
+
+    comm = {"comm": Comm(), "gloo": GlooComm(rooted_min_bytes=0)}[comm_name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = (3, 0, 2)
+    even, ragged = torch.full((2,), -1.0), torch.full((3,), -1.0)
+    inputs = [torch.arange(world * 2.0) * (rank + 1), torch.arange(5.0) + 10 * rank]
+    work = comm.reduce_scatter_groups([even, ragged], inputs, None, async_op=async_op,
+                                      uneven=(None, sizes))
+    if async_op:
+        work.wait()
+    alone = torch.full((3,), -1.0)
+    work = comm.reduce_scatter_groups([alone], [torch.arange(5.0) * (rank + 1)], None,
+                                      async_op=async_op, uneven=(sizes,))
+    if async_op:
+        work.wait()
+    return even.tolist(), ragged.tolist(), alone.tolist()
+
+
+@pytest.mark.parametrize("comm", ["comm", "gloo"])
+@pytest.mark.parametrize("async_op", [False, True])
+def test_comm_reduces_uneven_pieces_into_each_ranks_output(comm, async_op):
+    results = run_world(3, _comm_reduces_uneven, comm, async_op)
+    full = [3 * k + 30 for k in range(5)]  # sum over ranks of k + 10 * rank
+    scaled = [6.0 * k for k in range(5)]  # k * (1 + 2 + 3)
+    starts = (0, 3, 3)
+    for rank, (even, ragged, alone) in enumerate(results):
+        assert even == [6.0 * (2 * rank + k) for k in range(2)]
+        n, at = (3, 0, 2)[rank], starts[rank]
+        assert ragged == full[at:at + n] + [-1.0] * (3 - n)  # past its piece: untouched
+        assert alone == scaled[at:at + n] + [-1.0] * (3 - n)
 
 
 @pytest.mark.parametrize("comm", ["comm", "gloo"])

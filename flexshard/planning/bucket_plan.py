@@ -70,6 +70,9 @@ class BucketLayouts(NamedTuple):
     # the gather layout with no uneven group (`gather` itself when it has none): for a
     # gather that slices or encodes rank-major blocks (gathers_uneven says which)
     padded: BucketLayout = None
+    # the reduce layout with no uneven group (`reduce` itself when it has none): for the
+    # whole-step graph's reduce_scatter_tensor (runtime/traced.py)
+    padded_reduce: BucketLayout = None
 
     def gather_for(self, reshard_after_forward) -> BucketLayout:
         """The gather layout a bucket resharding so gathers over (see gathers_uneven)."""
@@ -120,6 +123,11 @@ def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
     if gathers_uneven(wire, offload):
         uneven = plan_layout(wire.slots, wire_dtypes, world_size, uneven=True)
         gather = uneven if any(reg.uneven for reg in uneven.regions) else padded
+    # The reduce-scatter's uneven groups run on every backend and for every wire format
+    # (the reduce input is the plain grads, packed on the compute device): always.
+    padded_reduce = plan_layout(grads, [reduce_dtype] * len(grads), world_size)
+    reduce = plan_layout(grads, [reduce_dtype] * len(grads), world_size, uneven=True)
+    if not any(reg.uneven for reg in reduce.regions):
+        reduce = padded_reduce
     return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size), gather,
-                         plan_layout(grads, [reduce_dtype] * len(grads), world_size), wire,
-                         padded)
+                         reduce, wire, padded, padded_reduce)

@@ -121,9 +121,15 @@ class Comm:
 
     def reduce_scatter_groups(self, outputs: list, inputs: list, group,
                               async_op: bool = False,
-                              op: Optional[dist.ReduceOp] = None):
+                              op: Optional[dist.ReduceOp] = None,
+                              uneven: Optional[tuple] = None):
         """`reduce_scatter` per (output, input) pair, launched as one coalesced
-        collective (see all_gather_groups)."""
+        collective (see all_gather_groups). `uneven`: per pair None, or each
+        rank's element count of an uneven reduce: the input is the ranks' pieces
+        back to back and rank r's reduced piece lands in the first count r
+        elements of its output."""
+        if uneven is not None and any(sizes is not None for sizes in uneven):
+            return self._reduce_uneven(outputs, inputs, group, async_op, op, uneven)
         if len(outputs) == 1:
             return self.reduce_scatter(outputs[0], inputs[0], group, async_op=async_op,
                                        **_op(op))
@@ -131,6 +137,28 @@ class Comm:
             for output, input in zip(outputs, inputs):
                 reduce_scatter_single(output, input, group=group, **_op(op))
         return launched if async_op else None
+
+    def _reduce_uneven(self, outputs: list, inputs: list, group, async_op: bool,
+                       op: Optional[dist.ReduceOp], uneven: tuple):
+        """reduce_scatter_groups with uneven pairs: each one reduce_scatter of a list
+        of the ranks' pieces (views of the input; one op on every backend: NCCL runs
+        it as a group of reduces, gloo and "fake" take it as it is), launched before
+        the even pairs' coalesced reduce-scatter."""
+        rank, works, even = dist.get_rank(group), [], []
+        for output, input, sizes in zip(outputs, inputs, uneven):
+            if sizes is None:
+                even.append((output, input))
+                continue
+            works.append(dist.reduce_scatter(output[:sizes[rank]], list(input.split(sizes)),
+                                             group=group, async_op=True, **_op(op)))
+        if even:
+            works.append(self.reduce_scatter_groups([o for o, _ in even], [i for _, i in even],
+                                                    group, async_op=True, op=op))
+        done = _Launched(works)
+        if async_op:
+            return done
+        done.wait()
+        return None
 
     def averages(self, group) -> bool:
         """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;

@@ -74,6 +74,12 @@ class BucketGather:
         return self._layouts.padded
 
     @property
+    def padded_reduce_layout(self) -> BucketLayout:
+        """The reduce layout with no uneven group (planning/bucket_plan.py): the
+        whole-step graph's (runtime/traced.py), which reduces as it gathers."""
+        return self._layouts.padded_reduce
+
+    @property
     def wire(self):
         """What each slot sends in the gather layout (planning/wire_plan.py, WirePlan)."""
         return self._layouts.wire

@@ -15,8 +15,9 @@ and reduce_scatter_tensor to 0.81 / 0.87x. Below that size the one collective is
 collective would grow a bucket's step with the world.
 
 A bucket's uneven gather groups (Comm.all_gather_groups' `uneven`) are one broadcast per
-rank already, as Comm runs them on every backend (gloo refuses an uneven list all_gather):
-GlooComm inherits that path.
+rank already, as Comm runs them on every backend (gloo refuses an uneven list all_gather),
+and its uneven reduce groups one list reduce_scatter (Comm.reduce_scatter_groups): GlooComm
+inherits both.
 """
 
 from __future__ import annotations

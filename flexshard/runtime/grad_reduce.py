@@ -103,6 +103,10 @@ class GradReduce:
         # What the pack leaves unwritten, zeroed per step: nothing (dense), each gap
         # (a few: Owned's segment tails, solo groups' padding), or all of it (many gaps).
         dtype = layout.regions[0].dtype if layout.regions else torch.uint8
+        # each uneven group's element counts per rank (layout.uneven holds bytes)
+        self._uneven = None if not any(layout.uneven) else tuple(
+            None if sizes is None else tuple(b // dtype.itemsize for b in sizes)
+            for sizes in layout.uneven)
         self._gaps = _gap_split(layout.gaps(), layout.wire_bytes, dtype)
         self._gaps_beside_cat = None if cat is None else _gap_split(tuple(
             (a, b) for a, b in layout.gaps() if not _inside(a, b, cat, layout)),
@@ -256,10 +260,18 @@ class GradReduce:
         self.counters.reduce_wire_bytes += self.layout.wire_bytes
         self.counters.reduce_ideal_bytes += self.layout.ideal_bytes
         kwargs = {} if op.op == dist.ReduceOp.SUM else {"op": op.op}  # a Comm may not take op
+        if self._uneven is not None:  # only where a group is: a user's Comm may predate it
+            kwargs["uneven"] = self._uneven
         return self.comm.reduce_scatter_groups(
-            group_parts(self.typed(out), self.layout.spans),
-            group_parts(self.typed(send), self.layout.spans, self.world_size), self.group,
-            async_op=True, **kwargs)
+            group_parts(self.typed(out), self.layout.spans), self._input_parts(send),
+            self.group, async_op=True, **kwargs)
+
+    def _input_parts(self, send: torch.Tensor) -> list:
+        """The reduce input cut into its gather groups' blocks (one split, typed)."""
+        typed = self.typed(send)
+        if len(self.layout.spans) == 1:
+            return [typed]
+        return list(typed.split([b // typed.element_size() for b in self.layout.block_bytes]))
 
     # Step 3: finish.
 

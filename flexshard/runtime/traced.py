@@ -174,7 +174,8 @@ class TracedBucket:
                       for i in range(len(self.wire.formats))]
         grads = bucket.grads
         self.trainable = tuple(bucket.grad_slots)
-        reduce = self.reduce_layout = grads.layout
+        # the padded reduce layout: the graph reduces with reduce_scatter_tensor
+        reduce = self.reduce_layout = bucket.gather.padded_reduce_layout
         self.reduce_dtype = reduce.regions[0].dtype if reduce.regions else torch.float32
         self.plain_dtype = bucket.slots[0].dtype
         self.grad_copies = plan_copies(reduce, [bucket.slots[i] for i in self.trainable])
