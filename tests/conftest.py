@@ -11,6 +11,7 @@ for _path in (_REPO_ROOT, _TESTS_DIR):  # `import flexshard` / `import harness`
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import file_seconds  # noqa: E402
 import harness  # noqa: E402
 
 
@@ -31,6 +32,26 @@ def pytest_collection_modifyitems(items):
     """Tests that kill a persistent world run after every other test: a killed world
     restarts on next use, paying its processes' imports again (seconds per rank)."""
     items.sort(key=lambda item: item.get_closest_marker("kills_world") is not None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` hands out the heaviest file first (tests/file_seconds.json),
+    not the one with the most tests: xdist's order left single-test files of minutes
+    to the end, one process finishing them while the other sat idle."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    seconds = file_seconds.read()
+
+    class HeaviestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            heaviest = max(self.workqueue, key=lambda f: seconds.get(f, float("inf")))
+            self.workqueue.move_to_end(heaviest, last=False)  # the unit the base pops
+            super()._assign_work_unit(node)
+
+    return HeaviestFileFirst(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
