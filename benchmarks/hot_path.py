@@ -44,9 +44,15 @@ class LocalComm(fs.Comm):
         for output, input in zip(outputs, inputs):
             self.all_gather(output, input, group)
 
-    def reduce_scatter_groups(self, outputs, inputs, group, async_op=False, op=None):
-        for output, input in zip(outputs, inputs):
-            self.reduce_scatter(output, input, group, **({} if op is None else {"op": op}))
+    def reduce_scatter_groups(self, outputs, inputs, group, async_op=False, op=None,
+                              uneven=None):
+        """Uneven groups (whole tensors on unequal ranks): this rank's piece, one copy."""
+        for k, (output, input) in enumerate(zip(outputs, inputs)):
+            sizes = None if uneven is None else uneven[k]
+            if sizes is not None:
+                output[:sizes[self.rank]].copy_(input.split(sizes)[self.rank])
+            else:
+                self.reduce_scatter(output, input, group, **({} if op is None else {"op": op}))
 
 
 def block_shapes(hidden: int = HIDDEN) -> list:

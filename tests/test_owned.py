@@ -92,6 +92,24 @@ def test_rank_outside_world_names_param_and_bucket():
         r"the world of 2 rank\(s\); use a rank in \[0, 1\] or Owned\(\)")
 
 
+class _OldComm(fs.Comm):
+    """A user's Comm written before `uneven=`: it overrides the group reduce."""
+
+    def reduce_scatter_groups(self, outputs, inputs, group, async_op=False, op=None):
+        return super().reduce_scatter_groups(outputs, inputs, group, async_op, op)
+
+
+def _wrap_with_old_comm():
+    fs.flex_shard(make_model(), placement=fs.Owned(), comm=_OldComm())
+
+
+def test_a_comm_without_uneven_is_refused_at_wrap_time():
+    expect_all_ranks_raise(
+        2, _wrap_with_old_comm, TypeError,
+        r"bucket '.+' has uneven groups .+ _OldComm\.reduce_scatter_groups\(\.\.\., "
+        r"uneven=sizes\); that override takes no `uneven` argument: accept uneven=None")
+
+
 @pytest.mark.parametrize("world,reshard", [(1, True), (2, True), (2, False), (3, True)])
 def test_parity(world, reshard):
     results = check_parity(world, {"placement": fs.Owned(), "reshard_after_forward": reshard},
@@ -164,6 +182,32 @@ def test_params_and_grads_hold_no_padding():
             assert held_params == storage and held_grads == grads, name
             trimmed += storage < segment
     assert trimmed == len(results[0])  # one light rank per bucket (2 blocks, the root)
+
+
+def test_the_reduce_input_is_the_grads_back_to_back():
+    """Whole tensors on unequal ranks: the gather keeps equal segments (one
+    all-gather, padded to the heaviest rank), while the reduce layout's group is
+    uneven: each rank's tensors back to back, no padding beyond alignment, each
+    grad one span (a view) of the reduce input."""
+    from flexshard.planning.bucket_plan import plan_bucket_layouts
+    from flexshard.planning.layout import SlotPlan
+
+    world, mp = 3, fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                           reduce_dtype=torch.float32)
+    owners = {"a": ((64, 32), 0), "b": ((5,), 1), "c": ((48, 32), 2), "d": ((8,), 0)}
+    slots = []
+    for fqn, (shape, rank) in owners.items():
+        placement = fs.Owned(rank)
+        shapes = tuple(placement.local_shape(torch.Size(shape), r, world) for r in range(world))
+        slots.append(SlotPlan(fqn, torch.Size(shape), torch.float32, placement, shapes))
+    layouts = plan_bucket_layouts(slots, [True] * 4, mp, world)
+    reduce, padded = layouts.reduce, layouts.padded_reduce
+    assert layouts.gather.uneven == (None,) and padded.uneven == (None,)
+    assert reduce.uneven == ((64 * 32 * 4 + 32, 32, 48 * 32 * 4),)  # rank 0: a, then d
+    assert reduce.wire_bytes == sum(reduce.uneven[0]) < padded.wire_bytes == 3 * 8224
+    assert reduce.wire_bytes - reduce.ideal_bytes == 12  # b's alignment: 20 bytes -> 32
+    starts = [reduce.gathered_range(j)[0] for j in range(4)]
+    assert starts == [0, 64 * 32 * 4 + 32, 64 * 32 * 4 + 64, 64 * 32 * 4]
 
 
 def test_gradients_reduce_onto_owners():

@@ -97,6 +97,16 @@ class PlayedComm(fs.GlooComm):
             total += self.world.sent[r].view(self.world.size, -1)[self.rank]
         output.copy_(total)
 
+    def reduce_scatter_uneven(self, output, input, sizes, group, async_op=False):
+        if self.world.recording:
+            self.world.sent[self.rank] = input.clone()
+            return
+        at = sum(sizes[:self.rank])
+        total = torch.zeros_like(output[:sizes[self.rank]])
+        for r in range(self.world.size):  # in rank order, as the expected values
+            total += self.world.sent[r][at:at + sizes[self.rank]]
+        output[:sizes[self.rank]].copy_(total)
+
 
 class PlayedWorld:
     """`size` Buckets over the same slots, one per rank, fed the same full tensors."""

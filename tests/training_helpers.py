@@ -28,7 +28,7 @@ class NoCollectives(fs.GlooComm):
     def all_gather(self, *args, **kwargs):
         raise AssertionError("a collective was issued before the error")
 
-    reduce_scatter = all_reduce = all_to_all = all_gather
+    reduce_scatter = reduce_scatter_uneven = all_reduce = all_to_all = all_gather
 
 
 class CountingComm(fs.GlooComm):
@@ -46,6 +46,10 @@ class CountingComm(fs.GlooComm):
     def reduce_scatter(self, output, input, group, async_op=False):
         self.calls["reduce_scatter"] += 1
         return super().reduce_scatter(output, input, group, async_op)
+
+    def reduce_scatter_uneven(self, output, input, sizes, group, async_op=False, **kwargs):
+        self.calls["reduce_scatter"] += 1  # whole tensors on unequal ranks, a ragged group
+        return super().reduce_scatter_uneven(output, input, sizes, group, async_op, **kwargs)
 
     def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM):
         self.calls["all_reduce"] += 1
@@ -73,6 +77,10 @@ class GroupComm(fs.GlooComm):
     def reduce_scatter(self, output, input, group, async_op=False, **kwargs):
         self._count("reduce_scatter", group)
         return super().reduce_scatter(output, input, group, async_op, **kwargs)
+
+    def reduce_scatter_uneven(self, output, input, sizes, group, async_op=False, **kwargs):
+        self._count("reduce_scatter", group)
+        return super().reduce_scatter_uneven(output, input, sizes, group, async_op, **kwargs)
 
     def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM):
         self._count("all_reduce", group)

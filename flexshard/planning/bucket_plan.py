@@ -124,10 +124,12 @@ def plan_bucket_layouts(slots: Sequence[SlotPlan], trainable: Sequence[bool],
         uneven = plan_layout(wire.slots, wire_dtypes, world_size, uneven=True)
         gather = uneven if any(reg.uneven for reg in uneven.regions) else padded
     # The reduce-scatter's uneven groups run on every backend and for every wire format
-    # (the reduce input is the plain grads, packed on the compute device): always.
+    # (the reduce input is the plain grads, packed on the compute device): always, and
+    # for a packed group of whole tensors too (Owned: no padding, each rank its own).
     padded_reduce = plan_layout(grads, [reduce_dtype] * len(grads), world_size)
-    reduce = plan_layout(grads, [reduce_dtype] * len(grads), world_size, uneven=True)
-    if not any(reg.uneven for reg in reduce.regions):
+    reduce = plan_layout(grads, [reduce_dtype] * len(grads), world_size, uneven=True,
+                         owners_uneven=True)
+    if not any(reduce.uneven):
         reduce = padded_reduce
     return BucketLayouts(plan_layout(slots, [s.dtype for s in slots], world_size), gather,
                          reduce, wire, padded, padded_reduce)

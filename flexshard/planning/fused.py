@@ -198,7 +198,8 @@ def plan_chunk_cat(layout: BucketLayout, slots: Sequence[SlotPlan]) -> Optional[
     is not what _chunk_cat writes."""
     group = len(layout.spans) - 1
     members = tuple(j for j in range(len(slots)) if layout.regions[j].group == group)
-    if not members or len({reg.dtype for reg in layout.regions}) != 1:
+    if not members or len({reg.dtype for reg in layout.regions}) != 1 or \
+            layout.uneven[group] is not None:  # an uneven block is no [world, width]
         return None
     first, last = layout.spans[group]
     size, col = layout.regions[0].dtype.itemsize, 0

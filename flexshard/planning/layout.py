@@ -68,6 +68,9 @@ class BucketLayout:
     segment_bytes: int
     world_size: int
     groups: tuple = ()  # (start, stop) byte ranges of the segment, in order
+    # each rank's bytes of the last group when it is uneven though it holds several
+    # regions (a reduce layout of whole tensors, `plan_layout`'s `owners_uneven`), else None
+    last_uneven: Optional[tuple] = None
     # the gather groups, (start, stop) each: `groups`, or the whole segment
     spans: tuple = field(init=False, compare=False, repr=False)
     # bytes a collective over this layout moves (padding included): the gathered buffer's size
@@ -89,6 +92,8 @@ class BucketLayout:
         for reg in self.regions:
             if reg.uneven:
                 uneven[reg.group] = reg.nbytes
+        if self.last_uneven is not None:
+            uneven[-1] = self.last_uneven
         sizes = tuple((stop - start) * self.world_size if uneven[g] is None else sum(uneven[g])
                       for g, (start, stop) in enumerate(spans))
         derived = (("spans", spans), ("uneven", tuple(uneven)), ("block_bytes", sizes),
@@ -141,6 +146,14 @@ class BucketLayout:
                 return None
             end += self.regions[slot].nbytes[r]
         return (start, end)
+
+    def output_bytes(self, rank: int) -> int:
+        """Bytes of `rank`'s reduce-scatter output over this layout: its segment, or
+        where the layout is one uneven group (whole tensors: `_owners_sizes`) only
+        its own range, so its reduced grads hold no padding."""
+        if len(self.spans) == 1 and self.uneven[0] is not None:
+            return self.uneven[0][rank]
+        return self.segment_bytes
 
     def used_bytes(self, rank: int) -> int:
         """Bytes of `rank`'s segment up to the end of its last piece, aligned as the
@@ -379,14 +392,45 @@ def _uneven_solo(slot: SlotPlan, pieces: Sequence[int]) -> bool:
 
 
 def plan_layout(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
-                world_size: int, uneven: bool = False) -> BucketLayout:
+                world_size: int, uneven: bool = False,
+                owners_uneven: bool = False) -> BucketLayout:
     """Lay each rank's pieces of `slots`, typed as `dtypes`, into its segment.
 
     Large column params (`_solo`) come first, a gather group each; with `uneven`
     (a gather layout whose bucket can gather so: bucket_plan.gathers_uneven), so
     do large uneven rank-major params (`_uneven_solo`), each an uneven group. The
     rest follow in the packed group (`plan_packed`). One group when there is no
-    solo param (or at world size 1, where every param is a view anyway)."""
+    solo param (or at world size 1, where every param is a view anyway). With
+    `owners_uneven` (a reduce layout) a packed group of whole tensors (each on one
+    rank: Owned) whose ranks hold unequal bytes is uneven too (`_owners_sizes`)."""
+    layout = _plan_groups(slots, dtypes, world_size, uneven)
+    sizes = _owners_sizes(layout) if owners_uneven else None
+    if sizes is None:
+        return layout
+    return BucketLayout(layout.regions, layout.segment_bytes, world_size, layout.groups, sizes)
+
+
+def _owners_sizes(layout: BucketLayout) -> Optional[tuple]:
+    """Each rank's bytes of `layout`'s last group (through its last piece, aligned)
+    when every region in it is on one rank and the ranks' bytes differ; else None.
+    Such a group's pieces back to back are the whole tensors with no padding: its
+    reduce is one list reduce_scatter (NCCL: one reduce per owner) and a rank's
+    output is its own tensors."""
+    group, (first, _) = len(layout.spans) - 1, layout.spans[-1]
+    members = [reg for reg in layout.regions if reg.group == group]
+    if layout.world_size == 1 or not members or layout.uneven[group] is not None or \
+            any(sum(1 for b in reg.nbytes if b) > 1 for reg in members):
+        return None
+    widest = max(_piece_align(reg.dtype) for reg in layout.regions)
+    sizes = tuple(_align(max((reg.offsets[r] + reg.nbytes[r] - first for reg in members
+                              if reg.nbytes[r]), default=0), widest)
+                  for r in range(layout.world_size))
+    return None if len(set(sizes)) == 1 else sizes
+
+
+def _plan_groups(slots: Sequence[SlotPlan], dtypes: Sequence[torch.dtype],
+                 world_size: int, uneven: bool) -> BucketLayout:
+    """plan_layout's groups: the solo ones, then the packed one."""
     nbytes = [[math.prod(s.local_shapes[r]) * d.itemsize for r in range(world_size)]
               for s, d in zip(slots, dtypes)]
     ragged = {i for i, (s, b) in enumerate(zip(slots, nbytes))

@@ -40,7 +40,7 @@ class BucketPlan(NamedTuple):
     gather_wire_bytes: int  # per step, shard dim: every all-gather's output
     reduce_wire_bytes: int  # per step, shard dim: the reduce-scatter's input
     all_reduces_per_step: int  # gradient all-reduces in one backward (replicate dim)
-    all_reduce_bytes: int  # per step, replicate dim: the all-reduced reduce segment
+    all_reduce_bytes: int  # per step, replicate dim: the all-reduced reduce output (largest rank)
     wire_formats: tuple = ()  # WireFormat per param (Cast: sent as itself, in its gather dtype)
     gather_groups: int = 1  # collectives per gather (launched as one): planning/layout.py
     solo: tuple = ()  # per param: gathered alone, its unsharded param a view of its output
@@ -151,7 +151,7 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         gather_wire_bytes=gathers * gather.wire_bytes,
         reduce_wire_bytes=reduces * reduce.wire_bytes,
         all_reduces_per_step=all_reduces,
-        all_reduce_bytes=all_reduces * reduce.segment_bytes,
+        all_reduce_bytes=all_reduces * max(reduce.output_bytes(r) for r in range(shards)),
         wire_formats=wire.formats, gather_groups=len(gather.spans) if shards > 1 else 0,
         solo=tuple(len(gather.spans) > 1 and sum(r.group == gather.regions[k].group
                                                  for r in gather.regions) == 1

@@ -25,7 +25,7 @@ from ..config import MixedPrecisionPolicy, OffloadPolicy
 from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
 from ..planning.layout import SlotPlan
 from ..planning.tensor_parallel import TPSpec
-from .comm import Comm, DeviceContexts, DeviceSite, HostContext
+from .comm import Comm, DeviceContexts, DeviceSite, HostContext, check_takes_uneven
 from .counters import BucketCounters
 from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
@@ -73,6 +73,7 @@ class Bucket:
         # Planned once: no setter changes what the layouts depend on.
         layouts = plan_bucket_layouts(slots, trainable, mp, world_size,
                                       offload=offload_policy is not None)
+        check_takes_uneven(comm, name, any(layouts.gather.uneven), any(layouts.reduce.uneven))
         # CPU offload: the storage lives in host memory, `device` is the compute device.
         self.offload = None if offload_policy is None else Offload(offload_policy, device)
         self.storage = BucketStorage(layouts.storage, slots, rank,

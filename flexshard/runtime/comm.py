@@ -26,6 +26,7 @@ HostContext to record the ordering; the runtime never asks which one it has.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
@@ -138,19 +139,28 @@ class Comm:
                 reduce_scatter_single(output, input, group=group, **_op(op))
         return launched if async_op else None
 
+    def reduce_scatter_uneven(self, output: torch.Tensor, input: torch.Tensor, sizes: tuple,
+                              group, async_op: bool = False,
+                              op: Optional[dist.ReduceOp] = None) -> Optional[dist.Work]:
+        """Reduce `input`, the ranks' pieces back to back (`sizes` elements each), by
+        `op` and give rank r its piece in the first sizes[r] elements of `output`."""
+        mine = output[:sizes[dist.get_rank(group)]]
+        return dist.reduce_scatter(mine, list(input.split(sizes)), group=group,
+                                   async_op=async_op, **_op(op))
+
     def _reduce_uneven(self, outputs: list, inputs: list, group, async_op: bool,
                        op: Optional[dist.ReduceOp], uneven: tuple):
         """reduce_scatter_groups with uneven pairs: each one reduce_scatter of a list
         of the ranks' pieces (views of the input; one op on every backend: NCCL runs
         it as a group of reduces, gloo and "fake" take it as it is), launched before
         the even pairs' coalesced reduce-scatter."""
-        rank, works, even = dist.get_rank(group), [], []
+        works, even = [], []
         for output, input, sizes in zip(outputs, inputs, uneven):
             if sizes is None:
                 even.append((output, input))
                 continue
-            works.append(dist.reduce_scatter(output[:sizes[rank]], list(input.split(sizes)),
-                                             group=group, async_op=True, **_op(op)))
+            works.append(self.reduce_scatter_uneven(output, input, sizes, group, async_op=True,
+                                                    **_op(op)))
         if even:
             works.append(self.reduce_scatter_groups([o for o, _ in even], [i for _, i in even],
                                                     group, async_op=True, op=op))
@@ -180,11 +190,27 @@ class Comm:
         dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
 
 
+def check_takes_uneven(comm: Comm, bucket: str, gathers: bool, reduces: bool) -> None:
+    """At wrap time: a bucket with uneven groups passes `uneven=` to its Comm's
+    group collectives, so a user's Comm overriding one must accept it."""
+    for needed, name in ((gathers, "all_gather_groups"), (reduces, "reduce_scatter_groups")):
+        method = getattr(type(comm), name)
+        if needed and method is not getattr(Comm, name) and \
+                "uneven" not in inspect.signature(method).parameters:
+            raise TypeError(
+                f"bucket {bucket!r} has uneven groups (a large RaggedShard param split "
+                f"unevenly, or whole tensors on ranks of unequal bytes), so flexshard calls "
+                f"{type(comm).__name__}.{name}(..., uneven=sizes); that override takes no "
+                f"`uneven` argument: accept uneven=None and pass it on to fs.Comm.{name} "
+                "(or leave the method to fs.Comm)")
+
+
 class _Launched:
-    """Several launched collectives as one handle to wait on."""
+    """Several launched collectives as one handle to wait on (a None among them: one
+    that ran to completion, as a Comm may run its collectives)."""
 
     def __init__(self, works: list) -> None:
-        self.works = works
+        self.works = [work for work in works if work is not None]
 
     def wait(self) -> bool:
         for work in self.works:

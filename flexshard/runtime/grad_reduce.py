@@ -81,10 +81,11 @@ class GradReduce:
         #   over backwards that deferred the all-reduce (requires_all_reduce False)
         # the sharded grads' bytes when they are copied out of a mostly-padding reduce
         # output (as the storage holds the params: see _grad_targets), else None
+        self._out_bytes = layout.output_bytes(rank)  # no padding where whole tensors reduce
         grad_bytes = layout.storage_bytes(rank)
-        self._grad_bytes = grad_bytes if grad_bytes < layout.segment_bytes else None
+        self._grad_bytes = grad_bytes if grad_bytes < self._out_bytes else None
         pieces = range(len(grad_slots))
-        self._out_split = segment_split(layout, rank, pieces)  # the sharded grads' views
+        self._out_split = segment_split(layout, rank, pieces, self._out_bytes)  # the grads' views
         self._own_split = None if self._grad_bytes is None else \
             segment_split(layout, rank, pieces, self._grad_bytes)
         grad_plans = [slots[i] for i in grad_slots]
@@ -245,8 +246,7 @@ class GradReduce:
     def launch(self, packed: tuple) -> PendingReduce:
         """Launch the reduce-scatter of a packed reduce input (`pack`)."""
         (send, op), ctx = packed, self.site.ctx
-        out = send if self.world_size == 1 else self._typed_empty(self.layout.segment_bytes,
-                                                                 send.device)
+        out = send if self.world_size == 1 else self._typed_empty(self._out_bytes, send.device)
         with on_stream(ctx, ctx.reduce, ctx.record()), \
                 record_function("FlexShard::reduce_scatter"):  # after: the output's allocation
             work = self._reduce_scatter(send, out, op)
