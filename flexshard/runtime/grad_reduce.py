@@ -49,7 +49,7 @@ from .comm import Comm, DeviceSite, group_parts, in_backward, on_stream
 from ..planning.copyplan import plan_copies
 from ..planning.fused import plan_chunk_cat, plan_split, segment_split, span_split
 from .counters import BucketCounters
-from .unsharded import split_views
+from .unsharded import output_parts, split_views
 from .inflight import PendingReduce, ReduceOp
 from ..planning.layout import BucketLayout, SlotPlan
 
@@ -79,9 +79,8 @@ class GradReduce:
         self.pending_grads: Optional[torch.Tensor] = None  # unreduced no-sync sum
         self.partial_reduced: Optional[torch.Tensor] = None  # HSDP: reduced shards summed
         #   over backwards that deferred the all-reduce (requires_all_reduce False)
-        # the sharded grads' bytes when they are copied out of a mostly-padding reduce
-        # output (as the storage holds the params: see _grad_targets), else None
         self._out_bytes = layout.output_bytes(rank)  # no padding where whole tensors reduce
+        # the sharded grads' bytes when copied out of a mostly-padding output (_grad_targets)
         grad_bytes = layout.storage_bytes(rank)
         self._grad_bytes = grad_bytes if grad_bytes < self._out_bytes else None
         pieces = range(len(grad_slots))
@@ -104,8 +103,7 @@ class GradReduce:
         # What the pack leaves unwritten, zeroed per step: nothing (dense), each gap
         # (a few: Owned's segment tails, solo groups' padding), or all of it (many gaps).
         dtype = layout.regions[0].dtype if layout.regions else torch.uint8
-        # each uneven group's element counts per rank (layout.uneven holds bytes)
-        self._uneven = None if not any(layout.uneven) else tuple(
+        self._uneven = None if not any(layout.uneven) else tuple(  # elements, not bytes
             None if sizes is None else tuple(b // dtype.itemsize for b in sizes)
             for sizes in layout.uneven)
         self._gaps = _gap_split(layout.gaps(), layout.wire_bytes, dtype)
@@ -263,15 +261,8 @@ class GradReduce:
         if self._uneven is not None:  # only where a group is: a user's Comm may predate it
             kwargs["uneven"] = self._uneven
         return self.comm.reduce_scatter_groups(
-            group_parts(self.typed(out), self.layout.spans), self._input_parts(send),
-            self.group, async_op=True, **kwargs)
-
-    def _input_parts(self, send: torch.Tensor) -> list:
-        """The reduce input cut into its gather groups' blocks (one split, typed)."""
-        typed = self.typed(send)
-        if len(self.layout.spans) == 1:
-            return [typed]
-        return list(typed.split([b // typed.element_size() for b in self.layout.block_bytes]))
+            group_parts(self.typed(out), self.layout.spans),
+            output_parts(self.typed(send), self.layout), self.group, async_op=True, **kwargs)
 
     # Step 3: finish.
 

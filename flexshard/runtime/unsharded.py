@@ -256,10 +256,12 @@ def usable(shard: Optional[PostForwardShard], storage: torch.Tensor) -> Optional
 
 
 def output_parts(gathered: torch.Tensor, layout: BucketLayout) -> list:
-    """The gather output cut into its gather groups' blocks (one split)."""
+    """The gather output (or reduce input: typed) cut into its gather groups'
+    blocks (one split)."""
     if len(layout.spans) == 1:
         return [gathered]
-    return list(gathered.split(layout.block_bytes))
+    size = gathered.element_size()
+    return list(gathered.split([b // size for b in layout.block_bytes]))
 
 
 # The wire: each param's encode, decode and copy-out.
