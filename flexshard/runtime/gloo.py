@@ -16,8 +16,9 @@ collective would grow a bucket's step with the world.
 
 A bucket's uneven gather groups (Comm.all_gather_groups' `uneven`) are one broadcast per
 rank already, as Comm runs them on every backend (gloo refuses an uneven list all_gather),
-and its uneven reduce groups one list reduce_scatter (Comm.reduce_scatter_groups): GlooComm
-inherits both.
+and its uneven reduce groups one list reduce_scatter (Comm.reduce_scatter_uneven), which
+GlooComm runs rooted as well above its threshold (gloo's list reduce_scatter all-reduces
+every piece to every rank).
 """
 
 from __future__ import annotations
@@ -67,13 +68,26 @@ class GlooComm(Comm):
         return reduce_to_roots(output, input, group, async_op,
                                dist.ReduceOp.SUM if op is None else op)
 
-    def _rooted(self, segment: torch.Tensor, group) -> bool:
-        """Whether a collective whose per-rank segment is `segment` goes rooted:
-        large enough, CPU tensors, a gloo group of at most ROOTED_MAX_RANKS, and
-        not in a compiled region (dynamo traces the plain collectives)."""
+    def reduce_scatter_uneven(self, output: torch.Tensor, input: torch.Tensor, sizes: tuple,
+                              group, async_op: bool = False,
+                              op: Optional[dist.ReduceOp] = None) -> Optional["Works"]:
+        """Rooted (one reduce per rank into its piece) where the largest piece is large
+        enough: gloo's list reduce_scatter all-reduces every piece to every rank."""
+        if not self._rooted(input, group, max(sizes)):
+            return super().reduce_scatter_uneven(output, input, sizes, group, async_op,
+                                                 **({} if op is None else {"op": op}))
+        return reduce_to_roots(output, input, group, async_op,
+                               dist.ReduceOp.SUM if op is None else op, sizes)
+
+    def _rooted(self, segment: torch.Tensor, group, numel: Optional[int] = None) -> bool:
+        """Whether a collective whose per-rank segment is `segment` (or its first
+        `numel` elements) goes rooted: large enough, CPU tensors, a gloo group of at
+        most ROOTED_MAX_RANKS, and not in a compiled region (dynamo traces the plain
+        collectives)."""
         # read with defaults: a subclass (a test's counting Comm) may skip __init__
         least = getattr(self, "rooted_min_bytes", ROOTED_MIN_BYTES)
-        if (segment.numel() * segment.element_size() < least
+        numel = segment.numel() if numel is None else numel
+        if (numel * segment.element_size() < least
                 or segment.device.type != "cpu" or torch.compiler.is_compiling()):
             return False
         cache = self.__dict__.setdefault("_gloo", {})
@@ -115,14 +129,16 @@ def broadcast_segments(output: torch.Tensor, input: torch.Tensor, group,
 
 
 def reduce_to_roots(output: torch.Tensor, input: torch.Tensor, group, async_op: bool,
-                    op: dist.ReduceOp) -> Optional[Works]:
+                    op: dist.ReduceOp, sizes: Optional[tuple] = None) -> Optional[Works]:
     """A reduce-scatter as one reduce per rank into its root's segment of `input`
-    (scratch: overwritten), copied into `output` once done."""
-    segments = input.view(dist.get_world_size(group), -1)
+    (scratch: overwritten; `sizes`: each rank's elements of an uneven input, its
+    pieces back to back), copied into `output`'s first elements once done."""
+    segments = input.view(dist.get_world_size(group), -1) if sizes is None else \
+        input.split(sizes)
     works = [dist.reduce(seg, group=group, group_dst=k, op=op, async_op=True)
-             for k, seg in enumerate(segments)]
+             for k, seg in enumerate(segments) if seg.numel()]
     mine = segments[dist.get_rank(group)]
-    return _finish(Works(works, lambda: output.copy_(mine)), async_op)
+    return _finish(Works(works, lambda: output[:mine.numel()].copy_(mine)), async_op)
 
 
 def _finish(works: Works, async_op: bool) -> Optional[Works]:
