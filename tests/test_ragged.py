@@ -299,6 +299,11 @@ def test_uneven_groups_on_the_fake_backend():
             assert bucket.counters.gathers == 2  # forward, and backward's refill
             assert bucket.counters.copy_out_bytes == 2 * _copied_out(layout)
             assert _copied_out(layout) < sum(sum(reg.nbytes) for reg in layout.regions) // 10
+            # one reduce over the uneven reduce layout, no padding in its uneven groups
+            reduce = bucket.grads.layout
+            assert sum(s is not None for s in reduce.uneven) == len(UNEVEN)
+            assert bucket.counters.reduce_wire_bytes == reduce.wire_bytes \
+                < bucket.gather.padded_reduce_layout.wire_bytes
 
 
 def _comm_gathers_uneven(comm_name, async_op):
