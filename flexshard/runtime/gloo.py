@@ -72,7 +72,8 @@ class GlooComm(Comm):
                               group, async_op: bool = False,
                               op: Optional[dist.ReduceOp] = None) -> Optional["Works"]:
         """Rooted (one reduce per rank into its piece) where the largest piece is large
-        enough: gloo's list reduce_scatter all-reduces every piece to every rank."""
+        enough: gloo's list reduce_scatter all-reduces every piece to every rank (1.1-1.5x
+        the reduces' time at 2 ranks from 1 to 16 MiB per rank: gloo_collectives.py)."""
         if not self._rooted(input, group, max(sizes)):
             return super().reduce_scatter_uneven(output, input, sizes, group, async_op,
                                                  **({} if op is None else {"op": op}))
