@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager, nullcontext
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,11 +114,7 @@ class Comm:
                 if sizes is None:
                     all_gather_single(output, input, group=group)
         works = ([] if device is not None else works) + ([launched] if async_op else [])
-        done = _Launched(works)
-        if async_op:
-            return done
-        done.wait()
-        return None
+        return finish(Works(works), async_op)
 
     def reduce_scatter_groups(self, outputs: list, inputs: list, group,
                               async_op: bool = False,
@@ -164,11 +160,7 @@ class Comm:
         if even:
             works.append(self.reduce_scatter_groups([o for o, _ in even], [i for _, i in even],
                                                     group, async_op=True, op=op))
-        done = _Launched(works)
-        if async_op:
-            return done
-        done.wait()
-        return None
+        return finish(Works(works), async_op)
 
     def averages(self, group) -> bool:
         """Whether reduce_scatter takes ReduceOp.AVG on `group` (NCCL does;
@@ -205,18 +197,30 @@ def check_takes_uneven(comm: Comm, bucket: str, gathers: bool, reduces: bool) ->
                 "(or leave the method to fs.Comm)")
 
 
-class _Launched:
-    """Several launched collectives as one handle to wait on (a None among them: one
-    that ran to completion, as a Comm may run its collectives)."""
+class Works:
+    """Several launched collectives as one handle: `wait()` waits for each (a None
+    among them: one that ran to completion, as a Comm may run its collectives),
+    then runs `then` once (gloo's rooted reduce: the host's copy out of its buffer)."""
 
-    def __init__(self, works: list) -> None:
-        self.works = [work for work in works if work is not None]
+    def __init__(self, works: Sequence, then: Optional[Callable[[], None]] = None) -> None:
+        self.works, self.then = [work for work in works if work is not None], then
 
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
         self.works = []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         return True
+
+
+def finish(works: Works, async_op: bool) -> Optional[Works]:
+    """`works` to wait on when `async_op`, else waited for here (None)."""
+    if async_op:
+        return works
+    works.wait()
+    return None
 
 
 def in_backward() -> bool:

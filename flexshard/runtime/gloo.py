@@ -23,12 +23,12 @@ every piece to every rank).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from .comm import Comm, Works, finish
 
 ROOTED_MIN_BYTES = 1 << 20
 ROOTED_MAX_RANKS = 8
@@ -99,23 +99,6 @@ class GlooComm(Comm):
         return cache[key]
 
 
-class Works:
-    """Several launched collectives as one handle: `wait()` waits for each,
-    then runs `then` once (the host's copy of a result out of its buffer)."""
-
-    def __init__(self, works: Sequence[dist.Work], then: Optional[Callable[[], None]] = None):
-        self.works, self.then = list(works), then
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
-        return True
-
-
 def broadcast_segments(output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool) -> Optional[Works]:
     """Rank k's `input` lands in segment k of `output` on every rank: one
@@ -126,7 +109,7 @@ def broadcast_segments(output: torch.Tensor, input: torch.Tensor, group,
         mine.copy_(input)
     works = [dist.broadcast(output[k * n:(k + 1) * n], group=group, group_src=k, async_op=True)
              for k in range(dist.get_world_size(group))]
-    return _finish(Works(works), async_op)
+    return finish(Works(works), async_op)
 
 
 def reduce_to_roots(output: torch.Tensor, input: torch.Tensor, group, async_op: bool,
@@ -139,11 +122,4 @@ def reduce_to_roots(output: torch.Tensor, input: torch.Tensor, group, async_op: 
     works = [dist.reduce(seg, group=group, group_dst=k, op=op, async_op=True)
              for k, seg in enumerate(segments) if seg.numel()]
     mine = segments[dist.get_rank(group)]
-    return _finish(Works(works, lambda: output[:mine.numel()].copy_(mine)), async_op)
-
-
-def _finish(works: Works, async_op: bool) -> Optional[Works]:
-    if async_op:
-        return works
-    works.wait()
-    return None
+    return finish(Works(works, lambda: output[:mine.numel()].copy_(mine)), async_op)
