@@ -52,10 +52,10 @@ class TracedForward:
         # FSDP2's root does: its backward starts right after its forward ends.
         self.reshard = not nested and any(b.gather.reshard_after_forward for b in hooks.buckets)
 
-    def region(self, params, args, kwargs):
+    def region(self, params, casts, args, kwargs):
         fulls = {}
-        for gather, names, sharded in zip(self.gathers, self.names, params):
-            for aliases, full in zip(names, gather.unsharded(sharded)):
+        for gather, names, sharded, cast8 in zip(self.gathers, self.names, params, casts):
+            for aliases, full in zip(names, gather.unsharded(sharded, cast8)):
                 fulls.update(dict.fromkeys(aliases, full))
         return torch.func.functional_call(self.body, fulls, args, kwargs, tie_weights=False)
 
@@ -64,13 +64,15 @@ class TracedForward:
         params = [list(b.params) for b in self.buckets]
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
+        # torchao's float8 weights cast before the checkpoint: saved, not recomputed
+        casts = [gather.cast_float8(sharded) for gather, sharded in zip(self.gathers, params)]
         if self.reshard and torch.is_grad_enabled():
             context = functools.partial(create_selective_checkpoint_contexts,
                                         recompute_gather_policy)
-            out = checkpoint(self.region, params, args, kwargs, use_reentrant=False,
+            out = checkpoint(self.region, params, casts, args, kwargs, use_reentrant=False,
                              context_fn=context)
         else:
-            out = self.region(params, args, kwargs)
+            out = self.region(params, casts, args, kwargs)
         return _cast_floating(out, self.mp.output_dtype)
 
 

@@ -28,17 +28,22 @@ def _breaks() -> int:
 COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce")
 
 
-def counting_backend(graphs: list):
+def counting_backend(graphs: list, gathered: list = None):
     """aot_eager that records, per compiled forward and backward graph, how many
-    of each functional collective it holds."""
+    of each functional collective it holds (and in `gathered`, if given, the
+    bytes each graph's all-gathers send from this rank)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(kind):
         def compile_graph(gm, example_inputs):
-            names = [getattr(n.target, "__name__", str(n.target)).split(".")[0]
-                     for n in gm.graph.nodes if n.op == "call_function"]
+            calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+            names = [getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in calls]
             graphs.append((kind, {c: names.count(c) for c in COLLECTIVES}))
+            if gathered is not None:
+                gathered.append((kind, sum(
+                    t.meta["val"].nbytes for n, name in zip(calls, names)
+                    if name == "all_gather_into_tensor_coalesced" for t in n.args[0])))
             return make_boxed_func(gm.forward)
         return compile_graph
 
@@ -308,3 +313,71 @@ def test_whole_step_checkpoint_and_describe(tmp_path):
         assert out["step"] == 1 and out["keys"]
         assert out["again"] == out["after"]  # params and momentum restored exactly
         assert "layers.0" in out["describe"] and "root" in out["describe"]
+
+
+def float8_eager_and_whole(param_dtype) -> tuple:
+    """Rank body: torchao float8 training (fp8 gathers) eagerly and through
+    fs.compile: (losses, first-step grads, full params) of each, and the whole
+    step's graphs, gathered bytes, graph calls, breaks and what its forward saves."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from test_float8_gather import LR as F8_LR, STEPS as F8_STEPS, _grads, _wrap, data, float8_model
+
+    rank, out = dist.get_rank(), {}
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, gathered = [], []
+    for kind in ("eager", "whole"):
+        model = _wrap("flexshard", float8_model(), param_dtype)
+        if kind == "whole":
+            fs.compile(model, fullgraph=True, backend=counting_backend(graphs, gathered))
+        opt = torch.optim.SGD(model.parameters(), lr=F8_LR)
+        losses, grads, calls = [], None, []
+        for step in range(F8_STEPS):
+            x, y = data(step, rank)
+            loss = (model(x).float() - y).square().mean()
+            calls.append(compiled_graph_calls(loss))
+            loss.backward()
+            grads = grads or {k: v.clone() for k, v in _grads(model).items()}
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out[kind] = (losses, grads, {k: v.float() for k, v in full.items()}, calls)
+    wires = {b.name: b.gather.padded_layout.segment_bytes for b in get_state(model).buckets}
+    unsharded = {p.numel() for p in float8_model().layers[0].parameters() if p.dim() == 2}
+    kept = _saved_numels(model, data(0, rank)[0]) & unsharded
+    return out, graphs, gathered, wires, kept, _breaks()
+
+
+def test_whole_step_torchao_float8_trains_as_eager():
+    """torchao's float8 weights (fp8 all-gathers) in the graph, at an uneven
+    world of 3 with bf16 params: eager flex_shard's losses, first-step grads and
+    params (eager itself matches FSDP2 + torchao: test_float8_gather.py), fp8
+    bytes on the wire, one amax all-reduce per bucket in forward and none in
+    backward (the regather reuses forward's cast), no unsharded weight saved."""
+    for out, graphs, gathered, wires, kept, breaks in run_world(
+            3, float8_eager_and_whole, torch.bfloat16, timeout=400):
+        (e_losses, e_grads, e_full, _), (w_losses, w_grads, w_full, calls) = \
+            out["eager"], out["whole"]
+        assert breaks == 0 and calls == [1] * len(calls), (breaks, calls)
+        torch.testing.assert_close(torch.tensor(w_losses), torch.tensor(e_losses),
+                                   rtol=1e-6, atol=0)
+        for k, ref in e_grads.items():
+            assert_rel_close(w_grads[k], ref, 1e-6, f"grad of {k}")
+        for k, ref in e_full.items():
+            assert_rel_close(w_full[k], ref, 1e-6, k)
+        blocks = len(wires) - 1
+        assert graphs == [
+            ("forward", {"all_gather_into_tensor_coalesced": len(wires),
+                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": len(wires)}),
+            ("backward", {"all_gather_into_tensor_coalesced": blocks,
+                          "reduce_scatter_tensor_coalesced": len(wires), "all_reduce": 0})], graphs
+        # a block's weights (128 x 64, 64 x 128 over 3 ranks: pieces of at most 43 x 64
+        # and 22 x 128) travel in fp8: one byte each, where bf16 would be two
+        assert gathered == [("forward", sum(wires.values())),
+                            ("backward", sum(wires.values()) - wires["root"])], (gathered, wires)
+        fp8 = 43 * 64 + 22 * 128
+        assert fp8 <= wires["layers.0.*"] < 2 * fp8, wires
+        assert not kept, f"saved for backward: {kept}"

@@ -26,7 +26,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, functional_collectives
+from ..placements import float8
 from ..placements.quantized import DECODE_NAMESPACE, BlockQuantized
+from ..placements.subclass import SubclassGather
 from ..placements.wire import Cast
 from ..planning.copyplan import plan_copies
 from .bucket import Bucket
@@ -116,7 +118,9 @@ class _ValueFrom(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
+        # a subclass value (torchao's float8 weight) came in with its plain's
+        # dtype (see unsharded): its grad goes back as it is, as torchao's own cast's
+        return (grad if grad.dtype == ctx.dtype else grad.to(ctx.dtype)), None
 
 
 def _join(parts: Sequence[tuple], nbytes: int, like: torch.Tensor) -> torch.Tensor:
@@ -144,7 +148,8 @@ def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def traced_unsupported(bucket: Bucket) -> list:
     """What the traced gather leaves out for `bucket`, in words (empty: none)."""
     layout, wire = bucket.gather.padded_layout, bucket.gather.wire
-    formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))}
+    formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))
+               and not (isinstance(f, SubclassGather) and f.batched)}
     return [what for what, bad in (
         ("CPU offload", bucket.offload is not None),
         ("an int reshard_after_forward", bucket.gather.post_forward_size is not None),
@@ -192,6 +197,8 @@ class TracedBucket:
                        [(b - a) // size for a, b in reduce.spans])
         self.starts = ([a for a, _ in self.layout.spans], [a // size for a, _ in reduce.spans])
         self.spanned = self._plan_spans(reduce, size)
+        self.float8_slots = [i for i, w in enumerate(self.wires.params)
+                             if isinstance(w.format, SubclassGather)]
 
     def _plan_spans(self, reduce, size: int) -> list:
         """Per reduce group, (trainable index, start, numel, shape) of the members whose
@@ -204,21 +211,44 @@ class TracedBucket:
                 out[group].append((k, start, plan.numel, plan.shape))
         return [sorted(members, key=lambda m: m[1]) for members in out]
 
-    def send(self, sharded: Sequence[torch.Tensor]) -> torch.Tensor:
-        """This rank's wire segment: each piece encoded in its format."""
-        parts = []
-        for wire, sends, piece in zip(self.wires.params, self.sends, sharded):
+    def send(self, sharded: Sequence[torch.Tensor], cast8: dict) -> tuple:
+        """This rank's wire segment, each piece encoded in its format (torchao's
+        float8 weights cast already: `cast8`), and the subclass decodes' metadata."""
+        parts, metas = [], {}
+        for i, (wire, sends, piece) in enumerate(zip(self.wires.params, self.sends, sharded)):
             if isinstance(wire.format, Cast):  # one cast, no buffer to copy into
                 outs = [piece.detach().to(sends[0][1]).reshape(sends[0][2])]
+            elif i in cast8:
+                bits, scale = cast8[i]
+                outs = [bits.reshape(sends[0][2])]
+                metas[i] = (wire.format._rebuild(piece.detach()), (scale,))
             else:
                 outs = [piece.new_empty(shape, dtype=dtype) for _, dtype, shape in sends]
                 wire.meta = wire.format.encode(piece.detach(), outs, None)
             parts += [(start, out) for (start, _, _), out in zip(sends, outs)]
-        return _join(parts, self.layout.segment_bytes, sharded[0])
+        return _join(parts, self.layout.segment_bytes, sharded[0]), metas
 
-    def unsharded(self, sharded: Sequence[torch.Tensor]) -> list:
-        """The unsharded params (one per slot), made inside the graph that calls this."""
-        send = self.send(sharded)
+    def cast_float8(self, sharded: Sequence[torch.Tensor]) -> dict:
+        """{slot: (fp8 bits, scale)} of torchao's float8 weights, cast as eager's
+        batch casts them (placements/float8.py, bit for bit): one amax all-reduce
+        per bucket. Outside reshard after forward's checkpoint (whole_step.py):
+        backward regathers these bits, as eager's regather reuses forward's scales."""
+        slots = self.float8_slots
+        if not slots:
+            return {}
+        pieces = [sharded[i].detach() for i in slots]
+        ops = functional_collectives
+        amax = torch.stack(torch._foreach_norm(pieces, ord=float("inf"))).float()
+        amax = ops.wait_tensor(ops.all_reduce(amax, "max", self.group))
+        dtype = self.wires.params[slots[0]].format.wire_dtype
+        scale, top = float8.scales(amax, dtype), torch.finfo(dtype).max
+        return {i: ((p.float() * s).clamp(-top, top).to(dtype), s)
+                for i, p, s in zip(slots, pieces, scale.unbind(0))}
+
+    def unsharded(self, sharded: Sequence[torch.Tensor], cast8: dict) -> list:
+        """The unsharded params (one per slot), made inside the graph that calls
+        this; `cast8` is cast_float8's."""
+        send, metas = self.send(sharded, cast8)
         size = send.element_size()
         splits = ([n // size for n in self.splits[0]], self.splits[1])
         pieces = [(self.pieces[k], sharded[i]) for k, i in enumerate(self.trainable)]
@@ -227,13 +257,16 @@ class TracedBucket:
         outs = _GatherReduce.apply(segment, send, self.world, self.group, splits,
                                    self.reduce_dtype, self.factor, self.replicas)
         stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
-        fulls = [self._decode(wire, gathered) for wire in self.wires.params]
+        fulls = [self._decode(wire, gathered, metas.get(i, wire.meta))
+                 for i, wire in enumerate(self.wires.params)]
         plains = dict(self._spanned(stand_ins))
         for k, i in enumerate(self.trainable):
             plain = plains.get(k)
             if plain is None:  # not one span of its group: sliced out (autograd's pack)
                 plain = _full(self.grad_copies[k], stand_ins, self.reduce_layout,
                               self.starts[1], self.world)
+            if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
+                plain = plain.to(fulls[i].dtype)
             fulls[i] = _ValueFrom.apply(plain, fulls[i])
         return fulls
 
@@ -245,12 +278,12 @@ class TracedBucket:
                 yield from zip([k for k, _, _, _ in members],
                                _Spans.apply(stand_ins[group], spans))
 
-    def _decode(self, wire, gathered: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _decode(self, wire, gathered: Sequence[torch.Tensor], meta) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
                  for plan in wire.copies]
         fmt = wire.format
         return fmt.traced_decode(fulls) if isinstance(fmt, BlockQuantized) else \
-            fmt.decode(fulls, wire.meta)
+            fmt.decode(fulls, meta)
 
 
 def _full(plan, outputs: Sequence[torch.Tensor], layout, starts: Sequence[int], world: int,
