@@ -56,7 +56,9 @@ fake() {  # fake MODE SECONDS: one fake-world mode, its JSON report kept as OUT/
 step cuda-tests 140 python3 -m pytest -q -rs -x tests/test_cuda.py
 # whole-compile / cudagraph: fs.compile's whole step against FSDP2's compiled blocks (issue 46);
 # (a whole-model compile of 8 Llama-3-8B layers takes longer); the quantized and float8
-# modes did not change since their H200 run: name them in MODES to rerun
+# modes did not change since their H200 run: name them in MODES to rerun. float8-whole
+# (fs.compile with torchao's float8 weights against FSDP2 + torchao's compiled blocks) has
+# never run on a GPU: MODES="float8-whole float8-compile" with the torchao wheel in .whl/
 declare -A limits=([eager]=70 [compile]=90 [whole-compile]=120 [cudagraph]=120)
 for mode in ${MODES:-eager compile whole-compile cudagraph}; do
   fake "$mode" "${limits[$mode]:-120}"

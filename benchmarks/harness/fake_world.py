@@ -23,7 +23,9 @@ float8 linears with fp8 all-gathers; FSDP2 also runs torchao's
 "int8-gather" / "fp8-gather" (flexshard's `fs.QuantizedGather`, against
 flexshard's own bf16 gathers: FSDP2 has none); "whole-compile" (`fs.compile(model,
 fullgraph=True)`: the whole step one graph, gathers and reductions inside) and
-"cudagraph" (the same under CUDA graphs), each against FSDP2's compiled blocks.
+"cudagraph" (the same under CUDA graphs) and "float8-whole" (the same with torchao's
+float8 linears, against FSDP2 + torchao's compiled blocks), each against FSDP2's
+compiled blocks.
 
 For engine work, `count_step` counts one side's ops and copied bytes in one
 call (its own fake world):
@@ -59,10 +61,11 @@ from .runners import flexshard_placement
 
 SIDES = ("flexshard", "fsdp2", "flexshard-bf16")
 MODES = ("eager", "compile", "module-compile", "float8", "float8-compile", "int8-gather",
-         "fp8-gather", "whole-compile", "cudagraph")
-# flexshard's whole step in one graph (fs.compile; "cudagraph" under CUDA graphs, CUDA only)
-# against FSDP2's compiled blocks (its hooks cannot be traced)
-WHOLE = ("whole-compile", "cudagraph")
+         "fp8-gather", "whole-compile", "cudagraph", "float8-whole")
+# flexshard's whole step in one graph (fs.compile; "cudagraph" under CUDA graphs, CUDA only;
+# "float8-whole" with torchao's float8 linears) against FSDP2's compiled blocks (its hooks
+# cannot be traced)
+WHOLE = ("whole-compile", "cudagraph", "float8-whole")
 COMPILED = ("compile", "module-compile", "float8-compile") + WHOLE
 
 
@@ -258,15 +261,17 @@ def counted(side: Side) -> Counts:
 
 
 def count_whole_step(shape: LlamaShape, mesh, device: torch.device, placement: str = "shard",
-                     warmup: int = 1) -> tuple:
+                     warmup: int = 1, float8: bool = False) -> tuple:
     """(flexshard's forward+backward compiled whole, the same of the plain model in
     bf16), each counted inside its graphs (GraphCounter): the engine's part is
-    their difference."""
+    their difference. `float8`: both with torchao's float8 linears."""
     out = []
     for wrapped in (True, False):
         torch._dynamo.reset()
         graphs = GraphCounter()
         model = hf_llama(shape, device)
+        if float8:
+            model = to_float8(model)
         if wrapped:
             model = wrap("flexshard", model, mesh, placement=placement)
             fs.compile(model, fullgraph=True, backend=graphs.backend())

@@ -37,6 +37,7 @@ TARGETS = [("*", "ops", 1.00, "*"), ("*", "copy_bytes", 1.00, "*"),
            ("float8-compile", "step_s", 1.00, "cuda"),
            # issue 46: the whole step in one graph against FSDP2's compiled blocks
            ("whole-compile", "step_s", 0.85, "cuda"), ("cudagraph", "step_s", 0.85, "cuda"),
+           ("float8-whole", "step_s", 1.00, "cuda"),
            # QuantizedGather against flexshard's bf16 gathers: within 5%
            ("int8-gather", "step_s", 1.05, "cuda"), ("fp8-gather", "step_s", 1.05, "cuda")]
 
@@ -122,8 +123,9 @@ def run_mode(mode: str, args, shape, mesh, device) -> dict:
             out[side.kind]["counts"] = counted(side)._asdict()
         if device.type != "cuda":
             out[side.kind]["peak_bytes"] = peak_bytes(side)
-    if args.counts and mode == "whole-compile" and device.type == "cpu":
-        for kind, counts in whole_step_counts(sides, shape, mesh, device, args.placement).items():
+    if args.counts and mode in ("whole-compile", "float8-whole") and device.type == "cpu":
+        for kind, counts in whole_step_counts(sides, shape, mesh, device, args.placement,
+                                              mode == "float8-whole").items():
             out[kind]["counts"] = counts
     del sides
     gc.collect()
@@ -132,19 +134,23 @@ def run_mode(mode: str, args, shape, mesh, device) -> dict:
             "graphs_in_timed_steps": graphs}
 
 
-def whole_step_counts(sides: list, shape, mesh, device, placement: str) -> dict:
+def whole_step_counts(sides: list, shape, mesh, device, placement: str,
+                      float8: bool = False) -> dict:
     """--counts of whole-compile, per side: flexshard's ops and copies inside its
     graphs (counted there, before inductor's fusion; the engine's bytes: less the
     plain bf16 model's, compiled whole alike); FSDP2's under the dispatch meter
     (its blocks then run eagerly; its hooks, the engine, run eagerly under compile
     anyway)."""
     fsdp2 = counted(next(s for s in sides if s.kind == "fsdp2"))._asdict()
-    whole, plain = count_whole_step(shape, mesh, device, placement)
+    whole, plain = count_whole_step(shape, mesh, device, placement, float8=float8)
     regions = {"(inside flexshard's compiled graphs)": (whole.ops, whole.copy_bytes),
-               "(the plain bf16 model's graphs, compiled whole)": (plain.ops, plain.copy_bytes)}
-    return {"fsdp2": fsdp2,
-            "flexshard": {**whole._asdict(), "by_region": regions,
-                          "engine_copy_bytes": whole.copy_bytes - plain.copy_bytes}}
+               "(the plain bf16 model's graphs, compiled whole%s)" % (", float8" * float8):
+               (plain.ops, plain.copy_bytes)}
+    flexshard = {**whole._asdict(), "by_region": regions}
+    if not float8:  # a plain float8 model casts its whole weights where a sharded one
+        # casts its shards: the difference is no engine's measure
+        flexshard["engine_copy_bytes"] = whole.copy_bytes - plain.copy_bytes
+    return {"fsdp2": fsdp2, "flexshard": flexshard}
 
 
 def ratios(sides: dict, num: str = "flexshard", den: str = "fsdp2") -> dict:
