@@ -185,7 +185,8 @@ def _run(model, rank: int, clip: bool) -> dict:
             "full": fs.full_state_dict(model)}
 
 
-def eager_and_whole(config: dict, mesh_shape=None, clip: bool = False) -> tuple:
+def eager_and_whole(config: dict, mesh_shape=None, clip: bool = False,
+                    model_kw: dict = None) -> tuple:
     """Rank body: the same training eagerly and through fs.compile (aot_eager)."""
     import torch.distributed as dist
 
@@ -194,10 +195,11 @@ def eager_and_whole(config: dict, mesh_shape=None, clip: bool = False) -> tuple:
         from torch.distributed.device_mesh import init_device_mesh
         config = dict(config, mesh=init_device_mesh("cpu", mesh_shape,
                                                     mesh_dim_names=("replicate", "shard")))
-    eager = fs.flex_shard(make_model(), **config)
+    eager = fs.flex_shard(make_model(**(model_kw or {})), **config)
     torch._dynamo.reset()
     counters.clear()
-    model = fs.compile(fs.flex_shard(make_model(), **config), fullgraph=True, backend="aot_eager")
+    model = fs.compile(fs.flex_shard(make_model(**(model_kw or {})), **config), fullgraph=True,
+                       backend="aot_eager")
     out = _run(model, rank, clip)
     out["breaks"] = _breaks()
     return _run(eager, rank, clip), out
@@ -223,6 +225,14 @@ def test_whole_step_quantized_gathers_train_as_eager(dtype):
     checked against a quantizing reference in test_quantized_gather.py), at world 3."""
     policy = fs.MixedPrecisionPolicy(gather_format=fs.QuantizedGather(dtype, min_numel=256))
     check_eager_and_whole(3, {"mp_policy": policy})
+
+
+def test_whole_step_mixed_dtype_bucket_trains_as_eager():
+    """A bucket of fp32 and bf16 params (TinyGPT's position table in bf16, in the
+    root's bucket) at world 3: each gathered in its own dtype, reduced together in
+    fp32 (their promoted dtype), each grad back in its param's dtype, as eager
+    does (itself checked against one process in test_mixed_bucket.py)."""
+    check_eager_and_whole(3, {}, model_kw={"bf16_pos": True})
 
 
 def test_whole_step_hsdp_and_clip_train_as_eager():

@@ -154,7 +154,6 @@ def traced_unsupported(bucket: Bucket) -> list:
         ("CPU offload", bucket.offload is not None),
         ("an int reshard_after_forward", bucket.gather.post_forward_size is not None),
         ("DTensor (tensor-parallel) params", bucket.has_tp),
-        ("params of several dtypes", len({s.dtype for s in bucket.slots}) > 1),
         (f"the wire format(s) {', '.join(sorted(formats))}", bool(formats)),
         ("a mesh of its own smaller than the model's", bucket.on_sub_mesh),
     ) if bad] + ([] if layout.regions else ["no parameters"])
@@ -182,7 +181,10 @@ class TracedBucket:
         # the padded reduce layout: the graph reduces with reduce_scatter_tensor
         reduce = self.reduce_layout = bucket.gather.padded_reduce_layout
         self.reduce_dtype = reduce.regions[0].dtype if reduce.regions else torch.float32
-        self.plain_dtype = bucket.slots[0].dtype
+        # the trainable pieces' dtype; of several (a mixed bucket), the reduce dtype,
+        # each piece cast to it (the grads' way back casts each to its param's)
+        dtypes = {bucket.slots[i].dtype for i in self.trainable}
+        self.plain_dtype = dtypes.pop() if len(dtypes) == 1 else self.reduce_dtype
         self.grad_copies = plan_copies(reduce, [bucket.slots[i] for i in self.trainable])
         size = self.reduce_dtype.itemsize
         self.pieces = [reduce.regions[j].offsets[rank] // size * self.plain_dtype.itemsize
@@ -251,7 +253,8 @@ class TracedBucket:
         send, metas = self.send(sharded, cast8)
         size = send.element_size()
         splits = ([n // size for n in self.splits[0]], self.splits[1])
-        pieces = [(self.pieces[k], sharded[i]) for k, i in enumerate(self.trainable)]
+        pieces = [(self.pieces[k], sharded[i].to(self.plain_dtype))
+                  for k, i in enumerate(self.trainable)]
         segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
             sharded[0].new_empty(0)
         outs = _GatherReduce.apply(segment, send, self.world, self.group, splits,
