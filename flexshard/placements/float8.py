@@ -44,11 +44,16 @@ def is_dynamic_float8(cls: type, names: Sequence[str], ctx) -> bool:
             and list(names) == ["_tensor"] and isinstance(ctx, dict) and ctx.get("dtype") in _FP8)
 
 
+def local_amax(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """max|piece| of each piece on this rank, float32, one op (inf-norm: exact)."""
+    return torch.stack(foreach_norm(pieces, ord=math.inf)).float()
+
+
 def amax(pieces: Sequence[torch.Tensor], mesh) -> torch.Tensor:
     """max|piece| of each piece over the shard group, float32, one all-reduce.
     Over the whole default group when `mesh` is None, as torchao's per-weight
     path reduces (a world of one is then left alone only without a process group)."""
-    out = torch.stack(foreach_norm(pieces, ord=math.inf)).float()  # inf-norm: max |x|, exact
+    out = local_amax(pieces)
     if dist.is_available() and dist.is_initialized():
         group = mesh.get_group() if mesh is not None else dist.group.WORLD
         with record_function("FlexShard::float8_amax_all_reduce"):
@@ -93,6 +98,13 @@ def cast(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.dtype
         flat = joined(pieces, torch.float32).mul_(spread_scale)
     top = torch.finfo(dtype).max
     return flat.clamp_(min=-top, max=top).to(dtype)
+
+
+def cast_each(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.dtype) -> list:
+    """cast, piece by piece (the whole-step graph's: runtime/traced.py): the same
+    float32 products, clamp and rounding, each piece its own tensor."""
+    top = torch.finfo(dtype).max
+    return [(p.float() * s).clamp(-top, top).to(dtype) for p, s in zip(pieces, scale.unbind(0))]
 
 
 def cast_into(pieces: Sequence[torch.Tensor], scale: torch.Tensor,

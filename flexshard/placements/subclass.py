@@ -47,7 +47,7 @@ class SubclassGather(WireFormat):
         return (WirePart(torch.Size(shape), self.wire_dtype, placement),)
 
     def encode(self, piece: torch.Tensor, outs: Sequence[torch.Tensor], mesh) -> Any:
-        sub = self._rebuild(piece)
+        sub = self.rebuild(piece)
         inputs, meta = _pre_all_gather(sub, mesh)
         if len(inputs) != 1 or inputs[0].shape != outs[0].shape:
             raise NotImplementedError(
@@ -77,7 +77,7 @@ class SubclassGather(WireFormat):
         return [(sub, (s,)) for sub, s in zip(_rebuilt(formats, pieces, cache),
                                               scale.unbind(0))]
 
-    def _rebuild(self, piece: torch.Tensor) -> torch.Tensor:
+    def rebuild(self, piece: torch.Tensor) -> torch.Tensor:
         """The subclass around this rank's piece (its post-all-gather reads its config)."""
         return self.cls.__tensor_unflatten__({self.inner: piece}, self.ctx, piece.shape,
                                              piece.stride())
@@ -99,7 +99,7 @@ def _rebuilt(formats: Sequence[SubclassGather], pieces: Sequence[torch.Tensor],
     kept = cache.get("subclasses")
     if kept is None or len(kept[0]) != len(pieces) or any(
             a is not b for a, b in zip(kept[0], pieces)):
-        kept = cache["subclasses"] = (list(pieces), [f._rebuild(p) for f, p in zip(formats, pieces)])
+        kept = cache["subclasses"] = (list(pieces), [f.rebuild(p) for f, p in zip(formats, pieces)])
     return kept[1]
 
 

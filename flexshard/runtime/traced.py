@@ -236,7 +236,7 @@ class TracedBucket:
             elif i in cast8:
                 bits, scale = cast8[i]
                 outs = [bits.reshape(sends[0][2])]
-                metas[i] = (wire.format._rebuild(piece.detach()), (scale,))
+                metas[i] = (wire.format.rebuild(piece.detach()), (scale,))
             else:
                 outs = [piece.new_empty(shape, dtype=dtype) for _, dtype, shape in sends]
                 wire.meta = wire.format.encode(piece.detach(), outs, None)
@@ -253,12 +253,10 @@ class TracedBucket:
             return {}
         pieces = [sharded[i].detach() for i in slots]
         ops = functional_collectives
-        amax = torch.stack(torch._foreach_norm(pieces, ord=float("inf"))).float()
-        amax = ops.wait_tensor(ops.all_reduce(amax, "max", self.group))
+        amax = ops.wait_tensor(ops.all_reduce(float8.local_amax(pieces), "max", self.group))
         dtype = self.wires.params[slots[0]].format.wire_dtype
-        scale, top = float8.scales(amax, dtype), torch.finfo(dtype).max
-        return {i: ((p.float() * s).clamp(-top, top).to(dtype), s)
-                for i, p, s in zip(slots, pieces, scale.unbind(0))}
+        scale = float8.scales(amax, dtype)
+        return dict(zip(slots, zip(float8.cast_each(pieces, scale, dtype), scale.unbind(0))))
 
     def unsharded(self, sharded: Sequence[torch.Tensor], cast8: dict,
                   token: torch.Tensor) -> tuple:
