@@ -37,25 +37,10 @@ class _Body(nn.Module):
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
-class _Tokens:
-    """The last gathered bucket's token (runtime/traced.py's _GatherReduce: it
-    orders the backward's reduce-scatters), passed from module to module in
-    forward order; None at the start of each forward (a pre-hook of the model)."""
-
-    def __init__(self) -> None:
-        self.last = None
-
-    def reset(self, *_) -> None:
-        self.last = None
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        return like.new_empty(0) if self.last is None else self.last
-
-
 class TracedForward:
     """A running module's forward with its buckets gathered in the graph."""
 
-    def __init__(self, hooks: ModuleHooks, nested: bool, tokens: _Tokens) -> None:
+    def __init__(self, hooks: ModuleHooks, nested: bool) -> None:
         module = hooks.module
         self.gathers = [TracedBucket(b) for b in hooks.buckets]  # raises before any change
         self.buckets = hooks.buckets
@@ -66,20 +51,13 @@ class TracedForward:
         # A module holding other running modules keeps its params to backward, as
         # FSDP2's root does: its backward starts right after its forward ends.
         self.reshard = not nested and any(b.gather.reshard_after_forward for b in hooks.buckets)
-        self.nested, self.tokens = nested, tokens
 
-    def region(self, params, casts, token, args, kwargs):
-        """(The module's output, the token after its buckets and, if nested, the
-        running modules it holds)."""
+    def region(self, params, casts, args, kwargs):
         fulls = {}
         for gather, names, sharded, cast8 in zip(self.gathers, self.names, params, casts):
-            unsharded, token = gather.unsharded(sharded, cast8, token)
-            for aliases, full in zip(names, unsharded):
+            for aliases, full in zip(names, gather.unsharded(sharded, cast8)):
                 fulls.update(dict.fromkeys(aliases, full))
-        if self.nested:  # never under reshard's checkpoint: its modules take the token on
-            self.tokens.last = token
-        out = torch.func.functional_call(self.body, fulls, args, kwargs, tie_weights=False)
-        return out, (self.tokens.last if self.nested else token)
+        return torch.func.functional_call(self.body, fulls, args, kwargs, tie_weights=False)
 
     def __call__(self, *args, **kwargs):
         # read each call (graph inputs): to() and to_empty() make new sharded params
@@ -88,15 +66,13 @@ class TracedForward:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         # torchao's float8 weights cast before the checkpoint: saved, not recomputed
         casts = [gather.cast_float8(sharded) for gather, sharded in zip(self.gathers, params)]
-        token = self.tokens.take(params[0][0])
         if self.reshard and torch.is_grad_enabled():
             context = functools.partial(create_selective_checkpoint_contexts,
                                         recompute_gather_policy)
-            out, token = checkpoint(self.region, params, casts, token, args, kwargs,
-                                    use_reentrant=False, context_fn=context)
+            out = checkpoint(self.region, params, casts, args, kwargs, use_reentrant=False,
+                             context_fn=context)
         else:
-            out, token = self.region(params, casts, token, args, kwargs)
-        self.tokens.last = token
+            out = self.region(params, casts, args, kwargs)
         return _cast_floating(out, self.mp.output_dtype)
 
 
@@ -112,10 +88,9 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     unchanged. Eager flex_shard is untouched: this is opt-in."""
     state = get_state(model)
     _check_compile_args(model, state, cudagraphs, compile_kwargs)
-    runners, tokens = {id(h.module) for h in state.hooks}, _Tokens()
-    forwards = [TracedForward(h, _holds_runner(h.module, runners), tokens) for h in state.hooks]
+    runners = {id(h.module) for h in state.hooks}
+    forwards = [TracedForward(h, _holds_runner(h.module, runners)) for h in state.hooks]
     _detach_hooks(state)
-    model.register_forward_pre_hook(tokens.reset)
     for hooks, forward in zip(state.hooks, forwards):
         hooks.module.forward = forward
     state.hooks, state.whole_step = [], True

@@ -28,26 +28,10 @@ def _breaks() -> int:
 COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce")
 
 
-def _chained(reduces: list) -> list:
-    """Per reduce-scatter node after the first: whether its last input is empty
-    and made from the one before's waited output (FSDP2's order, one in flight)."""
-    def ancestors(node):
-        seen, todo = set(), [node]
-        while todo:
-            for a in todo.pop().all_input_nodes:
-                if a not in seen:
-                    seen.add(a)
-                    todo.append(a)
-        return seen
-    return [last.meta["val"].numel() == 0 and before in ancestors(last)
-            for before, last in zip(reduces, [r.args[0][-1] for r in reduces[1:]])]
-
-
-def counting_backend(graphs: list, gathered: list = None, chains: list = None):
+def counting_backend(graphs: list, gathered: list = None):
     """aot_eager that records, per compiled forward and backward graph, how many
     of each functional collective it holds (and in `gathered`, if given, the
-    bytes each graph's all-gathers send from this rank; in `chains` whether each
-    backward reduce-scatter waits for the one before: _chained)."""
+    bytes each graph's all-gathers send from this rank)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -60,9 +44,6 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None):
                 gathered.append((kind, sum(
                     t.meta["val"].nbytes for n, name in zip(calls, names)
                     if name == "all_gather_into_tensor_coalesced" for t in n.args[0])))
-            if chains is not None and kind == "backward":
-                chains.extend(_chained([n for n, name in zip(calls, names)
-                                        if name == "reduce_scatter_tensor_coalesced"]))
             return make_boxed_func(gm.forward)
         return compile_graph
 
@@ -94,9 +75,9 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     counters.clear()
     rank = dist.get_rank()
     model = fs.flex_shard(make_model(**(model_kw or {})), **config)
-    graphs, chains = [], []
+    graphs: list = []
     fs.compile(model, fullgraph=fullgraph,
-               backend=counting_backend(graphs, chains=chains) if backend == "count" else backend)
+               backend=counting_backend(graphs) if backend == "count" else backend)
     run = _run(model, rank, clip=False)
     buckets = get_state(model).buckets
     # what forward saves for backward: an unsharded block weight or a block's gather output?
@@ -104,7 +85,7 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
                  if p.dim() == 2}
     unsharded |= {b.gather.layout.wire_bytes // 4 for b in buckets if b.name != "root"}
     kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
-    return {**run, "breaks": _breaks(), "graphs": graphs, "kept": kept, "chains": chains,
+    return {**run, "breaks": _breaks(), "graphs": graphs, "kept": kept,
             "buckets": [(b.name, b.gather.reshard_after_forward) for b in buckets]}
 
 
@@ -139,9 +120,8 @@ def test_whole_step_matches_reference(placement):
     """Each placement: the reference's training, one compiled forward and one
     backward graph, each bucket one (coalesced) all-gather in forward and one
     reduce-scatter in backward, the blocks' gathers recomputed in backward (reshard after
-    forward, the root's params kept as FSDP2 keeps them), no unsharded block
-    weight saved for backward, and each bucket's reduce-scatter issued after the
-    one before it is waited (one in flight, as FSDP2)."""
+    forward, the root's params kept as FSDP2 keeps them) and no unsharded block
+    weight saved for backward."""
     for r in check_whole(2, {"placement": placement}):
         names = [name for name, _ in r["buckets"]]
         blocks = len([n for n in names if n != "root"])
@@ -152,7 +132,6 @@ def test_whole_step_matches_reference(placement):
                           "reduce_scatter_tensor_coalesced": len(names), "all_reduce": 0})], \
             r["graphs"]
         assert not r["kept"], f"saved for backward: {r['kept']}"
-        assert r["chains"] == [True] * (len(names) - 1), r["chains"]
 
 
 def test_whole_step_without_reshard_keeps_the_params():
@@ -161,9 +140,6 @@ def test_whole_step_without_reshard_keeps_the_params():
     for r in check_whole(2, {"reshard_after_forward": False}):
         assert r["graphs"][1][1]["all_gather_into_tensor_coalesced"] == 0, r["graphs"]
         assert r["kept"], "the test cannot tell resharded from kept params"
-        # the reduce-scatters one in flight here too, where inductor left alone waits
-        # every one at the end of the backward (benchmarks/RESULTS.md, "torch.compile")
-        assert r["chains"] == [True] * (len(r["buckets"]) - 1), r["chains"]
 
 
 def test_whole_step_uneven_world_mixed_placements_and_inductor():

@@ -56,45 +56,32 @@ def recompute_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 class _GatherReduce(torch.autograd.Function):
     """Forward: all-gather the wire `send`'s gather groups (one coalesced
     collective; not differentiable) and hand back an unfilled stand-in of each
-    reduce group, rank-major, of `segment`'s dtype, and an empty token for the
-    next bucket. Backward: reduce-scatter the stand-ins' grads (one coalesced
-    collective) into `segment`'s grad.
-
-    The tokens order the reduce-scatters as FSDP2 does, one bucket's in
-    flight: the next bucket's backward (it runs first) hands back as this
-    token's grad an empty slice of its waited output, and this reduce-scatter
-    takes it as one more (empty) piece, so it is issued after that wait. Left
-    alone, inductor places each wait where its peak-memory reorder likes, which
-    can be the end of the graph: every bucket's full grads alive at once (it
-    counts a collective's input freed at the collective, not at its wait)."""
+    reduce group, rank-major, of `segment`'s dtype. Backward: reduce-scatter
+    the stand-ins' grads (one coalesced collective) into `segment`'s grad."""
 
     @staticmethod
-    def forward(ctx, segment, send, token, world, group, splits, reduce_dtype, factor, replicas):
+    def forward(ctx, segment, send, world, group, splits, reduce_dtype, factor, replicas):
         ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, len(splits[1]))
-        ctx.token_dtype = token.dtype
         ops = functional_collectives
         sends = send.split(splits[0]) if len(splits[0]) > 1 else [send]
         gathered = [ops.wait_tensor(t) for t in
                     ops.all_gather_into_tensor_coalesced(sends, world, group)]
         stand_ins = [segment.new_empty(world * n) for n in splits[1]]
         ctx.mark_non_differentiable(*gathered)
-        return (*stand_ins, *gathered, segment.new_empty(0, dtype=reduce_dtype))
+        return (*stand_ins, *gathered)
 
     @staticmethod
     def backward(ctx, *grads):
         dtype, world, group, reduce_dtype, factor, replicas, groups = ctx.args
         ops = functional_collectives
-        # the stand-ins' grads (the gathered outputs have none), the next bucket's token
+        # the stand-ins' grads (the gathered outputs have none)
         parts = [g.to(reduce_dtype).contiguous() for g in grads[:groups]]
-        after = grads[-1]
-        chained = after is not None and after.dtype == reduce_dtype
-        out = [ops.wait_tensor(t) for t in ops.reduce_scatter_tensor_coalesced(
-            parts + [after] * chained, "sum", world, group)][:groups]
+        out = [ops.wait_tensor(t) for t in
+               ops.reduce_scatter_tensor_coalesced(parts, "sum", world, group)]
         out = out[0] if len(out) == 1 else torch.cat(out)
         if replicas is not None:  # HSDP: the shards' sum over the replicas
             out = ops.wait_tensor(ops.all_reduce(out, "sum", replicas))
-        token = out[:0] if out.dtype == ctx.token_dtype else None
-        return (out / factor).to(dtype), None, token, None, None, None, None, None, None
+        return (out / factor).to(dtype), None, None, None, None, None, None, None
 
 
 class _Spans(torch.autograd.Function):
@@ -258,11 +245,9 @@ class TracedBucket:
         scale = float8.scales(amax, dtype)
         return dict(zip(slots, zip(float8.cast_each(pieces, scale, dtype), scale.unbind(0))))
 
-    def unsharded(self, sharded: Sequence[torch.Tensor], cast8: dict,
-                  token: torch.Tensor) -> tuple:
-        """(The unsharded params, one per slot, made inside the graph that calls
-        this; the token for the next bucket's, see _GatherReduce). `cast8` is
-        cast_float8's; `token` the previous bucket's (an empty tensor)."""
+    def unsharded(self, sharded: Sequence[torch.Tensor], cast8: dict) -> list:
+        """The unsharded params (one per slot), made inside the graph that calls
+        this; `cast8` is cast_float8's."""
         send, metas = self.send(sharded, cast8)
         size = send.element_size()
         splits = ([n // size for n in self.splits[0]], self.splits[1])
@@ -270,8 +255,8 @@ class TracedBucket:
                   for k, i in enumerate(self.trainable)]
         segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
             sharded[0].new_empty(0)
-        *outs, token = _GatherReduce.apply(segment, send, token, self.world, self.group,
-                                           splits, self.reduce_dtype, self.factor, self.replicas)
+        outs = _GatherReduce.apply(segment, send, self.world, self.group, splits,
+                                   self.reduce_dtype, self.factor, self.replicas)
         stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
         fulls = [self._decode(wire, gathered, metas.get(i, wire.meta))
                  for i, wire in enumerate(self.wires.params)]
@@ -284,7 +269,7 @@ class TracedBucket:
             if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
                 plain = plain.to(fulls[i].dtype)
             fulls[i] = _ValueFrom.apply(plain, fulls[i])
-        return fulls, token
+        return fulls
 
     def _spanned(self, stand_ins: Sequence[torch.Tensor]):
         """(trainable index, its stand-in) of the members one span each, per group."""
