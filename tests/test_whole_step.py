@@ -12,7 +12,7 @@ import flexshard as fs
 from compile_check import compiled_graph_calls
 from flexshard.runtime.state import get_state
 from harness import expect_all_ranks_raise, run_world
-from models import batch, loss_fn
+from models import TinyGPT, batch, loss_fn
 from reference import (assemble_grads, assert_rel_close, make_model, reference_run,
                        sharded_grads)
 
@@ -233,6 +233,47 @@ def test_whole_step_mixed_dtype_bucket_trains_as_eager():
     fp32 (their promoted dtype), each grad back in its param's dtype, as eager
     does (itself checked against one process in test_mixed_bucket.py)."""
     check_eager_and_whole(3, {}, model_kw={"bf16_pos": True})
+
+
+class CheckpointedGPT(TinyGPT):
+    """TinyGPT whose forward checkpoints each block (torch.utils.checkpoint), as
+    Hugging Face's gradient checkpointing does."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def eager_and_whole_checkpointed() -> tuple:
+    """Rank body: CheckpointedGPT trained eagerly and through fs.compile."""
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), []
+    for whole in (False, True):
+        torch.manual_seed(0)
+        model = fs.flex_shard(CheckpointedGPT())
+        if whole:
+            torch._dynamo.reset()
+            counters.clear()
+            fs.compile(model, fullgraph=True, backend="aot_eager")
+        out.append({**_run(model, rank, clip=False), "breaks": _breaks()})
+    return tuple(out)
+
+
+def test_whole_step_under_the_users_activation_checkpointing():
+    """Blocks the model's forward checkpoints itself compile whole too (fullgraph:
+    nothing fs.compile adds may be a side effect dynamo refuses inside a
+    checkpoint) and train as eager flex_shard does."""
+    for eager, whole in run_world(2, eager_and_whole_checkpointed, timeout=400):
+        assert whole["breaks"] == 0 and whole["graph_calls"] == [1] * STEPS, whole
+        torch.testing.assert_close(torch.tensor(whole["losses"]), torch.tensor(eager["losses"]),
+                                   rtol=1e-6, atol=0)
+        for k, ref in eager["full"].items():
+            assert_rel_close(whole["full"][k], ref, 1e-6, k)
 
 
 def test_whole_step_hsdp_and_clip_train_as_eager():
