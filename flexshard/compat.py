@@ -278,3 +278,17 @@ DCP_CALLERS = (
 # call torch.nn.utils.clip_grad_norm_ and get_total_norm make on grads (sharded_grad.py).
 chunk_cat = resolve("torch:_chunk_cat", "to join a bucket's pieces into one buffer in one op")
 foreach_norm = resolve("torch:_foreach_norm", "to take every float8 weight's amax in one op")
+
+
+def inductor_graph_pass() -> tuple:
+    """inductor's CustomGraphPass and get_hash_for_files (fs.compile's post-grad
+    pass, runtime/reduce_order.py), imported when fs.compile first needs them."""
+    used_for = "to order fs.compile's reduce-scatters"
+    return (resolve("torch._inductor.custom_graph_pass:CustomGraphPass", used_for),
+            resolve("torch._inductor.custom_graph_pass:get_hash_for_files", used_for))
+
+
+def inductor_mode_options(mode: str) -> dict:
+    """The inductor options torch.compile's `mode` stands for."""
+    return resolve("torch._inductor:list_mode_options", "to pass fs.compile's mode as "
+                   "inductor options beside its post-grad pass")(mode)

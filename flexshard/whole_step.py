@@ -95,10 +95,25 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
         hooks.module.forward = forward
     state.hooks, state.whole_step = [], True
     _wrap_grads_when_accumulated(state)
-    if cudagraphs:
-        compile_kwargs["mode"] = "reduce-overhead"
-    model.compile(fullgraph=fullgraph, **compile_kwargs)
+    model.compile(fullgraph=fullgraph, **_compile_kwargs(compile_kwargs, cudagraphs))
     return model
+
+
+def _compile_kwargs(compile_kwargs: dict, cudagraphs: bool) -> dict:
+    """torch.compile's keyword arguments. Under inductor, `mode` becomes its options
+    (torch.compile takes one or the other), CUDA graphs one of them, and the
+    reduce-scatters' order pass (runtime/reduce_order.py) the post-grad pass,
+    unless the caller set one."""
+    kwargs = dict(compile_kwargs)
+    if kwargs.get("backend", "inductor") != "inductor":
+        return {**kwargs, "mode": "reduce-overhead"} if cudagraphs else kwargs
+    from .compat import inductor_mode_options
+    from .runtime.reduce_order import ChainReduces
+
+    mode = "reduce-overhead" if cudagraphs else kwargs.pop("mode", None)
+    options = {**(inductor_mode_options(mode) if mode else {}), **(kwargs.pop("options", None) or {})}
+    options.setdefault("post_grad_custom_post_pass", ChainReduces())
+    return {**kwargs, "options": options}
 
 
 def _wrap_grads_when_accumulated(state) -> None:

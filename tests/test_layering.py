@@ -23,7 +23,7 @@ LAYERS = [
     {"runtime.gather"},
     {"runtime.bucket"},
     {"runtime.hooks", "runtime"},
-    {"runtime.traced"},
+    {"runtime.traced", "runtime.reduce_order"},
     {"collectives", "collectives.", "clip", "grads", "optim"},
     {"checkpoint", "checkpoint."},
     {"api", "dry_run", "dry_run.", "whole_step"},

@@ -1,0 +1,53 @@
+"""The compiled backward's reduce-scatters in FSDP2's order, one in flight: an
+inductor post-grad pass fs.compile installs (imported only then: it imports
+inductor).
+
+Each reduce-scatter after the first takes more, empty, pieces: an empty
+slice of each of the one before's waited outputs, so it is issued after that wait and
+overlaps the next block's backward compute. Left alone, inductor places each
+wait where its peak-memory reorder likes, which can be the end of the graph:
+every bucket's full grads alive at once (the reorder counts a collective's
+input freed at the collective, not at its wait: benchmarks/RESULTS.md,
+"torch.compile"). A pass after tracing, not a token handed between modules in
+the traced code: that handoff is a Python side effect, which dynamo refuses
+inside a block the user checkpoints.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..compat import functional_collectives, inductor_graph_pass
+
+CustomGraphPass, get_hash_for_files = inductor_graph_pass()
+
+_REDUCE_SCATTER = functional_collectives.reduce_scatter_tensor_coalesced.default
+_WAIT = functional_collectives.wait_tensor.default
+
+
+class ChainReduces(CustomGraphPass):
+    """Post-grad pass: each reduce-scatter after the first waits for the one before."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        reduces = [n for n in graph.nodes if n.target is _REDUCE_SCATTER]
+        for before, node in zip(reduces, reduces[1:]):
+            waited = [w for g in before.users for w in g.users if w.target is _WAIT]
+            if not waited or not node.users:
+                continue
+            with graph.inserting_before(node):  # each output of the one before waited
+                empty = [graph.call_function(torch.ops.aten.slice.Tensor, (w, 0, 0, 0))
+                         for w in waited]
+            pieces = list(node.args[0])
+            node.args = (pieces + empty, *node.args[1:])
+            at = max(node.users, key=order.get)
+            for i in range(len(pieces), len(pieces) + len(empty)):
+                with graph.inserting_after(at):  # every piece of a collective waited
+                    at = graph.call_function(operator.getitem, (node, i))
+                with graph.inserting_after(at):
+                    at = graph.call_function(_WAIT, (at,))
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
