@@ -33,17 +33,19 @@ class ChainReduces(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
         reduces = [n for n in graph.nodes if n.target is _REDUCE_SCATTER]
+        pieces = {n: len(n.args[0]) for n in reduces}  # before the empty ones join
         for before, node in zip(reduces, reduces[1:]):
-            waited = [w for g in before.users for w in g.users if w.target is _WAIT]
+            waited = [w for g in before.users
+                      if g.target is operator.getitem and g.args[1] < pieces[before]
+                      for w in g.users if w.target is _WAIT]
             if not waited or not node.users:
                 continue
             with graph.inserting_before(node):  # each output of the one before waited
                 empty = [graph.call_function(torch.ops.aten.slice.Tensor, (w, 0, 0, 0))
                          for w in waited]
-            pieces = list(node.args[0])
-            node.args = (pieces + empty, *node.args[1:])
+            node.args = (list(node.args[0]) + empty, *node.args[1:])
             at = max(node.users, key=order.get)
-            for i in range(len(pieces), len(pieces) + len(empty)):
+            for i in range(pieces[node], pieces[node] + len(empty)):
                 with graph.inserting_after(at):  # every piece of a collective waited
                     at = graph.call_function(operator.getitem, (node, i))
                 with graph.inserting_after(at):
