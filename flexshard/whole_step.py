@@ -51,11 +51,17 @@ class TracedForward:
         # A module holding other running modules keeps its params to backward, as
         # FSDP2's root does: its backward starts right after its forward ends.
         self.reshard = not nested and any(b.gather.reshard_after_forward for b in hooks.buckets)
+        self.policy = functools.partial(recompute_gather_policy,
+                                        frozenset(g.group for g in self.gathers))
 
     def region(self, params, casts, args, kwargs):
         fulls = {}
-        for gather, names, sharded, cast8 in zip(self.gathers, self.names, params, casts):
-            for aliases, full in zip(names, gather.unsharded(sharded, cast8)):
+        for bucket, gather, names, sharded, cast8 in zip(self.buckets, self.gathers, self.names,
+                                                         params, casts):
+            for wiring, aliases, full in zip(bucket.wiring, names,
+                                             gather.unsharded(sharded, cast8)):
+                if wiring.tp is not None:  # TP's modules see the DTensor they expect
+                    full = wiring.tp.to_param(full)
                 fulls.update(dict.fromkeys(aliases, full))
         return torch.func.functional_call(self.body, fulls, args, kwargs, tie_weights=False)
 
@@ -67,8 +73,7 @@ class TracedForward:
         # torchao's float8 weights cast before the checkpoint: saved, not recomputed
         casts = [gather.cast_float8(sharded) for gather, sharded in zip(self.gathers, params)]
         if self.reshard and torch.is_grad_enabled():
-            context = functools.partial(create_selective_checkpoint_contexts,
-                                        recompute_gather_policy)
+            context = functools.partial(create_selective_checkpoint_contexts, self.policy)
             out = checkpoint(self.region, params, casts, args, kwargs, use_reentrant=False,
                              context_fn=context)
         else:

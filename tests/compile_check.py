@@ -1,5 +1,7 @@
 """Did a compiled graph run? The compile tests ask it of every step, so a block that
-silently runs eagerly (dynamo skipped its frame) fails them instead of matching eager."""
+silently runs eagerly (dynamo skipped its frame) fails them instead of matching eager.
+And what did fs.compile's graphs hold? `counting_backend` records each graph's
+functional collectives (tests/test_whole_step.py, tests/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -20,3 +22,55 @@ def compiled_graph_calls(output: torch.Tensor) -> int:
         seen[id(node)] = node
         todo.extend(fn for fn, _ in node.next_functions)
     return sum(node.name() == COMPILED_GRAPH_NODE for node in seen.values())
+
+
+COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce")
+
+
+def _chained(reduces: list) -> list:
+    """Per reduce-scatter node after the first: whether it takes an empty piece made
+    from each of the one before's waited outputs (FSDP2's order, one in flight)."""
+    def ancestors(node):
+        seen, todo = set(), [node]
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    todo.append(a)
+        return seen
+    empty = (torch.ops.aten.slice.Tensor, (0, 0, 0))
+    return [any((p.target, tuple(p.args[1:])) == empty and before in ancestors(p)
+                for p in node.args[0])
+            for before, node in zip(reduces, reduces[1:])]
+
+
+def counting_backend(graphs: list, gathered: list = None, chains: list = None):
+    """aot_eager that records, per compiled forward and backward graph, how many
+    of each functional collective it holds (and in `gathered`, if given, the
+    bytes each graph's all-gathers send from this rank). The backward graph runs
+    through fs.compile's reduce-order pass first, as inductor's post-grad pass
+    does (`chains`, if given: whether each reduce-scatter waits for the one before)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from flexshard.runtime.reduce_order import ChainReduces
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            if kind == "backward":
+                ChainReduces()(gm.graph)
+                gm.recompile()
+            calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+            names = [getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in calls]
+            graphs.append((kind, {c: names.count(c) for c in COLLECTIVES}))
+            if gathered is not None:
+                gathered.append((kind, sum(
+                    t.meta["val"].nbytes for n, name in zip(calls, names)
+                    if name == "all_gather_into_tensor_coalesced" for t in n.args[0])))
+            if chains is not None and kind == "backward":
+                chains.extend(_chained([n for n, name in zip(calls, names)
+                                        if name == "reduce_scatter_tensor_coalesced"]))
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))

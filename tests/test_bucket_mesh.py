@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import flexshard as fs
+from compile_check import compiled_graph_calls, counting_backend
 from harness import expect_all_ranks_raise, run_world
 from models import batch
 from reference import assert_rel_close
@@ -42,19 +44,27 @@ class Experts(nn.Module):
         self.w_in = nn.Parameter(w_in[first:first + local].clone())
         self.w_out = nn.Parameter(w_out[first:first + local].clone())
         self.ep_group = ep_group
+        self.traced = False  # the all-to-all as a functional collective (fs.compile's graph)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep_group is None:
             return self._apply(x, EXPERTS)
-        from torch.distributed.nn.functional import all_to_all_single
-
         # Every peer's rows for our experts, peer-major: (EP, local experts, rows, DIM).
-        recv = all_to_all_single(torch.empty_like(x), x.contiguous(), group=self.ep_group)
+        recv = self._all_to_all(x)
         local = self.w_in.shape[0]
         rows = recv.reshape(EP, local, -1, DIM).transpose(0, 1).reshape(-1, DIM)
         y = self._apply(rows, local)
         back = y.reshape(local, EP, -1, DIM).transpose(0, 1).reshape(-1, DIM)
-        return all_to_all_single(torch.empty_like(back), back.contiguous(), group=self.ep_group)
+        return self._all_to_all(back)
+
+    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        if self.traced:
+            from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+            return all_to_all_single_autograd(x.contiguous(), None, None, self.ep_group)
+        from torch.distributed.nn.functional import all_to_all_single
+
+        return all_to_all_single(torch.empty_like(x), x.contiguous(), group=self.ep_group)
 
     def _apply(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         x = x.reshape(groups, -1, DIM)
@@ -129,15 +139,24 @@ def _wrap(dense_hsdp: bool, comm=None):
     return fs.flex_shard(model, buckets=buckets, placement=fs.RaggedShard(), comm=comm), p
 
 
-def train_moe(dense_hsdp: bool) -> tuple:
-    """Rank body: (losses, norms, full params, collectives of the last step, plan)."""
+def train_moe(dense_hsdp: bool, whole: bool = False) -> tuple:
+    """Rank body: (losses, norms, full params, collectives of the last step, plan),
+    and with `whole`, through fs.compile: (the compiled graphs' collectives,
+    compiled graph calls and graph breaks) instead of the collectives."""
     comm = GroupComm()
     model, p = _wrap(dense_hsdp, comm)
+    graphs, graph_calls = [], []
+    if whole:
+        torch._dynamo.reset()
+        counters.clear()
+        model.experts.traced = True
+        fs.compile(model, fullgraph=True, backend=counting_backend(graphs))
     opt = torch.optim.AdamW([q for q in model.parameters() if q.numel()], lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
         comm.calls.clear()
         loss = moe_loss(model, step, dist.get_rank())
+        graph_calls.append(compiled_graph_calls(loss))
         loss.backward()
         calls = dict(comm.calls)
         norms.append(fs.clip_grad_norm_(model, MAX_NORM).item())
@@ -146,6 +165,8 @@ def train_moe(dense_hsdp: bool) -> tuple:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
+    if whole:
+        calls = (graphs, graph_calls, sum(counters["graph_break"].values()))
     return losses, norms, p, fs.full_state_dict(model), calls, fs.describe(model)
 
 
@@ -180,6 +201,36 @@ def test_moe_parity(dense_hsdp):
         assert shapes == {"experts": 2, "router": 4, "dense": 2 if dense_hsdp else 4}
         assert plan.buckets[0].reshard_after_forward is True
         assert plan.buckets[2].all_reduces_per_step == int(dense_hsdp)
+
+
+@pytest.mark.parametrize("dense_hsdp", [False, True])
+def test_moe_whole_step_compile(dense_hsdp):
+    """fs.compile of the MoE: the experts' bucket gathers and reduces over its own
+    2 ranks inside the graph, beside the router's over all 4, the all-to-alls and
+    (on the HSDP mesh) the dense layers' all-reduce across replicas; the same
+    losses, clipped grad norms (flexshard's, weighted per bucket mesh) and params
+    as one process."""
+    ref_losses, ref_norms, ref_params = reference(STEPS)
+    results = run_world(WORLD, train_moe, dense_hsdp, True, timeout=300)
+    local = EXPERTS // EP
+    for rank, (losses, norms, p, full, (graphs, graph_calls, breaks), _) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"rank {rank} grad norms: {m}")
+        for k, ref in ref_params.items():
+            if k.startswith("experts."):
+                ref = ref[p * local:(p + 1) * local]
+            assert_rel_close(full[k], ref, 1e-5, f"rank {rank}: {k}")
+        assert breaks == 0 and graph_calls == [1] * STEPS, (rank, breaks, graph_calls)
+        # experts and router each gather in forward and again in backward (resharded),
+        # the root's dense layers once; each bucket reduces once
+        assert graphs == [
+            ("forward", {"all_gather_into_tensor_coalesced": 3,
+                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": 0}),
+            ("backward", {"all_gather_into_tensor_coalesced": 2,
+                          "reduce_scatter_tensor_coalesced": 3,
+                          "all_reduce": int(dense_hsdp)})], graphs
 
 
 # Bad input: every rank raises before any collective.

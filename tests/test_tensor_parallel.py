@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
+from compile_check import compiled_graph_calls, counting_backend
+from flexshard.runtime.state import get_state
 from harness import expect_all_ranks_raise, run_world
 from reference import assert_rel_close, average_grads
 from tp_model import batch, dp_tp_mesh, loss_fn, make_llama, tensor_parallel
@@ -39,13 +41,15 @@ def tp_model(mesh, placement="shard0", reshard=True, bf16=False, **kw):
                          fs.MixedPrecisionPolicy(), **kw)
 
 
-def train_steps(model, dp_rank, opt, steps, first=0, step_fn=None) -> list:
-    """AdamW steps on this dp rank's batches; per-step losses averaged over dp."""
+def train_steps(model, dp_rank, opt, steps, first=0, step_fn=None, on_loss=None) -> list:
+    """Optimizer steps on this dp rank's batches; per-step losses averaged over dp."""
     world = dist.get_world_size()
     losses = []
     for step in range(first, first + steps):
         x, y = batch(step, dp_rank)
         loss = loss_fn(model(x), y)
+        if on_loss is not None:
+            on_loss(loss)
         loss.backward()
         if step_fn is not None:
             step_fn(model)
@@ -186,6 +190,67 @@ def test_parity_with_a_single_process():
         assert len(seen) == 14 and all("attn.w" in n or "mlp." in n for n in seen), seen
         for rank, per_case in enumerate(results):
             assert per_case[i][0] == losses, f"{label}: rank {rank} disagrees on the loss"
+
+
+# fs.compile: the TP model compiled whole, dp's gathers and reductions in the graph
+# beside TP's own collectives, each TP-local param made a DTensor again in the graph.
+
+WHOLE_CASES = [("shard0", True), ("owned", False), ("ragged", True)]
+# TP's all-reduces per block: forward, rowwise wo and down reduce their outputs;
+# backward, each colwise layer (wq, wk, wv, gate, up) its input's grad
+TP_REDUCES = (2, 5)
+
+
+def whole_step_training(cases) -> list:
+    """Rank body: per case, SGD steps through fs.compile(fullgraph=True) with a
+    backend counting each graph's collectives: (losses, compiled graph calls per
+    step, graph breaks, the graphs' counts, the buckets' names, full params)."""
+    from torch._dynamo.utils import counters
+
+    mesh = dp_tp_mesh()
+    out = []
+    for placement, reshard in cases:
+        torch._dynamo.reset()
+        counters.clear()
+        model, graphs = tp_model(mesh, placement, reshard), []
+        fs.compile(model, fullgraph=True, backend=counting_backend(graphs))
+        calls = []
+        losses = train_steps(model, mesh.get_local_rank(0), _optimizer(model, True), 3,
+                             on_loss=lambda loss: calls.append(compiled_graph_calls(loss)))
+        breaks = sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
+        out.append((losses, calls, breaks, graphs, [b.name for b in get_state(model).buckets],
+                    fs.full_state_dict(model)))
+    return out
+
+
+def test_whole_step_compile_trains_as_one_process():
+    """Shard(0) and RaggedShard resharding after forward, Owned not: one forward and
+    one backward graph a step, no graph break, each bucket's all-gather over dp in
+    forward (again in backward for the resharded blocks) and its reduce-scatter in
+    backward; SGD steps land on the one-process reference's params."""
+    ref_losses, ref_params = reference(steps=3, sgd=True)
+    results = run_world(WORLD, whole_step_training, WHOLE_CASES, timeout=600)
+    for i, (placement, reshard) in enumerate(WHOLE_CASES):
+        label = f"{placement} reshard={reshard}"
+        losses, calls, breaks, graphs, names, full = results[0][i]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"{label}: {m}")
+        for k, ref in ref_params.items():
+            assert_rel_close(full[k], ref, 1e-5, f"{label}: {k}")
+        blocks = len([n for n in names if n != "root"]) if reshard else 0
+        for rank, per_case in enumerate(results):
+            losses, calls, breaks, graphs = per_case[i][:4]
+            assert breaks == 0 and calls == [1, 1, 1], (label, rank, breaks, calls)
+            assert [kind for kind, _ in graphs] == ["forward", "backward"], (label, graphs)
+            (_, forward), (_, backward) = graphs
+            assert forward["all_gather_into_tensor_coalesced"] == len(names), (label, graphs)
+            assert backward["all_gather_into_tensor_coalesced"] == blocks, (label, graphs)
+            assert backward["reduce_scatter_tensor_coalesced"] == len(names), (label, graphs)
+            # TP's own all-reduces over tp, run once each: reshard's checkpoint
+            # recomputes dp's gathers in backward, never TP's collectives
+            layers = len(names) - 1
+            assert forward["all_reduce"] == TP_REDUCES[0] * layers, (label, graphs)
+            assert backward["all_reduce"] == TP_REDUCES[1] * layers, (label, graphs)
 
 
 # Checkpoints: saved at (dp 2, tp 2), loaded into a 1-D world of 2 ranks without TP, and back.

@@ -3,14 +3,19 @@ trains as the one-process reference does, with SGD, and nothing runs eagerly."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
+from torch.utils.checkpoint import CheckpointPolicy
 
 import flexshard as fs
-from compile_check import compiled_graph_calls
+from compile_check import compiled_graph_calls, counting_backend
+from flexshard.compat import FUNCTIONAL_COLLECTIVES_NAMESPACE
 from flexshard.runtime.state import get_state
+from flexshard.runtime.traced import recompute_gather_policy
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT, batch, loss_fn
 from reference import (assemble_grads, assert_rel_close, make_model, reference_run,
@@ -23,58 +28,6 @@ BF16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.fl
 
 def _breaks() -> int:
     return sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
-
-
-COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce")
-
-
-def _chained(reduces: list) -> list:
-    """Per reduce-scatter node after the first: whether it takes an empty piece made
-    from each of the one before's waited outputs (FSDP2's order, one in flight)."""
-    def ancestors(node):
-        seen, todo = set(), [node]
-        while todo:
-            for a in todo.pop().all_input_nodes:
-                if a not in seen:
-                    seen.add(a)
-                    todo.append(a)
-        return seen
-    empty = (torch.ops.aten.slice.Tensor, (0, 0, 0))
-    return [any((p.target, tuple(p.args[1:])) == empty and before in ancestors(p)
-                for p in node.args[0])
-            for before, node in zip(reduces, reduces[1:])]
-
-
-def counting_backend(graphs: list, gathered: list = None, chains: list = None):
-    """aot_eager that records, per compiled forward and backward graph, how many
-    of each functional collective it holds (and in `gathered`, if given, the
-    bytes each graph's all-gathers send from this rank). The backward graph runs
-    through fs.compile's reduce-order pass first, as inductor's post-grad pass
-    does (`chains`, if given: whether each reduce-scatter waits for the one before)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    from flexshard.runtime.reduce_order import ChainReduces
-
-    def compiler(kind):
-        def compile_graph(gm, example_inputs):
-            if kind == "backward":
-                ChainReduces()(gm.graph)
-                gm.recompile()
-            calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-            names = [getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in calls]
-            graphs.append((kind, {c: names.count(c) for c in COLLECTIVES}))
-            if gathered is not None:
-                gathered.append((kind, sum(
-                    t.meta["val"].nbytes for n, name in zip(calls, names)
-                    if name == "all_gather_into_tensor_coalesced" for t in n.args[0])))
-            if chains is not None and kind == "backward":
-                chains.extend(_chained([n for n, name in zip(calls, names)
-                                        if name == "reduce_scatter_tensor_coalesced"]))
-            return make_boxed_func(gm.forward)
-        return compile_graph
-
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
 def _saved_numels(model, x) -> set:
@@ -311,6 +264,22 @@ def test_whole_step_hsdp_and_clip_train_as_eager():
     """HSDP (2 replicas x 2 shards): the reduce-scatter and the replicas'
     all-reduce in the graph; clip_grad_norm_ (flexshard's and torch's) global."""
     check_eager_and_whole(4, {}, mesh_shape=(2, 2), clip=True)
+
+
+def test_reshard_recomputes_the_buckets_collectives_only():
+    """Reshard after forward's checkpoint policy: the gather's collectives (over the
+    buckets' groups) and waits recomputed in backward, another group's collective
+    (tensor parallelism's) saved: recomputing it would run it again."""
+    ops = getattr(torch.ops, FUNCTIONAL_COLLECTIVES_NAMESPACE)
+    policy = functools.partial(recompute_gather_policy, frozenset({"dp"}))
+    t = torch.empty(4)
+    recompute, save = CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+    assert policy(None, ops.all_gather_into_tensor_coalesced.default, [t], 2, "dp") == recompute
+    assert policy(None, ops.wait_tensor.default, t) == recompute
+    assert policy(None, ops.all_gather_into_tensor.default, t, 2, "tp") == save
+    assert policy(None, ops.all_reduce.default, t, "sum", "tp") == save
+    assert policy(None, torch.ops.aten.mm.default, t, t) == save
+    assert policy(None, torch.ops.aten._to_copy.default, t) == recompute
 
 
 def compile_offloaded() -> None:

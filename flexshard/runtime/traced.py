@@ -43,10 +43,17 @@ _GATHER_OPS = frozenset({"cat", "clone", "copy", "copy_", "index", "_to_copy", "
                          "slice", "as_strided", "alias"})
 
 
-def recompute_gather_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def recompute_gather_policy(groups: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Selective checkpoint policy of reshard after forward: recompute the
-    gather in backward, keep everything else the block saves."""
-    if getattr(op, "namespace", None) in (FUNCTIONAL_COLLECTIVES_NAMESPACE, DECODE_NAMESPACE):
+    gather in backward (the collectives over the buckets' `groups`, their waits,
+    the decode), keep everything else the block saves, other collectives
+    included (tensor parallelism's over tp: recomputing one would run it again)."""
+    namespace = getattr(op, "namespace", None)
+    if namespace == FUNCTIONAL_COLLECTIVES_NAMESPACE:
+        name = kwargs.get("group_name", args[-1] if args else None)
+        ours = op.overloadpacket.__name__ == "wait_tensor" or name in groups
+        return CheckpointPolicy.PREFER_RECOMPUTE if ours else CheckpointPolicy.MUST_SAVE
+    if namespace == DECODE_NAMESPACE:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if getattr(op, "is_view", False) or op.overloadpacket.__name__ in _GATHER_OPS:
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -153,9 +160,7 @@ def traced_unsupported(bucket: Bucket) -> list:
     return [what for what, bad in (
         ("CPU offload", bucket.offload is not None),
         ("an int reshard_after_forward", bucket.gather.post_forward_size is not None),
-        ("DTensor (tensor-parallel) params", bucket.has_tp),
         (f"the wire format(s) {', '.join(sorted(formats))}", bool(formats)),
-        ("a mesh of its own smaller than the model's", bucket.on_sub_mesh),
     ) if bad] + ([] if layout.regions else ["no parameters"])
 
 
