@@ -58,6 +58,7 @@ class TracedForward:
         fulls = {}
         for bucket, gather, names, sharded, cast8 in zip(self.buckets, self.gathers, self.names,
                                                          params, casts):
+            sharded = _on_compute_device(bucket, sharded)  # recomputed under reshard
             for wiring, aliases, full in zip(bucket.wiring, names,
                                              gather.unsharded(sharded, cast8)):
                 if wiring.tp is not None:  # TP's modules see the DTensor they expect
@@ -71,7 +72,8 @@ class TracedForward:
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         # torchao's float8 weights cast before the checkpoint: saved, not recomputed
-        casts = [gather.cast_float8(sharded) for gather, sharded in zip(self.gathers, params)]
+        casts = [gather.cast_float8(_on_compute_device(bucket, sharded)) if gather.float8_slots
+                 else {} for bucket, gather, sharded in zip(self.buckets, self.gathers, params)]
         if self.reshard and torch.is_grad_enabled():
             context = functools.partial(create_selective_checkpoint_contexts, self.policy)
             out = checkpoint(self.region, params, casts, args, kwargs, use_reentrant=False,
@@ -79,6 +81,16 @@ class TracedForward:
         else:
             out = self.region(params, casts, args, kwargs)
         return _cast_floating(out, self.mp.output_dtype)
+
+
+def _on_compute_device(bucket, sharded: list) -> list:
+    """The bucket's sharded params on its compute device: an offloaded bucket's
+    copied from host memory (H2D) in the graph, whose backward copies their grads
+    back (D2H) into the host params' `.grad`."""
+    if bucket.offload is None:
+        return sharded
+    device = bucket.offload.compute_device
+    return [p.to(device, non_blocking=True) for p in sharded]
 
 
 def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = False,
@@ -149,6 +161,11 @@ def _check_compile_args(model, state, cudagraphs: bool, compile_kwargs: dict) ->
     if cudagraphs and "mode" in compile_kwargs:
         raise ValueError(f"fs.compile: cudagraphs=True sets mode='reduce-overhead'; drop "
                          f"mode={compile_kwargs['mode']!r} or cudagraphs")
+    offloaded = [b.name for b in state.buckets if b.offload is not None]
+    if cudagraphs and offloaded:
+        raise ValueError(f"fs.compile: cudagraphs=True cannot capture the copies from host "
+                         f"memory of bucket {offloaded[0]!r} (offload_policy): drop cudagraphs, "
+                         "or the offload for that bucket (BucketSpec(offload_policy=False))")
     if cudagraphs and any(b.compute_device.type != "cuda" for b in state.buckets):
         raise ValueError("fs.compile: cudagraphs=True needs the params on a CUDA device")
     if any(b.held is not None for b in state.buckets):

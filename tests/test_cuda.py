@@ -164,11 +164,13 @@ def test_fp32_parity(nccl):
     check_parity(nccl, None)
 
 
-@pytest.mark.parametrize("cudagraphs", [False, True], ids=["inductor", "cudagraphs"])
-def test_whole_step_bf16_parity(nccl, cudagraphs):
+@pytest.mark.parametrize("mode", ["inductor", "cudagraphs", "offload"])
+def test_whole_step_bf16_parity(nccl, mode):
     """fs.compile on this torch (the GPU machine's 2.11 too): the whole step in one
     graph trains as the reference, each step one compiled graph, no graph break.
-    The bf16 cast makes every bucket gather (and reduce in its graph) at world 1."""
+    The bf16 cast makes every bucket gather (and reduce in its graph) at world 1.
+    Offloaded: the graph copies each shard from pinned host memory and its grad
+    back; the params, their grads and so the optimizer state stay on the host."""
     from torch._dynamo.utils import counters
 
     from compile_check import compiled_graph_calls
@@ -176,8 +178,9 @@ def test_whole_step_bf16_parity(nccl, cudagraphs):
     torch._dynamo.reset()
     counters.clear()
     ref_losses, ref_grads, ref_params = reference(nccl, STEPS, torch.bfloat16)
-    model = fs.compile(fs.flex_shard(make_model(nccl), mp_policy=BF16), fullgraph=True,
-                       cudagraphs=cudagraphs)
+    offload = {"offload_policy": OFF} if mode == "offload" else {}
+    model = fs.compile(fs.flex_shard(make_model(nccl), mp_policy=BF16, **offload),
+                       fullgraph=True, cudagraphs=mode == "cudagraphs")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, calls, first = [], [], None
     for step in range(STEPS):
@@ -187,6 +190,8 @@ def test_whole_step_bf16_parity(nccl, cudagraphs):
         loss.backward()
         if step == 0:
             first = {k: p.grad.clone() for k, p in model.named_parameters()}
+            where = {(p.device.type, p.grad.device.type) for p in model.parameters()}
+            assert where == ({("cpu", "cpu")} if offload else {("cuda", "cuda")}), where
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
@@ -194,7 +199,7 @@ def test_whole_step_bf16_parity(nccl, cudagraphs):
     # inductor fuses bf16 intermediates where eager rounds each op: a few bf16 roundings
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2 ** -6, atol=0)
     for k, g in ref_grads.items():
-        assert_rel_close(first[k], g, 2 ** -6, f"grad of {k}")
+        assert_rel_close(first[k].to(g.device), g, 2 ** -6, f"grad of {k}")
     full = fs.full_state_dict(model)
     for k, v in ref_params.items():
         assert_rel_close(full[k].to(v.device), v, 2 ** -6, k)

@@ -282,21 +282,40 @@ def test_reshard_recomputes_the_buckets_collectives_only():
     assert policy(None, torch.ops.aten._to_copy.default, t) == recompute
 
 
-def compile_offloaded() -> None:
-    model = fs.flex_shard(make_model(), offload_policy=fs.OffloadPolicy(pin_memory=False))
-    fs.compile(model)
+def compile_resharding_to_two() -> None:
+    fs.compile(fs.flex_shard(make_model(), reshard_after_forward=2))
 
 
 def test_whole_step_refuses_what_it_leaves_out():
     """Before any change to the model and before any collective, on every rank."""
-    expect_all_ranks_raise(2, compile_offloaded, "NotImplementedError",
-                           r"fs.compile does not support CPU offload \(bucket 'layers.0'\): "
-                           r"compile each block with block.compile\(\) instead")
+    expect_all_ranks_raise(4, compile_resharding_to_two, "NotImplementedError",
+                           r"fs.compile does not support an int reshard_after_forward "
+                           r"\(bucket 'layers.0'\): compile each block with block.compile\(\) "
+                           "instead")
+
+
+def test_whole_step_offloaded():
+    """CPU offload of two buckets of three trains as the reference. Each gather
+    copies the shard to the compute device in the graph: on CPU the same device,
+    so the copies are no-ops here; tests/test_cuda.py runs them for real."""
+    buckets = [fs.BucketSpec("layers.0.*", name="layers.0"),
+               fs.BucketSpec("layers.1.*", offload_policy=False, name="kept"),
+               fs.BucketSpec(["tok.*", "pos", "norm.*", "head.*"], name="root")]
+    for r in check_whole(2, {"offload_policy": fs.OffloadPolicy(pin_memory=False),
+                             "buckets": buckets}):
+        assert [n for n, _ in r["buckets"]] == ["layers.0", "kept", "root"], r["buckets"]
+        assert r["graphs"][1][1]["reduce_scatter_tensor_coalesced"] == 3, r["graphs"]
+        assert not r["kept"], f"saved for backward: {r['kept']}"
 
 
 def misuse() -> list:
     """What fs.compile refuses, and the setters that a compiled model refuses."""
     said = []
+    offloaded = fs.flex_shard(make_model(), offload_policy=fs.OffloadPolicy(pin_memory=False))
+    try:
+        fs.compile(offloaded, cudagraphs=True)
+    except ValueError as err:
+        said.append(str(err))
     for call in (lambda m: fs.compile(m, cudagraphs=True),
                  lambda m: fs.compile(m, cudagraphs=True, mode="max-autotune"),
                  lambda m: (m.layers[0].compile(), fs.compile(m))):
@@ -317,7 +336,10 @@ def misuse() -> list:
 
 def test_whole_step_misuse_is_refused():
     said = run_world(2, misuse)[0]
-    assert len(said) == 8, said
+    assert len(said) == 9, said
+    assert "cudagraphs=True cannot capture the copies from host memory of bucket 'layers.0'" \
+        in said[0]
+    said = said[1:]
     assert "cudagraphs=True needs the params on a CUDA device" in said[0]
     assert "cudagraphs=True sets mode='reduce-overhead'; drop mode='max-autotune'" in said[1]
     assert "compile either the blocks or the whole model, not both" in said[2]

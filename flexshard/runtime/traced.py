@@ -158,7 +158,6 @@ def traced_unsupported(bucket: Bucket) -> list:
     formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))
                and not (isinstance(f, SubclassGather) and f.batched)}
     return [what for what, bad in (
-        ("CPU offload", bucket.offload is not None),
         ("an int reshard_after_forward", bucket.gather.post_forward_size is not None),
         (f"the wire format(s) {', '.join(sorted(formats))}", bool(formats)),
     ) if bad] + ([] if layout.regions else ["no parameters"])
