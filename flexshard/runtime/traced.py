@@ -46,8 +46,9 @@ _GATHER_OPS = frozenset({"cat", "clone", "copy", "copy_", "index", "_to_copy", "
 def recompute_gather_policy(groups: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Selective checkpoint policy of reshard after forward: recompute the
     gather in backward (the collectives over the buckets' `groups`, their waits,
-    the decode), keep everything else the block saves, other collectives
-    included (tensor parallelism's over tp: recomputing one would run it again)."""
+    the decode), save other collectives (tensor parallelism's over tp:
+    recomputing one would run it again), and leave the rest to the partitioner,
+    which recomputes cheap ops where that saves memory, as in a compiled block."""
     namespace = getattr(op, "namespace", None)
     if namespace == FUNCTIONAL_COLLECTIVES_NAMESPACE:
         name = kwargs.get("group_name", args[-1] if args else None)
@@ -57,7 +58,7 @@ def recompute_gather_policy(groups: frozenset, ctx, op, *args, **kwargs) -> Chec
         return CheckpointPolicy.PREFER_RECOMPUTE
     if getattr(op, "is_view", False) or op.overloadpacket.__name__ in _GATHER_OPS:
         return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_SAVE
 
 
 class _GatherReduce(torch.autograd.Function):
