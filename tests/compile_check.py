@@ -44,12 +44,14 @@ def _chained(reduces: list) -> list:
             for before, node in zip(reduces, reduces[1:])]
 
 
-def counting_backend(graphs: list, gathered: list = None, chains: list = None):
+def counting_backend(graphs: list, gathered: list = None, chains: list = None,
+                     matmuls: list = None):
     """aot_eager that records, per compiled forward and backward graph, how many
     of each functional collective it holds (and in `gathered`, if given, the
     bytes each graph's all-gathers send from this rank). The backward graph runs
     through fs.compile's reduce-order pass first, as inductor's post-grad pass
-    does (`chains`, if given: whether each reduce-scatter waits for the one before)."""
+    does (`chains`, if given: whether each reduce-scatter waits for the one before;
+    `matmuls`, if given: each graph's matmuls, mm, addmm and bmm)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -67,6 +69,8 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None):
                 gathered.append((kind, sum(
                     t.meta["val"].nbytes for n, name in zip(calls, names)
                     if name == "all_gather_into_tensor_coalesced" for t in n.args[0])))
+            if matmuls is not None:
+                matmuls.append((kind, sum(names.count(m) for m in ("mm", "addmm", "bmm"))))
             if chains is not None and kind == "backward":
                 chains.extend(_chained([n for n, name in zip(calls, names)
                                         if name == "reduce_scatter_tensor_coalesced"]))

@@ -195,7 +195,7 @@ def test_parity_with_a_single_process():
 # fs.compile: the TP model compiled whole, dp's gathers and reductions in the graph
 # beside TP's own collectives, each TP-local param made a DTensor again in the graph.
 
-WHOLE_CASES = [("shard0", True), ("owned", False), ("ragged", True)]
+WHOLE_CASES = [("shard0", True), ("owned", False)]
 # TP's all-reduces per block: forward, rowwise wo and down reduce their outputs;
 # backward, each colwise layer (wq, wk, wv, gate, up) its input's grad
 TP_REDUCES = (2, 5)
@@ -224,7 +224,7 @@ def whole_step_training(cases) -> list:
 
 
 def test_whole_step_compile_trains_as_one_process():
-    """Shard(0) and RaggedShard resharding after forward, Owned not: one forward and
+    """Shard(0) resharding after forward, Owned not: one forward and
     one backward graph a step, no graph break, each bucket's all-gather over dp in
     forward (again in backward for the resharded blocks) and its reduce-scatter in
     backward; SGD steps land on the one-process reference's params."""

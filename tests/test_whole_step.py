@@ -55,9 +55,10 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     counters.clear()
     rank = dist.get_rank()
     model = fs.flex_shard(make_model(**(model_kw or {})), **config)
-    graphs, chains = [], []
+    graphs, chains, matmuls = [], [], []
     fs.compile(model, fullgraph=fullgraph,
-               backend=counting_backend(graphs, chains=chains) if backend == "count" else backend)
+               backend=counting_backend(graphs, chains=chains, matmuls=matmuls)
+               if backend == "count" else backend)
     run = _run(model, rank, clip=False)
     buckets = get_state(model).buckets
     # what forward saves for backward: an unsharded block weight or a block's gather output?
@@ -66,6 +67,7 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     unsharded |= {b.gather.layout.wire_bytes // 4 for b in buckets if b.name != "root"}
     kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
     return {**run, "breaks": _breaks(), "graphs": graphs, "kept": kept, "chains": chains,
+            "matmuls": matmuls,
             "buckets": [(b.name, b.gather.reshard_after_forward) for b in buckets]}
 
 
@@ -113,6 +115,9 @@ def test_whole_step_matches_reference(placement):
             r["graphs"]
         assert not r["kept"], f"saved for backward: {r['kept']}"
         assert r["chains"] == [True] * (len(names) - 1), r["chains"]
+        # backward's matmuls are the grads' (two per forward matmul), none recomputed
+        (_, forward), (_, backward) = r["matmuls"]
+        assert forward > 0 and backward == 2 * forward, r["matmuls"]
 
 
 def test_whole_step_without_reshard_keeps_the_params():
@@ -269,8 +274,9 @@ def test_whole_step_hsdp_and_clip_train_as_eager():
 def test_reshard_recomputes_the_buckets_collectives_only():
     """Reshard after forward's checkpoint policy: the gather's collectives (over the
     buckets' groups) and waits recomputed in backward, another group's collective
-    (tensor parallelism's) saved: recomputing it would run it again. The rest is
-    left to the partitioner, which may recompute cheap ops as for any compiled block."""
+    (tensor parallelism's) saved: recomputing it would run it again. Matmuls saved,
+    the rest left to the partitioner, which may recompute cheap ops as for any
+    compiled block."""
     ops = getattr(torch.ops, FUNCTIONAL_COLLECTIVES_NAMESPACE)
     policy = functools.partial(recompute_gather_policy, frozenset({"dp"}))
     t = torch.empty(4)
@@ -279,7 +285,8 @@ def test_reshard_recomputes_the_buckets_collectives_only():
     assert policy(None, ops.wait_tensor.default, t) == recompute
     assert policy(None, ops.all_gather_into_tensor.default, t, 2, "tp") == save
     assert policy(None, ops.all_reduce.default, t, "sum", "tp") == save
-    assert policy(None, torch.ops.aten.mm.default, t, t) == CheckpointPolicy.PREFER_SAVE
+    assert policy(None, torch.ops.aten.mm.default, t, t) == save
+    assert policy(None, torch.ops.aten.mul.Tensor, t, t) == CheckpointPolicy.PREFER_SAVE
     assert policy(None, torch.ops.aten._to_copy.default, t) == recompute
 
 

@@ -43,12 +43,22 @@ _GATHER_OPS = frozenset({"cat", "clone", "copy", "copy_", "index", "_to_copy", "
                          "slice", "as_strided", "alias"})
 
 
+# aten ops a checkpoint must not recompute: the matmuls and attention kernels
+_COMPUTE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm",
+                          "_scaled_dot_product_flash_attention",
+                          "_scaled_dot_product_flash_attention_for_cpu",
+                          "_scaled_dot_product_efficient_attention",
+                          "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+                          "_efficient_attention_forward"})
+
+
 def recompute_gather_policy(groups: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Selective checkpoint policy of reshard after forward: recompute the
     gather in backward (the collectives over the buckets' `groups`, their waits,
     the decode), save other collectives (tensor parallelism's over tp:
-    recomputing one would run it again), and leave the rest to the partitioner,
-    which recomputes cheap ops where that saves memory, as in a compiled block."""
+    recomputing one would run it again) and the matmuls, and leave the rest to
+    the partitioner, which recomputes cheap ops where that saves memory, as in a
+    compiled block."""
     namespace = getattr(op, "namespace", None)
     if namespace == FUNCTIONAL_COLLECTIVES_NAMESPACE:
         name = kwargs.get("group_name", args[-1] if args else None)
@@ -56,9 +66,12 @@ def recompute_gather_policy(groups: frozenset, ctx, op, *args, **kwargs) -> Chec
         return CheckpointPolicy.PREFER_RECOMPUTE if ours else CheckpointPolicy.MUST_SAVE
     if namespace == DECODE_NAMESPACE:
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if getattr(op, "is_view", False) or op.overloadpacket.__name__ in _GATHER_OPS:
+    name = op.overloadpacket.__name__
+    if getattr(op, "is_view", False) or name in _GATHER_OPS:
         return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.PREFER_SAVE
+    # "prefer" lets inductor's partitioner recompute cheap ops; AOTAutograd's default
+    # partitioner (aot_eager) would recompute matmuls too
+    return CheckpointPolicy.MUST_SAVE if name in _COMPUTE_OPS else CheckpointPolicy.PREFER_SAVE
 
 
 class _GatherReduce(torch.autograd.Function):
