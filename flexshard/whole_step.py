@@ -6,9 +6,9 @@ then run its own forward with the unsharded params substituted
 (torch.func.functional_call). Under reshard after forward that runs inside a
 selective activation checkpoint that recomputes the gather in backward and
 leaves the rest to the partitioner, so the compiled backward regathers instead
-of keeping the unsharded params (the memory meaning of eager's reshard). The module tree,
-its names and the sharded params stay as they are: checkpoints, the optimizer,
-clip and the dry run see the same model.
+of keeping the unsharded params (the memory meaning of eager's reshard). The
+module tree, its names and the sharded params stay as they are: checkpoints,
+the optimizer, clip and the dry run see the same model.
 """
 
 from __future__ import annotations

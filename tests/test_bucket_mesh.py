@@ -166,7 +166,8 @@ def train_moe(dense_hsdp: bool, whole: bool = False) -> tuple:
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
     if whole:
-        calls = (graphs, graph_calls, sum(counters["graph_break"].values()))
+        breaks = sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
+        calls = (graphs, graph_calls, breaks)
     return losses, norms, p, fs.full_state_dict(model), calls, fs.describe(model)
 
 

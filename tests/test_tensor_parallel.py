@@ -224,10 +224,10 @@ def whole_step_training(cases) -> list:
 
 
 def test_whole_step_compile_trains_as_one_process():
-    """Shard(0) resharding after forward, Owned not: one forward and
-    one backward graph a step, no graph break, each bucket's all-gather over dp in
-    forward (again in backward for the resharded blocks) and its reduce-scatter in
-    backward; SGD steps land on the one-process reference's params."""
+    """Shard(0) resharding after forward, Owned not: one forward and one backward
+    graph a step, no graph break, each bucket's all-gather over dp in forward (again
+    in backward for the resharded blocks) and its reduce-scatter in backward; SGD
+    steps land on the one-process reference's params."""
     ref_losses, ref_params = reference(steps=3, sgd=True)
     results = run_world(WORLD, whole_step_training, WHOLE_CASES, timeout=600)
     for i, (placement, reshard) in enumerate(WHOLE_CASES):

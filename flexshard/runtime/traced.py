@@ -61,8 +61,8 @@ def recompute_gather_policy(groups: frozenset, ctx, op, *args, **kwargs) -> Chec
     compiled block."""
     namespace = getattr(op, "namespace", None)
     if namespace == FUNCTIONAL_COLLECTIVES_NAMESPACE:
-        name = kwargs.get("group_name", args[-1] if args else None)
-        ours = op.overloadpacket.__name__ == "wait_tensor" or name in groups
+        group = kwargs.get("group_name", args[-1] if args else None)
+        ours = op.overloadpacket.__name__ == "wait_tensor" or group in groups
         return CheckpointPolicy.PREFER_RECOMPUTE if ours else CheckpointPolicy.MUST_SAVE
     if namespace == DECODE_NAMESPACE:
         return CheckpointPolicy.PREFER_RECOMPUTE
