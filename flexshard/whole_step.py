@@ -56,13 +56,8 @@ class TracedForward:
 
     def region(self, params, casts, args, kwargs):
         fulls = {}
-        for bucket, gather, names, sharded, cast8 in zip(self.buckets, self.gathers, self.names,
-                                                         params, casts):
-            sharded = _on_compute_device(bucket, sharded)  # recomputed under reshard
-            for wiring, aliases, full in zip(bucket.wiring, names,
-                                             gather.unsharded(sharded, cast8)):
-                if wiring.tp is not None:  # TP's modules see the DTensor they expect
-                    full = wiring.tp.to_param(full)
+        for gather, names, sharded, cast8 in zip(self.gathers, self.names, params, casts):
+            for aliases, full in zip(names, gather.unsharded(sharded, cast8)):
                 fulls.update(dict.fromkeys(aliases, full))
         return torch.func.functional_call(self.body, fulls, args, kwargs, tie_weights=False)
 
@@ -72,8 +67,7 @@ class TracedForward:
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         # torchao's float8 weights cast before the checkpoint: saved, not recomputed
-        casts = [gather.cast_float8(_on_compute_device(bucket, sharded)) if gather.float8_slots
-                 else {} for bucket, gather, sharded in zip(self.buckets, self.gathers, params)]
+        casts = [gather.cast_float8(sharded) for gather, sharded in zip(self.gathers, params)]
         if self.reshard and torch.is_grad_enabled():
             context = functools.partial(create_selective_checkpoint_contexts, self.policy)
             out = checkpoint(self.region, params, casts, args, kwargs, use_reentrant=False,
@@ -81,16 +75,6 @@ class TracedForward:
         else:
             out = self.region(params, casts, args, kwargs)
         return _cast_floating(out, self.mp.output_dtype)
-
-
-def _on_compute_device(bucket, sharded: list) -> list:
-    """The bucket's sharded params on its compute device: an offloaded bucket's
-    copied from host memory (H2D) in the graph, whose backward copies their grads
-    back (D2H) into the host params' `.grad`."""
-    if bucket.offload is None:
-        return sharded
-    device = bucket.offload.compute_device
-    return [p.to(device, non_blocking=True) for p in sharded]
 
 
 def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = False,

@@ -219,6 +219,17 @@ class TracedBucket:
         self.spanned = self._plan_spans(reduce, size)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
+        self.offload = bucket.offload  # its compute device read at trace time (to() moves it)
+        self.tp = [w.tp for w in bucket.wiring]
+
+    def _on_device(self, pieces: Sequence[torch.Tensor]) -> list:
+        """`pieces` on the compute device: an offloaded bucket's copied from host memory
+        (H2D) in the graph, whose backward copies their grads back (D2H) into the host
+        params' `.grad`."""
+        if self.offload is None:
+            return list(pieces)
+        device = self.offload.compute_device
+        return [p.to(device, non_blocking=True) for p in pieces]
 
     def _plan_spans(self, reduce, size: int) -> list:
         """Per reduce group, (trainable index, start, numel, shape) of the members whose
@@ -256,7 +267,7 @@ class TracedBucket:
         slots = self.float8_slots
         if not slots:
             return {}
-        pieces = [sharded[i].detach() for i in slots]
+        pieces = [p.detach() for p in self._on_device([sharded[i] for i in slots])]
         ops = functional_collectives
         amax = ops.wait_tensor(ops.all_reduce(float8.local_amax(pieces), "max", self.group))
         dtype = self.wires.params[slots[0]].format.wire_dtype
@@ -264,8 +275,9 @@ class TracedBucket:
         return dict(zip(slots, zip(float8.cast_each(pieces, scale, dtype), scale.unbind(0))))
 
     def unsharded(self, sharded: Sequence[torch.Tensor], cast8: dict) -> list:
-        """The unsharded params (one per slot), made inside the graph that calls
-        this; `cast8` is cast_float8's."""
+        """The unsharded params (one per slot, a TP slot's a DTensor again), made
+        inside the graph that calls this; `cast8` is cast_float8's."""
+        sharded = self._on_device(sharded)  # under reshard, recomputed in backward
         send, metas = self.send(sharded, cast8)
         size = send.element_size()
         splits = ([n // size for n in self.splits[0]], self.splits[1])
@@ -287,7 +299,8 @@ class TracedBucket:
             if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
                 plain = plain.to(fulls[i].dtype)
             fulls[i] = _ValueFrom.apply(plain, fulls[i])
-        return fulls
+        # TP's modules see the DTensor they expect
+        return [full if tp is None else tp.to_param(full) for tp, full in zip(self.tp, fulls)]
 
     def _spanned(self, stand_ins: Sequence[torch.Tensor]):
         """(trainable index, its stand-in) of the members one span each, per group."""
