@@ -42,7 +42,7 @@ class TracedForward:
 
     def __init__(self, hooks: ModuleHooks, nested: bool) -> None:
         module = hooks.module
-        self.gathers = [TracedBucket(b) for b in hooks.buckets]  # raises before any change
+        self.gathers = [TracedBucket(b, kept=nested) for b in hooks.buckets]  # raises before any change
         self.buckets = hooks.buckets
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
         self.names = [[[".".join(filter(None, ("module", names[id(m)], attr))) for m, attr in slot]
@@ -52,7 +52,7 @@ class TracedForward:
         # FSDP2's root does: its backward starts right after its forward ends.
         self.reshard = not nested and any(b.gather.reshard_after_forward for b in hooks.buckets)
         self.policy = functools.partial(recompute_gather_policy,
-                                        frozenset(g.group for g in self.gathers))
+                                        frozenset(g.regather_group for g in self.gathers))
 
     def region(self, params, casts, args, kwargs):
         fulls = {}

@@ -45,13 +45,14 @@ def _chained(reduces: list) -> list:
 
 
 def counting_backend(graphs: list, gathered: list = None, chains: list = None,
-                     matmuls: list = None):
+                     matmuls: list = None, groups: list = None):
     """aot_eager that records, per compiled forward and backward graph, how many
     of each functional collective it holds (and in `gathered`, if given, the
     bytes each graph's all-gathers send from this rank). The backward graph runs
     through fs.compile's reduce-order pass first, as inductor's post-grad pass
     does (`chains`, if given: whether each reduce-scatter waits for the one before;
-    `matmuls`, if given: each graph's matmuls, mm, addmm and bmm)."""
+    `matmuls`, if given: each graph's matmuls, mm, addmm and bmm; `groups`, if given:
+    each graph's {(collective, group name): count})."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -69,6 +70,9 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None,
                 gathered.append((kind, sum(
                     t.meta["val"].nbytes for n, name in zip(calls, names)
                     if name == "all_gather_into_tensor_coalesced" for t in n.args[0])))
+            if groups is not None:
+                named = [(name, n.args[-1]) for n, name in zip(calls, names) if name in COLLECTIVES]
+                groups.append((kind, {k: named.count(k) for k in set(named)}))
             if matmuls is not None:
                 matmuls.append((kind, sum(names.count(m) for m in ("mm", "addmm", "bmm"))))
             if chains is not None and kind == "backward":

@@ -48,27 +48,45 @@ def _saved_numels(model, x) -> set:
 
 def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
                 model_kw=None) -> dict:
-    """Rank body: STEPS SGD steps of fs.compile(flex_shard(TinyGPT(**model_kw)))."""
+    """Rank body: STEPS SGD steps of fs.compile(flex_shard(TinyGPT(**model_kw))):
+    what `_run` returns, each graph's collectives (in all and by group) and matmuls,
+    and what forward saves of a block's unsharded weights or gather output."""
     import torch.distributed as dist
 
     torch._dynamo.reset()
     counters.clear()
     rank = dist.get_rank()
     model = fs.flex_shard(make_model(**(model_kw or {})), **config)
-    graphs, chains, matmuls = [], [], []
+    buckets = get_state(model).buckets
+    names = _group_names(buckets[0])
+    graphs, chains, matmuls, groups = [], [], [], []
     fs.compile(model, fullgraph=fullgraph,
-               backend=counting_backend(graphs, chains=chains, matmuls=matmuls)
+               backend=counting_backend(graphs, chains=chains, matmuls=matmuls, groups=groups)
                if backend == "count" else backend)
     run = _run(model, rank, clip=False)
-    buckets = get_state(model).buckets
-    # what forward saves for backward: an unsharded block weight or a block's gather output?
+    # what forward saves for backward: an unsharded block weight or a block's gather
+    # output, or (int reshard n) the 1/n of it backward regathers from
     unsharded = {p.numel() for p in make_model(**(model_kw or {})).layers[0].parameters()
                  if p.dim() == 2}
-    unsharded |= {b.gather.layout.wire_bytes // 4 for b in buckets if b.name != "root"}
-    kept = _saved_numels(model, batch(0, rank)[0]) & unsharded
-    return {**run, "breaks": _breaks(), "graphs": graphs, "kept": kept, "chains": chains,
-            "matmuls": matmuls,
+    outputs = {b.gather.layout.wire_bytes // 4 for b in buckets if b.name != "root"}
+    saved = _saved_numels(model, batch(0, rank)[0])
+    n = buckets[0].gather.post_forward_size
+    return {**run, "breaks": _breaks(), "graphs": graphs, "chains": chains, "matmuls": matmuls,
+            "kept": saved & (unsharded | outputs),
+            "kept_slice": n is not None and {o // n for o in outputs} <= saved,
+            "groups": [(kind, {(op, names.get(g, g)): c for (op, g), c in counts.items()})
+                       for kind, counts in groups],
             "buckets": [(b.name, b.gather.reshard_after_forward) for b in buckets]}
+
+
+def _group_names(bucket) -> dict:
+    """Group name -> "shard", and under an int reshard n "within" (this rank's
+    post-forward group) and "across" (the group across those)."""
+    names, n = {bucket.group.group_name: "shard"}, bucket.gather.post_forward_size
+    if n is not None:
+        names[bucket.subgroups.of(bucket.rank, n).group_name] = "within"
+        names[bucket.subgroups.across(bucket.rank, n).group_name] = "across"
+    return names
 
 
 def mixed(fqn: str, param) -> fs.Placement:
@@ -290,14 +308,34 @@ def test_reshard_recomputes_the_buckets_collectives_only():
     assert policy(None, torch.ops.aten._to_copy.default, t) == recompute
 
 
-def compile_resharding_to_two() -> None:
-    fs.compile(fs.flex_shard(make_model(), reshard_after_forward=2))
+def test_whole_step_int_reshard_regathers_within_the_smaller_group():
+    """reshard_after_forward=2 at world 4: forward gathers each block's bucket
+    across the post-forward groups, then within its own (one copy orders the
+    output), keeps the first gather's output (1/2 of the params) and backward
+    regathers within the post-forward group only, as eager's int reshard does;
+    the reference's training. The root keeps its params (one gather)."""
+    gather, reduce = "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"
+    for r in check_whole(4, {"reshard_after_forward": 2}):
+        blocks = len(r["buckets"]) - 1
+        assert r["groups"] == [
+            ("forward", {(gather, "across"): blocks, (gather, "within"): blocks,
+                         (gather, "shard"): 1}),
+            ("backward", {(gather, "within"): blocks, (reduce, "shard"): blocks + 1})], \
+            r["groups"]
+        assert not r["kept"], f"saved for backward: {r['kept']}"
+        assert r["kept_slice"], "the first gather's output is not what forward saves"
+
+
+def compile_custom_wire_format() -> None:
+    from test_wire_format import SPLIT
+
+    fs.compile(fs.flex_shard(make_model(), mp_policy=SPLIT))
 
 
 def test_whole_step_refuses_what_it_leaves_out():
     """Before any change to the model and before any collective, on every rank."""
-    expect_all_ranks_raise(4, compile_resharding_to_two, "NotImplementedError",
-                           r"fs.compile does not support an int reshard_after_forward "
+    expect_all_ranks_raise(2, compile_custom_wire_format, "NotImplementedError",
+                           r"fs.compile does not support the wire format\(s\) SignSplit "
                            r"\(bucket 'layers.0'\): compile each block with block.compile\(\) "
                            "instead")
 

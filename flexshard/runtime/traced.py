@@ -81,12 +81,11 @@ class _GatherReduce(torch.autograd.Function):
     the stand-ins' grads (one coalesced collective) into `segment`'s grad."""
 
     @staticmethod
-    def forward(ctx, segment, send, world, group, splits, reduce_dtype, factor, replicas):
+    def forward(ctx, segment, send, world, group, splits, reduce_dtype, factor, replicas,
+                levels=None):
         ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, len(splits[1]))
-        ops = functional_collectives
         sends = send.split(splits[0]) if len(splits[0]) > 1 else [send]
-        gathered = [ops.wait_tensor(t) for t in
-                    ops.all_gather_into_tensor_coalesced(sends, world, group)]
+        gathered = _gather(sends, world, group) if levels is None else _gather_in_two(sends, *levels)
         stand_ins = [segment.new_empty(world * n) for n in splits[1]]
         ctx.mark_non_differentiable(*gathered)
         return (*stand_ins, *gathered)
@@ -102,7 +101,23 @@ class _GatherReduce(torch.autograd.Function):
         out = out[0] if len(out) == 1 else torch.cat(out)
         if replicas is not None:  # HSDP: the shards' sum over the replicas
             out = ops.wait_tensor(ops.all_reduce(out, "sum", replicas))
-        return (out / factor).to(dtype), None, None, None, None, None, None, None
+        return (out / factor).to(dtype), None, None, None, None, None, None, None, None
+
+
+def _gather(sends: Sequence[torch.Tensor], size: int, group: str) -> list:
+    """One coalesced all-gather of `sends` over `group`, waited: rank-major each."""
+    ops = functional_collectives
+    return [ops.wait_tensor(t) for t in ops.all_gather_into_tensor_coalesced(sends, size, group)]
+
+
+def _gather_in_two(sends: Sequence[torch.Tensor], across: str, kept: int, within: str,
+                   size: int) -> list:
+    """An int reshard's gather, rank-major as one over the shard group: across the
+    post-forward groups first (the `kept` ranks at this rank's place in each: what
+    backward regathers from, 1/`size` of the output), then within this rank's
+    post-forward group of `size`, whose position-major output one copy orders."""
+    inner = _gather(_gather(sends, kept, across), size, within)
+    return [t.view(size, kept, -1).transpose(0, 1).reshape(-1) for t in inner]
 
 
 class _Spans(torch.autograd.Function):
@@ -171,16 +186,16 @@ def traced_unsupported(bucket: Bucket) -> list:
     layout, wire = bucket.gather.padded_layout, bucket.gather.wire
     formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))
                and not (isinstance(f, SubclassGather) and f.batched)}
-    return [what for what, bad in (
-        ("an int reshard_after_forward", bucket.gather.post_forward_size is not None),
-        (f"the wire format(s) {', '.join(sorted(formats))}", bool(formats)),
-    ) if bad] + ([] if layout.regions else ["no parameters"])
+    return ([f"the wire format(s) {', '.join(sorted(formats))}"] if formats else []) + \
+        ([] if layout.regions else ["no parameters"])
 
 
 class TracedBucket:
-    """One bucket's gather (forward) and reduction (backward) as traceable ops."""
+    """One bucket's gather (forward) and reduction (backward) as traceable ops.
+    `kept`: its module keeps the unsharded params to backward (it holds other
+    running modules), so an int reshard's gather takes one step, not two."""
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: Bucket, kept: bool = False) -> None:
         missing = traced_unsupported(bucket)
         if missing:
             raise NotImplementedError(
@@ -211,6 +226,9 @@ class TracedBucket:
         self.world, self.group = bucket.world_size, bucket.group.group_name
         self.factor = grads.gradient_divide_factor
         self.replicas = bucket.replicate_group.group_name if bucket.replicate_size > 1 else None
+        self.levels = None if kept else _levels(bucket)  # kept: the params stay to backward
+        # the group backward's regather runs over (reshard's checkpoint recomputes it)
+        self.regather_group = self.group if self.levels is None else self.levels[2]
         # each gather group's length in a rank's segment: bytes of the wire, elements
         # of the reduce layout; and where each group's output starts (elements)
         self.splits = ([b - a for a, b in self.layout.spans],
@@ -286,7 +304,7 @@ class TracedBucket:
         segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
             sharded[0].new_empty(0)
         outs = _GatherReduce.apply(segment, send, self.world, self.group, splits,
-                                   self.reduce_dtype, self.factor, self.replicas)
+                                   self.reduce_dtype, self.factor, self.replicas, self.levels)
         stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
         fulls = [self._decode(wire, gathered, metas.get(i, wire.meta))
                  for i, wire in enumerate(self.wires.params)]
@@ -316,6 +334,17 @@ class TracedBucket:
         fmt = wire.format
         return fmt.traced_decode(fulls) if isinstance(fmt, BlockQuantized) else \
             fmt.decode(fulls, meta)
+
+
+def _levels(bucket: Bucket):
+    """An int reshard N's two gathers: (the group across the post-forward groups, its
+    size, this rank's post-forward group, N); None for a bool reshard."""
+    n = bucket.gather.post_forward_size
+    if n is None:
+        return None
+    subgroups, rank = bucket.subgroups, bucket.rank
+    return (subgroups.across(rank, n).group_name, bucket.world_size // n,
+            subgroups.of(rank, n).group_name, n)
 
 
 def _full(plan, outputs: Sequence[torch.Tensor], layout, starts: Sequence[int], world: int,

@@ -73,9 +73,9 @@ def _whole_group(mesh) -> Optional[Any]:
 
 
 class Subgroups:
-    """Process groups of consecutive ranks of one shard group, made once each:
-    the post-forward groups of an int reshard_after_forward (FSDP2's
-    'reshard to a smaller group')."""
+    """Process groups of some ranks of one shard group, made once each: the
+    post-forward groups of an int reshard_after_forward (FSDP2's 'reshard to a
+    smaller group'), and under fs.compile the groups across them."""
 
     def __init__(self, shard_group) -> None:
         # Global ranks in shard-group rank order (what an all-gather orders by).
@@ -83,10 +83,17 @@ class Subgroups:
         self._groups: dict = {}
 
     def of(self, shard_rank: int, size: int):
-        """The group of the `size` consecutive shard ranks holding `shard_rank`.
-        Only its members make it (use_local_synchronization), when they first need it."""
+        """The group of the `size` consecutive shard ranks holding `shard_rank`."""
         first = shard_rank - shard_rank % size
-        ranks = self.ranks[first:first + size]
+        return self._group(self.ranks[first:first + size])
+
+    def across(self, shard_rank: int, size: int):
+        """The group of the shard ranks at `shard_rank`'s place in each group of
+        `size` consecutive ones (every `size`-th from `shard_rank % size`)."""
+        return self._group(self.ranks[shard_rank % size::size])
+
+    def _group(self, ranks: tuple):
+        """Only its members make it (use_local_synchronization), when they first need it."""
         if ranks not in self._groups:
             self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
         return self._groups[ranks]
