@@ -18,8 +18,7 @@ from flexshard.placements.wire import Cast
 from flexshard.planning.wire_plan import plan_wire
 from flexshard.runtime.unsharded import ParamWire, plan_param_wires
 from harness import run_world
-from models import batch, loss_fn
-from reference import assemble_grads, make_model, reference_run, train_sharded
+from reference import assemble_grads, average_grads, make_model, reference_run, train_sharded
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -114,7 +113,7 @@ STEPS, LR = 4, 1e-2
 
 
 def quantized_reference(world: int, policy) -> tuple:
-    """One process, every rank's batch at once, forward on each weight the
+    """One process, every rank's batch in turn, forward on each weight the
     policy quantizes replaced by its quantize-then-dequantize (the straight-
     through grads land on the fp32 weights): (losses, params, step-0 grads).
     One thread, as the harness's ranks: the same kernels round the same."""
@@ -126,19 +125,30 @@ def quantized_reference(world: int, policy) -> tuple:
         torch.set_num_threads(threads)
 
 
+class _Quantizing(torch.nn.Module):
+    """`model` whose weights in `formats` enter forward quantized then dequantized
+    (straight-through: the grads land on the fp32 weights)."""
+
+    def __init__(self, model: torch.nn.Module, formats: dict) -> None:
+        super().__init__()
+        self.model, self.formats = model, formats
+
+    def forward(self, x):
+        params = {k: p if self.formats[k] is None else
+                  p + (_whole(p.detach(), self.formats[k]) - p).detach()
+                  for k, p in self.model.named_parameters()}
+        return functional_call(self.model, params, (x,))
+
+
 def _quantized_reference(world: int, policy) -> tuple:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     formats = {k: policy.format(k, p.shape, p.dtype, p.dtype, fs.Shard(0), 1)
                for k, p in model.named_parameters()}
-    losses, first = [], None
+    quantizing, losses, first = _Quantizing(model, formats), [], None
     for step in range(STEPS):
-        params = {k: p if formats[k] is None else p + (_whole(p.detach(), formats[k]) - p).detach()
-                  for k, p in model.named_parameters()}
-        xs, ys = zip(*(batch(step, r) for r in range(world)))
-        loss = loss_fn(functional_call(model, params, (torch.cat(xs),)), torch.cat(ys))
-        loss.backward()
-        losses.append(loss.item())
+        # each rank's batch on its own, the grads averaged in rank order: as the ranks round
+        losses.append(average_grads(quantizing, step, world))
         if step == 0:
             first = {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
