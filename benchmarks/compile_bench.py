@@ -71,7 +71,7 @@ def peak_bytes(run) -> int:
     return allocated(run)[2]
 
 
-def build(name: str, mode: str, reshard: bool):
+def build(name: str, mode: str, reshard):
     model = fs.flex_shard(build_model(name), reshard_after_forward=reshard)
     if mode == "whole":
         fs.compile(model, fullgraph=True)
@@ -89,7 +89,7 @@ def _timed(model, opt, name: str, step: int, rank: int) -> tuple:
     return time.perf_counter() - w, time.process_time() - c, loss
 
 
-def run_reshard(name: str, modes, reshard: bool, args) -> list:
+def run_reshard(name: str, modes, reshard, args) -> list:
     """One row per mode: the modes' timed steps interleaved, then their peaks."""
     rank = dist.get_rank()
     runs = {mode: build(name, mode, reshard) for mode in modes}
@@ -125,8 +125,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
-    rows = [row for reshard in args.reshard.split(",")
-            for row in run_reshard(args.model, args.modes, reshard == "on", args)]
+    rows = [row for reshard in args.reshard
+            for row in run_reshard(args.model, args.modes, reshard, args)]
     if rank == 0:
         print(f"model {args.model}, world size {world}, {args.steps} timed steps per mode "
               f"(interleaved) after {args.warmup} warm-up, CPU inductor, torch {torch.__version__}, "
@@ -135,9 +135,22 @@ def _worker(rank: int, world: int, port: int, args) -> None:
               "| peak MiB | last loss |")
         print("|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {'on' if r['reshard'] else 'off'} | {r['mode']} | {_fmt(r['wall'])} | "
+            print(f"| {_reshard_name(r['reshard'])} | {r['mode']} | {_fmt(r['wall'])} | "
                   f"{_fmt(r['cpu'])} | {r['peak_mib']:.2f} | {r['loss']:.5f} |")
     dist.destroy_process_group()
+
+
+def _reshard_name(reshard) -> str:
+    return ("on" if reshard else "off") if isinstance(reshard, bool) else str(reshard)
+
+
+def _reshard_value(word: str):
+    """--reshard's on / off / N as reshard_after_forward's True / False / N."""
+    if word in ("on", "off"):
+        return word == "on"
+    if word.isdigit():
+        return int(word)
+    raise argparse.ArgumentTypeError(f"--reshard takes on, off or an int, not {word!r}")
 
 
 def _fmt(spread: tuple) -> str:
@@ -180,7 +193,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="of " + ", ".join(MODES + ("whole-aot",)) + " (default "
                              + ",".join(MODES) + "; commas or spaces); with --fake-world of "
                              + " and ".join(FAKE_WORLD_MODES) + " (default both)")
-    parser.add_argument("--reshard", default="on,off", help="on, off or on,off")
+    parser.add_argument("--reshard", default="on,off",
+                        help="comma-separated settings of on, off and N (an int "
+                             "reshard_after_forward: keep 1/N, regather within N ranks; "
+                             "N divides --world-size) (default on,off)")
     parser.add_argument("--port", type=int, default=29613,
                         help="MASTER_PORT of the spawned ranks' process group (default 29613)")
     fake = parser.add_argument_group("fake world (peak memory at one rank of N, one process)")
@@ -193,6 +209,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     default = FAKE_WORLD_MODES if args.fake_world is not None else MODES
     args.modes = tuple(m for arg in args.modes or default for m in arg.split(",") if m)
+    try:
+        args.reshard = [_reshard_value(word) for word in args.reshard.split(",") if word]
+    except argparse.ArgumentTypeError as err:
+        parser.error(str(err))
     return args
 
 
