@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 import flexshard as fs
 from flexshard.planning.fused import plan_copy_out
 from flexshard.planning.layout import ALIGN, SlotPlan, bind_placements, plan_layout
+from flexshard.planning.copyplan import plan_copies
 from flexshard.planning.wire_plan import cast_wire
+from flexshard.runtime.traced import _full_regrouped, _RankOrdered
 from flexshard.runtime.unsharded import ParamWire
 from flexshard.runtime.storage import segment_views
 
@@ -47,9 +49,9 @@ def placements(draw, shape, world):
 
 
 @st.composite
-def buckets(draw, max_params=5):
+def buckets(draw, max_params=5, worlds=st.integers(1, 5)):
     """(world, slots, full tensors): a bucket of mixed placements and dtypes."""
-    world = draw(st.integers(1, 5))
+    world = draw(worlds)
     n = draw(st.integers(1, max_params))
     entries, fulls, dtypes = [], [], []
     for i in range(n):
@@ -161,6 +163,45 @@ def test_gathered_buffer_holds_every_full_param(bucket):
             assert gathered.data_ptr() <= out.data_ptr() < gathered.data_ptr() + gathered.numel()
         if isinstance(slot.placement, fs.Owned):
             assert is_view  # one non-empty piece: always zero-copy
+
+
+def _gathered(layout, slots, fulls, world):
+    """The rank-major gather output: each rank's pieces at their offsets."""
+    segments = []
+    for r in range(world):
+        buffer = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
+        for slot, full, view in zip(slots, fulls, segment_views(buffer, layout, slots, r)):
+            view.copy_(slot.placement.shard(full, r, world))
+        segments.append(buffer)
+    return torch.cat(segments)
+
+
+@FAST
+@given(buckets(worlds=st.sampled_from([2, 4, 6])), st.sampled_from([1, 2, 3]))
+def test_an_int_reshards_position_major_gather_holds_every_full_param(bucket, size):
+    """fs.compile's int reshard gathers across and then within groups of `size`
+    ranks: each gather group's output in position-major order (rank k * size + i
+    at i * world/size + k). Every param reads out of it whole, and straight from it
+    (no rank-ordered copy) where its pieces lie inside segments (Owned) or in runs of
+    whole groups of `size` ranks at the segments' stride (a packed Shard(0) param)."""
+    world, slots, fulls = bucket
+    if world % size:
+        size = world
+    layout = plan_layout(slots, [s.dtype for s in slots], world)
+    gathered = _gathered(layout, slots, fulls, world)
+    blocks = gathered.split([(b - a) * world for a, b in layout.spans])  # rank-major each
+    regrouped = [t.view(world // size, size, -1).transpose(0, 1).reshape(-1) for t in blocks]
+    starts = [a for a, _ in layout.spans]
+    for i, (slot, full, plan) in enumerate(zip(slots, fulls, plan_copies(layout, slots))):
+        outputs = _RankOrdered(regrouped, world // size, size)
+        assert torch.equal(_full_regrouped(plan, outputs, layout, starts, world), full)
+        seg = layout.stride(i) // full.element_size()
+        base = world * starts[layout.regions[i].group] // full.element_size()
+        whole_groups = plan.runs is not None and all(
+            run.stride == seg and run.rows % size == 0 and (run.start - base) // seg % size == 0
+            for run in plan.runs)
+        if isinstance(slot.placement, fs.Owned) or whole_groups:
+            assert not outputs._ordered, f"{slot.placement} of {tuple(full.shape)} was reordered"
 
 
 @FAST

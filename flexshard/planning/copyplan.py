@@ -113,6 +113,34 @@ class CopyPlan:
                                                                (run.stride, 1))
                           .reshape(-1) for run in self.runs]).view(self.shape)
 
+    def traced_full_regrouped(self, typed: torch.Tensor, base: int, seg: int,
+                              size: int) -> Optional[torch.Tensor]:
+        """As traced_full from a gather group's output whose ranks' segments (`seg`
+        elements each) lie position-major: rank k * size + i's at position
+        i * (world / size) + k (an int reshard's gather in two steps,
+        runtime/traced.py). None where the plan does not read whole segments or
+        whole groups of `size` consecutive ranks: the caller puts the buffer in rank
+        order first."""
+        if not self.numel:
+            return typed[:0].view(self.shape)
+        across = typed.numel() // seg // size
+        if self.span is not None:
+            rank, within = divmod(self.span[0] // self.dtype.itemsize - base, seg)
+            if within + self.numel > seg:  # not one rank's: across segments
+                return None
+            start = ((rank % size) * across + rank // size) * seg + within
+            return typed[start:start + self.numel].view(self.shape)
+        if self.runs is None or any(run.stride != seg for run in self.runs):
+            return None
+        parts = []
+        for run in self.runs:
+            first, within = divmod(run.start - base, seg)
+            if first % size or run.rows % size:
+                return None
+            parts.append(typed[first // size * seg + within:].as_strided(
+                (run.rows // size, size, run.length), (seg, across * seg, 1)).reshape(-1))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(self.shape)
+
     def pack(self, buffer: torch.Tensor, full: torch.Tensor) -> None:
         """Write `full` (any dtype, cast on copy) into its pieces in `buffer` (uint8)."""
         typed = _typed(buffer, self.dtype)

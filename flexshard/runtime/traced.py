@@ -112,12 +112,12 @@ def _gather(sends: Sequence[torch.Tensor], size: int, group: str) -> list:
 
 def _gather_in_two(sends: Sequence[torch.Tensor], across: str, kept: int, within: str,
                    size: int) -> list:
-    """An int reshard's gather, rank-major as one over the shard group: across the
-    post-forward groups first (the `kept` ranks at this rank's place in each: what
-    backward regathers from, 1/`size` of the output), then within this rank's
-    post-forward group of `size`, whose position-major output one copy orders."""
-    inner = _gather(_gather(sends, kept, across), size, within)
-    return [t.view(size, kept, -1).transpose(0, 1).reshape(-1) for t in inner]
+    """An int reshard's gather: across the post-forward groups first (the `kept`
+    ranks at this rank's place in each: what backward regathers from, 1/`size` of
+    the output), then within this rank's post-forward group of `size`. Its output
+    is position-major: rank k * size + i's segment at i * kept + k
+    (`_full_regrouped` reads it)."""
+    return _gather(_gather(sends, kept, across), size, within)
 
 
 class _Spans(torch.autograd.Function):
@@ -306,6 +306,8 @@ class TracedBucket:
         outs = _GatherReduce.apply(segment, send, self.world, self.group, splits,
                                    self.reduce_dtype, self.factor, self.replicas, self.levels)
         stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
+        if self.levels is not None:
+            gathered = _RankOrdered(gathered, *self.levels[1::2])
         fulls = [self._decode(wire, gathered, metas.get(i, wire.meta))
                  for i, wire in enumerate(self.wires.params)]
         plains = dict(self._spanned(stand_ins))
@@ -328,9 +330,13 @@ class TracedBucket:
                 yield from zip([k for k, _, _, _ in members],
                                _Spans.apply(stand_ins[group], spans))
 
-    def _decode(self, wire, gathered: Sequence[torch.Tensor], meta) -> torch.Tensor:
-        fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
-                 for plan in wire.copies]
+    def _decode(self, wire, gathered, meta) -> torch.Tensor:
+        if self.levels is None:
+            fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
+                     for plan in wire.copies]
+        else:
+            fulls = [_full_regrouped(plan, gathered, self.layout, self.starts[0], self.world)
+                     for plan in wire.copies]
         fmt = wire.format
         return fmt.traced_decode(fulls) if isinstance(fmt, BlockQuantized) else \
             fmt.decode(fulls, meta)
@@ -345,6 +351,39 @@ def _levels(bucket: Bucket):
     subgroups, rank = bucket.subgroups, bucket.rank
     return (subgroups.across(rank, n).group_name, bucket.world_size // n,
             subgroups.of(rank, n).group_name, n)
+
+
+class _RankOrdered:
+    """An int reshard's position-major gather outputs (`regrouped`, one per gather
+    group: `size` groups of `kept` segments), each put in rank order on first use
+    only (one copy), for the plans that cannot read them as they are
+    (`CopyPlan.traced_full_regrouped`)."""
+
+    def __init__(self, regrouped: Sequence[torch.Tensor], kept: int, size: int) -> None:
+        self.regrouped, self.kept, self.size, self._ordered = list(regrouped), kept, size, {}
+
+    def __len__(self) -> int:
+        return len(self.regrouped)
+
+    def __iter__(self):
+        return (self[group] for group in range(len(self)))
+
+    def __getitem__(self, group: int) -> torch.Tensor:
+        if group not in self._ordered:
+            out = self.regrouped[group].view(self.size, self.kept, -1)
+            self._ordered[group] = out.transpose(0, 1).reshape(-1)
+        return self._ordered[group]
+
+
+def _full_regrouped(plan, outputs: _RankOrdered, layout, starts: Sequence[int],
+                    world: int) -> torch.Tensor:
+    """`plan`'s full tensor out of an int reshard's gather outputs: read from the
+    position-major order where the plan can, else from the rank-ordered copy."""
+    group, size = layout.regions[plan.region].group, plan.dtype.itemsize
+    full = plan.traced_full_regrouped(_typed(outputs.regrouped[group], plan.dtype),
+                                      world * starts[group] // size,
+                                      layout.stride(plan.region) // size, outputs.size)
+    return full if full is not None else _full(plan, outputs, layout, starts, world, bytes_=True)
 
 
 def _full(plan, outputs: Sequence[torch.Tensor], layout, starts: Sequence[int], world: int,
