@@ -27,7 +27,7 @@ SHAPES = [(64, 80), (48, 16), (8, 2048), (6, 5000)]
 
 
 def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch.dtype,
-          block_rows: int = 1) -> None:
+          block_rows: int = 1, shared: bool = False) -> None:
     """Raise AssertionError unless the fused path writes what the eager one does."""
     gen = torch.Generator().manual_seed(0)
     pieces = [(torch.randn(s, generator=gen) * 3).to(device=device, dtype=dtype) for s in SHAPES]
@@ -37,6 +37,13 @@ def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch
     (data, scales), _ = fmt.encode_batch(formats, pieces, None, {})
     outs = [(torch.full(p.shape, 3, dtype=torch.int8, device=device).view(qdtype),
              torch.full((p.shape[0] // block_rows,), -1.0, device=device)) for p in pieces]
+    if shared:  # as a bucket holds them: the pieces in one storage, the parts in one buffer
+        pieces = _carved(pieces, torch.empty(_room(pieces), dtype=dtype, device=device))
+        datas, scales_ = zip(*outs)
+        split = -(-_room(datas) // 16) * 16
+        send = torch.full((split + 4 * _room(scales_),), 3, dtype=torch.uint8, device=device)
+        outs = list(zip(_carved(datas, send[:split].view(qdtype)),
+                        _carved(scales_, send[split:].view(torch.float32))))
     assert fmt.encode_batch_into(formats, pieces, outs, None, {}) is not None, \
         "the fused encode did not run"
     fused_data = torch.cat([d.reshape(-1).view(torch.uint8) for d, _ in outs])
@@ -45,7 +52,7 @@ def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch
     assert torch.equal(torch.cat([s for _, s in outs]), scales), f"{qdtype} scales differ"
     fulls = [list(parts) for parts in outs]
     fused = fmt._decode_fused(formats, fulls, quantized._DecodePlan(formats, SHAPES),
-                              fmt.batch_out(formats, SHAPES, torch.device(device))[0])
+                              fmt.batch_out(formats, SHAPES, torch.device(device))[0], {})
     eager = _eager_decode(fmt, formats, fulls)
     for got, want in zip(fused, eager):
         assert got.dtype == want.dtype == out_dtype and got.shape == want.shape
@@ -70,6 +77,21 @@ def check_float8(device: str, dtype: torch.dtype, wire: torch.dtype) -> None:
         f"{dtype} -> {wire}: {(fused != eager.view(torch.uint8)).sum()} bytes differ"
 
 
+def _room(tensors) -> int:
+    """Elements for `tensors` and a gap of 16 after each."""
+    return sum(t.numel() + 16 for t in tensors)
+
+
+def _carved(tensors, flat: torch.Tensor) -> list:
+    """Copies of `tensors` carved out of `flat` (their dtype), in reverse order with
+    gaps: one launch reaches them by their offsets in one storage."""
+    out, at = [None] * len(tensors), 0
+    for i in reversed(range(len(tensors))):
+        out[i] = flat[at:at + tensors[i].numel()].view(tensors[i].shape).copy_(tensors[i])
+        at += tensors[i].numel() + 16
+    return out
+
+
 def _eager_decode(fmt, formats, fulls) -> list:
     """decode_batch with the fused kernels switched off."""
     fused = quantized.fused_kernels
@@ -83,6 +105,7 @@ def _eager_decode(fmt, formats, fulls) -> list:
 if __name__ == "__main__":  # the interpreter run on CPU: the kernels take CPU tensors
     quantized.fused_kernels = lambda tensors: True
     for block_rows in (1, 2):
-        check("cpu", torch.int8, torch.float32, torch.float32, block_rows)
+        for shared in (False, True):
+            check("cpu", torch.int8, torch.float32, torch.float32, block_rows, shared)
     print("fused int8 encode/decode: bit-equal to eager (Triton interpreter, CPU)")
     sys.exit(0)

@@ -380,7 +380,8 @@ def test_fused_quantized_gather_kernels_write_the_eager_bits(qdtype, dtype, out_
     from fused_quant_check import check
 
     for block_rows in (1, 2):
-        check("cuda", qdtype, dtype, out_dtype, block_rows)
+        for shared in (False, True):  # apart, and in one storage / one buffer as a bucket's
+            check("cuda", qdtype, dtype, out_dtype, block_rows, shared)
 
 
 @pytest.mark.parametrize("wire", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])

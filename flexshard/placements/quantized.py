@@ -125,16 +125,15 @@ class BlockQuantized(WireFormat):
         return (self._quantize(scaled, True), scale), [None] * len(pieces)
 
     def encode_batch_into(self, formats, pieces, outs, mesh, cache) -> Optional[list]:
-        """On CUDA: each piece quantized by one fused kernel straight into its
-        parts in the gather input (`outs`); None elsewhere (encode_batch runs)."""
+        """On CUDA: the pieces quantized by one fused kernel launch straight into
+        their parts in the gather input (`outs`); None elsewhere (encode_batch runs)."""
         if not fused_kernels(pieces):
             return None
         from .quantized_kernels import quantize_rows
 
-        for fmt, piece, (data, scales) in zip(formats, pieces, outs):
-            width = fmt._width(piece.shape)
-            quantize_rows(piece.view(-1, width), data.view(-1, width), scales,
-                          _QMAX[self.dtype], _INV_QMAX[self.dtype], _EPS)
+        quantize_rows(pieces, [data for data, _ in outs], [scales for _, scales in outs],
+                      [fmt._width(piece.shape) for fmt, piece in zip(formats, pieces)],
+                      _QMAX[self.dtype], _INV_QMAX[self.dtype], _EPS, cache)
         return [None] * len(pieces)
 
     def batch_out(self, formats, shapes, device) -> tuple:
@@ -151,14 +150,14 @@ class BlockQuantized(WireFormat):
         """decode of every param at once, each a view of one buffer (`out`, else
         new): the params joined in order of their blocks' width, so that one
         multiply by the scales (broadcast over a block) covers all params of one
-        width. On CUDA one fused kernel per param reads its gathered parts instead."""
+        width. On CUDA one fused kernel launch reads the gathered parts instead."""
         plan = cache.get("decode")
         if plan is None:
             plan = cache["decode"] = _DecodePlan(formats, [parts[0].shape for parts in fulls])
         if out is None:
             out = torch.empty(sum(plan.numels), dtype=self.out_dtype, device=fulls[0][0].device)
         if fused_kernels([f for parts in fulls for f in parts]):
-            return self._decode_fused(formats, fulls, plan, out)
+            return self._decode_fused(formats, fulls, plan, out, cache)
         data = joined([fulls[i][0] for i in plan.order], _JOIN_AS[self.dtype])
         scales = joined([fulls[i][1] for i in plan.order], torch.float32)
         for start, stop, first, last, width in plan.runs:
@@ -171,17 +170,18 @@ class BlockQuantized(WireFormat):
             params[i] = piece.view(fulls[i][0].shape)
         return params
 
-    def _decode_fused(self, formats, fulls, plan: "_DecodePlan", out: torch.Tensor) -> list:
+    def _decode_fused(self, formats, fulls, plan: "_DecodePlan", out: torch.Tensor,
+                      cache: dict) -> list:
         """decode_batch's params in `out`, laid out as the eager path lays them out,
-        each written by one kernel from its gathered parts (no join, no float32 copy)."""
+        written by one kernel launch from their gathered parts (no join, no float32 copy)."""
         from .quantized_kernels import dequantize_rows
 
         params = [None] * len(fulls)
         for i, piece in zip(plan.order, out.split_with_sizes(plan.numels)):
-            data, scales = fulls[i]
-            width = formats[i]._width(data.shape)
-            dequantize_rows(data.view(-1, width), scales, piece.view(-1, width))
-            params[i] = piece.view(data.shape)
+            params[i] = piece.view(fulls[i][0].shape)
+        dequantize_rows([data for data, _ in fulls], [scales for _, scales in fulls], params,
+                        [fmt._width(data.shape) for fmt, (data, _) in zip(formats, fulls)],
+                        cache)
         return params
 
     def _width(self, shape: torch.Size) -> int:

@@ -3,8 +3,11 @@
 The eager ops of `BlockQuantized.encode_batch` / `decode_batch` read and write a
 bucket's weights about ten times (join, abs, amax, spread, divide, round, clamp,
 cast, scatter; join, multiply): on an H200 at 8 Llama-3-8B layers and a fake world
-of 8 that was +24% step time against bf16 gathers. Here each weight is one launch
-that reads it once and writes its wire parts (or its decoded tensor) once:
+of 8 that was +24% step time against bf16 gathers. Here a bucket's weights are one
+launch (a program per block of rows of any of them, which reads it once and writes
+its wire parts, or its decoded rows, once). One launch per weight was 224 a step at
+that shape, and the host, not the GPU, set the step's pace. A table made once per
+bucket layout says where each block lies (`_table`):
 
 - `quantize_rows`: per block of rows, amax over the block, scale = max(amax, eps)
   times 1/qmax, then every element divided by the scale (IEEE division, `div_rn`),
@@ -25,6 +28,7 @@ path runs. quantized.py imports this module only for a CUDA tensor.
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
@@ -44,23 +48,66 @@ def fused_available(device: torch.device) -> bool:
             and os.environ.get("FLEXSHARD_FUSED_QUANT", "1") != "0")
 
 
-def quantize_rows(src: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
-                  qmax: float, inv_qmax: float, eps: float) -> None:
-    """Quantize `src` ([blocks, width], contiguous) into `data` (int8 or e4m3,
-    same shape) and `scales` ([blocks] float32)."""
-    blocks, width = src.shape
-    if blocks:
-        _quantize[(blocks,)](src, data, scales, width, qmax, inv_qmax, eps,
-                             INT8=data.dtype == torch.int8, BLOCK=_BLOCK, num_warps=8)
+def quantize_rows(srcs: Sequence[torch.Tensor], datas: Sequence[torch.Tensor],
+                  scales: Sequence[torch.Tensor], widths: Sequence[int], qmax: float,
+                  inv_qmax: float, eps: float, cache: dict) -> None:
+    """Quantize each `srcs[i]` (contiguous, of blocks of `widths[i]` elements) into
+    `datas[i]` (int8 or e4m3, its shape) and `scales[i]` (float32, one per block):
+    one launch for them all (one per source dtype), a program per block."""
+    by_dtype: dict = {}
+    for i, src in enumerate(srcs):
+        by_dtype.setdefault(src.dtype, []).append(i)
+    int8 = datas[0].dtype == torch.int8
+    for dtype, members in by_dtype.items():
+        roles = ([datas[i] for i in members], [scales[i] for i in members],
+                 [srcs[i] for i in members])
+        table, bases = _table(cache, ("quantize", dtype), roles, [widths[i] for i in members])
+        if table.shape[0]:
+            _quantize[(table.shape[0],)](*bases, table, qmax, inv_qmax, eps, INT8=int8,
+                                         BLOCK=_BLOCK, num_warps=8)
 
 
-def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """`out` ([blocks, width]) = `data` ([blocks, width]) times `scales[:, None]`,
-    in float32, rounded once to out's dtype."""
-    blocks, width = data.shape
-    if blocks:
-        _dequantize[(blocks, -(-width // _BLOCK))](data, scales, out, width, BLOCK=_BLOCK,
-                                                   num_warps=4)
+def dequantize_rows(datas: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                    outs: Sequence[torch.Tensor], widths: Sequence[int], cache: dict) -> None:
+    """Each `outs[i]` = `datas[i]` times its blocks' `scales[i]` (blocks of `widths[i]`
+    elements), in float32, rounded once to out's dtype: one launch, a program per block."""
+    table, bases = _table(cache, ("dequantize",), (datas, scales, outs), widths)
+    if table.shape[0]:
+        _dequantize[(table.shape[0],)](*bases, table, BLOCK=_BLOCK, num_warps=4)
+
+
+def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int]) -> tuple:
+    """(table, bases) of one launch over every block of the tensors of `roles`:
+    (data, scales, other), the data and the other in blocks of `width` elements, the
+    scales one per block. A table row per block: where its data, its scale and its
+    other start, and its width, in elements from each role's base (the role's tensor
+    lowest in memory), so that one launch reaches tensors wherever they lie on the
+    device. Made on first use, kept per `name` while the tensors keep their places
+    relative to each other (a bucket's storage, its gather buffers)."""
+    bases = [min(tensors, key=lambda t: t.data_ptr()) for tensors in roles]
+    offsets = tuple(tuple(_elements(t, base) for t in tensors)
+                    for tensors, base in zip(roles, bases))
+    key = (offsets, tuple(widths), tuple(t.numel() for t in roles[0]), bases[0].device)
+    kept = cache.get(name)
+    if kept is None or kept[0] != key:
+        rows = []
+        for i, width in enumerate(widths):
+            blocks = torch.arange(roles[0][i].numel() // width, dtype=torch.int64)
+            rows.append(torch.stack([offsets[0][i] + blocks * width, offsets[1][i] + blocks,
+                                     offsets[2][i] + blocks * width,
+                                     torch.full_like(blocks, width)], dim=1))
+        table = torch.cat(rows) if rows else torch.empty(0, 4, dtype=torch.int64)
+        kept = cache[name] = (key, table.to(bases[0].device))
+    return kept[1], bases
+
+
+def _elements(tensor: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from `base` to `tensor` (one dtype), by address."""
+    gap = tensor.data_ptr() - base.data_ptr()
+    if gap % tensor.element_size():
+        raise AssertionError(f"a fused kernel's tensors lie {gap} bytes apart, not a "
+                             f"multiple of {tensor.dtype}'s size")
+    return gap // tensor.element_size()
 
 
 def scale_and_cast(src: torch.Tensor, scales: torch.Tensor, index: int, out: torch.Tensor,
@@ -75,35 +122,41 @@ def scale_and_cast(src: torch.Tensor, scales: torch.Tensor, index: int, out: tor
 
 if triton is not None:
     @triton.jit
-    def _quantize(src, data, scales, width, qmax, inv_qmax, eps,
+    def _quantize(data, scales, src, table, qmax, inv_qmax, eps,
                   INT8: tl.constexpr, BLOCK: tl.constexpr):
-        base = tl.program_id(0).to(tl.int64) * width
+        # this program's block: its data's first element, its scale, width (the
+        # table's third column is the source's first element)
+        row = table + tl.program_id(0).to(tl.int64) * 4
+        at, scale_at, src_at, width = tl.load(row), tl.load(row + 1), tl.load(row + 2), \
+            tl.load(row + 3)
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(src + base + cols, mask=cols < width, other=0.0).to(tl.float32)
+            x = tl.load(src + src_at + cols, mask=cols < width, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.maximum(tl.max(amax, axis=0), eps) * inv_qmax
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < width
-            x = tl.load(src + base + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(src + src_at + cols, mask=mask, other=0.0).to(tl.float32)
             y = tl.math.div_rn(x, scale)
             if INT8:  # + and - 1.5 * 2**23: rounds |y| < 2**22 half to even, as torch.round
                 y = (y + 12582912.0) - 12582912.0
             y = tl.minimum(tl.maximum(y, -qmax), qmax)
-            tl.store(data + base + cols, y.to(data.dtype.element_ty), mask=mask)
-        tl.store(scales + tl.program_id(0), scale)
+            tl.store(data + at + cols, y.to(data.dtype.element_ty), mask=mask)
+        tl.store(scales + scale_at, scale)
 
     @triton.jit
-    def _dequantize(data, scales, out, width, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        at = row.to(tl.int64) * width + cols
-        scale = tl.load(scales + row)
-        x = tl.load(data + at, mask=mask).to(tl.float32)
-        tl.store(out + at, (x * scale).to(out.dtype.element_ty), mask=mask)
+    def _dequantize(data, scales, out, table, BLOCK: tl.constexpr):
+        row = table + tl.program_id(0).to(tl.int64) * 4
+        at, scale_at, out_at, width = tl.load(row), tl.load(row + 1), tl.load(row + 2), \
+            tl.load(row + 3)
+        scale = tl.load(scales + scale_at)
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < width
+            x = tl.load(data + at + cols, mask=mask).to(tl.float32)
+            tl.store(out + out_at + cols, (x * scale).to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _scale_and_cast(src, scales, index, out, n, top, BLOCK: tl.constexpr):
