@@ -27,6 +27,7 @@ path runs. quantized.py imports this module only for a CUDA tensor.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Sequence
 
@@ -61,30 +62,34 @@ def quantize_rows(srcs: Sequence[torch.Tensor], datas: Sequence[torch.Tensor],
     for dtype, members in by_dtype.items():
         roles = ([datas[i] for i in members], [scales[i] for i in members],
                  [srcs[i] for i in members])
-        table, bases = _table(cache, ("quantize", dtype), roles, [widths[i] for i in members])
+        table, bases, align = _table(cache, ("quantize", dtype), roles,
+                                     [widths[i] for i in members])
         if table.shape[0]:
             _quantize[(table.shape[0],)](*bases, table, qmax, inv_qmax, eps, INT8=int8,
-                                         BLOCK=_BLOCK, num_warps=8)
+                                         ALIGN=align, BLOCK=_BLOCK, num_warps=8)
 
 
 def dequantize_rows(datas: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                     outs: Sequence[torch.Tensor], widths: Sequence[int], cache: dict) -> None:
     """Each `outs[i]` = `datas[i]` times its blocks' `scales[i]` (blocks of `widths[i]`
     elements), in float32, rounded once to out's dtype: one launch, a program per block."""
-    table, bases = _table(cache, ("dequantize",), (datas, scales, outs), widths)
+    table, bases, align = _table(cache, ("dequantize",), (datas, scales, outs), widths)
     if table.shape[0]:
-        _dequantize[(table.shape[0],)](*bases, table, BLOCK=_BLOCK, num_warps=4)
+        _dequantize[(table.shape[0],)](*bases, table, ALIGN=align, BLOCK=_BLOCK, num_warps=4)
 
 
 def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int]) -> tuple:
-    """(table, bases) of one launch over every block of the tensors of `roles`:
+    """(table, bases, align) of one launch over every block of the tensors of `roles`:
     (data, scales, other), the data and the other in blocks of `width` elements, the
     scales one per block. A table row per block: where its data, its scale and its
-    other start, and its width, in elements from each role's base (the role's tensor
-    lowest in memory), so that one launch reaches tensors wherever they lie on the
-    device. Made on first use, kept per `name` while the tensors keep their places
-    relative to each other (a bucket's storage, its gather buffers)."""
-    bases = [min(tensors, key=lambda t: t.data_ptr()) for tensors in roles]
+    other start, and its width, in elements from each role's base (the start of the
+    role's storage lowest in memory, so that one launch reaches tensors wherever they
+    lie on the device); `align`, a power of two (at most 16) dividing every data and
+    other offset and width, for the kernels' vector loads. Made on first use, kept per
+    `name` while the tensors keep their places relative to each other (a bucket's
+    storage, its gather buffers)."""
+    bases = [_storage_start(min(tensors, key=lambda t: t.untyped_storage().data_ptr()))
+             for tensors in roles]
     offsets = tuple(tuple(_elements(t, base) for t in tensors)
                     for tensors, base in zip(roles, bases))
     key = (offsets, tuple(widths), tuple(t.numel() for t in roles[0]), bases[0].device)
@@ -97,8 +102,14 @@ def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int]) -> tup
                                      offsets[2][i] + blocks * width,
                                      torch.full_like(blocks, width)], dim=1))
         table = torch.cat(rows) if rows else torch.empty(0, 4, dtype=torch.int64)
-        kept = cache[name] = (key, table.to(bases[0].device))
-    return kept[1], bases
+        align = math.gcd(16, *offsets[0], *offsets[2], *widths)  # a power of two
+        kept = cache[name] = (key, table.to(bases[0].device), align)
+    return kept[1], bases, kept[2]
+
+
+def _storage_start(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of `tensor`'s dtype at the start of its storage."""
+    return tensor.new_empty(0).set_(tensor.untyped_storage(), 0, (0,))
 
 
 def _elements(tensor: torch.Tensor, base: torch.Tensor) -> int:
@@ -110,25 +121,15 @@ def _elements(tensor: torch.Tensor, base: torch.Tensor) -> int:
     return gap // tensor.element_size()
 
 
-def scale_and_cast(src: torch.Tensor, scales: torch.Tensor, index: int, out: torch.Tensor,
-                   top: float) -> None:
-    """`out` = `src` times `scales[index]` in float32, saturated to +-`top` and cast to
-    out's dtype (torchao's float8 weight cast: placements/float8.py), all contiguous."""
-    n = src.numel()
-    if n:
-        _scale_and_cast[(-(-n // _BLOCK),)](src, scales, index, out, n, top, BLOCK=_BLOCK,
-                                             num_warps=4)
-
-
 if triton is not None:
     @triton.jit
     def _quantize(data, scales, src, table, qmax, inv_qmax, eps,
-                  INT8: tl.constexpr, BLOCK: tl.constexpr):
-        # this program's block: its data's first element, its scale, width (the
-        # table's third column is the source's first element)
+                  INT8: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+        # this program's block: where its data, its scale and its source start, its width
         row = table + tl.program_id(0).to(tl.int64) * 4
-        at, scale_at, src_at, width = tl.load(row), tl.load(row + 1), tl.load(row + 2), \
-            tl.load(row + 3)
+        at, scale_at = tl.multiple_of(tl.load(row), ALIGN), tl.load(row + 1)
+        src_at = tl.multiple_of(tl.load(row + 2), ALIGN)
+        width = tl.multiple_of(tl.load(row + 3), ALIGN)
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -147,10 +148,11 @@ if triton is not None:
         tl.store(scales + scale_at, scale)
 
     @triton.jit
-    def _dequantize(data, scales, out, table, BLOCK: tl.constexpr):
+    def _dequantize(data, scales, out, table, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
         row = table + tl.program_id(0).to(tl.int64) * 4
-        at, scale_at, out_at, width = tl.load(row), tl.load(row + 1), tl.load(row + 2), \
-            tl.load(row + 3)
+        at, scale_at = tl.multiple_of(tl.load(row), ALIGN), tl.load(row + 1)
+        out_at = tl.multiple_of(tl.load(row + 2), ALIGN)
+        width = tl.multiple_of(tl.load(row + 3), ALIGN)
         scale = tl.load(scales + scale_at)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)

@@ -85,7 +85,8 @@ class _GatherReduce(torch.autograd.Function):
                 levels=None):
         ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, len(splits[1]))
         sends = send.split(splits[0]) if len(splits[0]) > 1 else [send]
-        gathered = _gather(sends, world, group) if levels is None else _gather_in_two(sends, *levels)
+        gathered = (_gather(sends, world, group) if levels is None
+                    else _gather_in_two(sends, *levels))
         stand_ins = [segment.new_empty(world * n) for n in splits[1]]
         ctx.mark_non_differentiable(*gathered)
         return (*stand_ins, *gathered)
