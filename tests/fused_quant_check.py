@@ -59,22 +59,40 @@ def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch
         assert torch.equal(got, want), f"{qdtype} -> {out_dtype}: decoded params differ"
 
 
-def check_float8(device: str, dtype: torch.dtype, wire: torch.dtype) -> None:
+def check_float8(device: str, dtype: torch.dtype, wire: torch.dtype,
+                 shared: bool = False) -> None:
     """torchao's float8 weight cast (placements/float8.py): the fused cast_into
-    writes the bits the eager cast joins, scales far apart and one weight zero."""
+    writes the bits the eager cast joins, scales far apart and one weight zero.
+    `wire` float32 (the interpreter's run: its float8 rounding is not a GPU's) checks
+    each weight's place and scale: the products, exactly."""
     from flexshard.placements import float8
 
     gen = torch.Generator().manual_seed(1)
     pieces = [(torch.randn(s, generator=gen) * 10.0 ** (i - 2)).to(device=device, dtype=dtype)
               for i, s in enumerate(SHAPES)]
     pieces[0].zero_()
-    scale = float8.scales(float8.amax(pieces, None), wire)
-    eager = float8.cast(pieces, scale, wire, {})
-    outs = [torch.full(p.shape, 3, dtype=torch.int8, device=device).view(wire) for p in pieces]
-    float8.cast_into(pieces, scale, outs)
-    fused = torch.cat([o.reshape(-1).view(torch.uint8) for o in outs])
-    assert torch.equal(fused, eager.view(torch.uint8)), \
-        f"{dtype} -> {wire}: {(fused != eager.view(torch.uint8)).sum()} bytes differ"
+    scale_dtype = torch.float8_e4m3fn if wire == torch.float32 else wire
+    scale = float8.scales(float8.amax(pieces, None), scale_dtype)
+    if wire == torch.float32:
+        eager = torch.cat([(p.float() * s).reshape(-1) for p, s in zip(pieces, scale)])
+    else:
+        eager = float8.cast(pieces, scale, wire, {})
+    outs = [_unwritten(p.shape, wire, device) for p in pieces]
+    if shared:  # the pieces in one storage, the outputs in one gather input
+        pieces = _carved(pieces, torch.empty(_room(pieces), dtype=dtype, device=device))
+        outs = _carved(outs, _unwritten((_room(outs),), wire, device))
+    float8.cast_into(pieces, scale, outs, {})
+    fused = torch.cat([o.reshape(-1) for o in outs])
+    assert torch.equal(fused.view(torch.uint8), eager.view(torch.uint8)), \
+        f"{dtype} -> {wire}: {(fused.view(torch.uint8) != eager.view(torch.uint8)).sum()} " \
+        "bytes differ"
+
+
+def _unwritten(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of `dtype` holding 3 in every byte (or 3.0: float32), before a kernel writes."""
+    if dtype.itemsize > 1:
+        return torch.full(shape, 3.0, dtype=dtype, device=device)
+    return torch.full(shape, 3, dtype=torch.uint8, device=device).view(dtype)
 
 
 def _room(tensors) -> int:
@@ -108,4 +126,7 @@ if __name__ == "__main__":  # the interpreter run on CPU: the kernels take CPU t
         for shared in (False, True):
             check("cpu", torch.int8, torch.float32, torch.float32, block_rows, shared)
     print("fused int8 encode/decode: bit-equal to eager (Triton interpreter, CPU)")
+    for shared in (False, True):
+        check_float8("cpu", torch.float32, torch.float32, shared)
+    print("fused float8 cast: each weight at its place and scale (Triton interpreter, CPU)")
     sys.exit(0)

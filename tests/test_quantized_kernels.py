@@ -35,7 +35,7 @@ def test_cpu_tensors_take_the_eager_path_without_importing_triton():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.parametrize("kernel", ["quantize", "dequantize"])
+@pytest.mark.parametrize("kernel", ["quantize", "dequantize", "cast"])
 def test_the_fused_kernels_compile_for_a_gpu_with_vector_loads(kernel):
     """Compiled here for an H100 (sm_90; Triton compiles without a GPU): the kernels
     build, and with 16-byte aligned bases and offsets (`ALIGN`) they read in 16-byte
@@ -54,6 +54,11 @@ def test_the_fused_kernels_compile_for_a_gpu_with_vector_loads(kernel):
                      "qmax": "fp32", "inv_qmax": "fp32", "eps": "fp32", "INT8": "constexpr",
                      "ALIGN": "constexpr", "BLOCK": "constexpr"}
         constexprs = {"INT8": True, "ALIGN": 16, "BLOCK": qk._BLOCK}
+    elif kernel == "cast":
+        fn, warps = qk._scale_and_cast, 4
+        signature = {"out": "*fp8e4nv", "scales": "*fp32", "src": "*bf16", "table": "*i64",
+                     "top": "fp32", "ALIGN": "constexpr", "BLOCK": "constexpr"}
+        constexprs = {"ALIGN": 16, "BLOCK": qk._BLOCK}
     else:
         fn, warps = qk._dequantize, 4
         signature = {"data": "*i8", "scales": "*fp32", "out": "*bf16", "table": "*i64",

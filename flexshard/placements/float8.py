@@ -108,11 +108,10 @@ def cast_each(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.
 
 
 def cast_into(pieces: Sequence[torch.Tensor], scale: torch.Tensor,
-              outs: Sequence[torch.Tensor]) -> None:
-    """cast, each piece straight into its place in the gather input (`outs`) by one
-    fused kernel (placements/quantized_kernels.py, where batch.fused_kernels): the same
-    float32 products, clamp and rounding, without spreading the scales."""
+              outs: Sequence[torch.Tensor], cache: dict) -> None:
+    """cast, each piece straight into its place in the gather input (`outs`), by one
+    fused kernel launch (placements/quantized_kernels.py, where batch.fused_kernels):
+    the same float32 products, clamp and rounding, without spreading the scales."""
     from .quantized_kernels import scale_and_cast
 
-    for i, (piece, out) in enumerate(zip(pieces, outs)):
-        scale_and_cast(piece, scale, i, out, torch.finfo(out.dtype).max)
+    scale_and_cast(pieces, scale, outs, torch.finfo(outs[0].dtype).max, cache)

@@ -20,7 +20,8 @@ bucket layout says where each block lies (`_table`):
   whose CUDA kernel writes each repeat from one thread: 65 ms per step on an H200.
 
 The same float32 operations, element by element, as the eager path: the same bits
-(tests/test_cuda.py compares them on the GPU). Used only on CUDA devices where
+(tests/test_cuda.py compares them on the GPU; tests/test_quantized_kernels.py runs them
+under Triton's interpreter and compiles them for sm_90 on a CPU machine). Used only on CUDA devices where
 Triton imports; everywhere else (CPU, or `FLEXSHARD_FUSED_QUANT=0`) the eager
 path runs. quantized.py imports this module only for a CUDA tensor.
 """
@@ -78,31 +79,53 @@ def dequantize_rows(datas: Sequence[torch.Tensor], scales: Sequence[torch.Tensor
         _dequantize[(table.shape[0],)](*bases, table, ALIGN=align, BLOCK=_BLOCK, num_warps=4)
 
 
-def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int]) -> tuple:
+def scale_and_cast(srcs: Sequence[torch.Tensor], scales: torch.Tensor,
+                   outs: Sequence[torch.Tensor], top: float, cache: dict) -> None:
+    """Each `outs[i]` = `srcs[i]` times `scales[i]` in float32, saturated to +-`top`
+    and cast to out's dtype (torchao's float8 weight cast: placements/float8.py), all
+    contiguous: one launch (one per source dtype), a program per `_BLOCK` elements."""
+    by_dtype: dict = {}
+    for i, src in enumerate(srcs):
+        by_dtype.setdefault(src.dtype, []).append(i)
+    for dtype, members in by_dtype.items():
+        roles = ([outs[i] for i in members], [scales[i:i + 1] for i in members],
+                 [srcs[i] for i in members])
+        table, bases, align = _table(cache, ("cast", dtype), roles, [_BLOCK] * len(members),
+                                     scale_step=0)
+        if table.shape[0]:
+            _scale_and_cast[(table.shape[0],)](*bases, table, top, ALIGN=align, BLOCK=_BLOCK,
+                                               num_warps=4)
+
+
+def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int],
+           scale_step: int = 1) -> tuple:
     """(table, bases, align) of one launch over every block of the tensors of `roles`:
-    (data, scales, other), the data and the other in blocks of `width` elements, the
-    scales one per block. A table row per block: where its data, its scale and its
-    other start, and its width, in elements from each role's base (the start of the
-    role's storage lowest in memory, so that one launch reaches tensors wherever they
-    lie on the device); `align`, a power of two (at most 16) dividing every data and
-    other offset and width, for the kernels' vector loads. Made on first use, kept per
-    `name` while the tensors keep their places relative to each other (a bucket's
-    storage, its gather buffers)."""
+    (first, scales, second), the first and the second of one numel each, in blocks of
+    `width` elements (the last one short if need be), each block's scale `scale_step`
+    after the block before's (0: one scale a tensor). A table row per block: where its
+    first, its scale and its second start, and its length, in elements from each
+    role's base (the start of the role's storage lowest in memory, so that one launch
+    reaches tensors wherever they lie on the device); `align`, the largest power of
+    two (at most 16) dividing every offset and length of the first and second, for
+    the kernels' vector accesses. Made on first use, kept per `name` while the tensors
+    keep their places relative to each other (a bucket's storage, its gather buffers)."""
     bases = [_storage_start(min(tensors, key=lambda t: t.untyped_storage().data_ptr()))
              for tensors in roles]
     offsets = tuple(tuple(_elements(t, base) for t in tensors)
                     for tensors, base in zip(roles, bases))
-    key = (offsets, tuple(widths), tuple(t.numel() for t in roles[0]), bases[0].device)
+    numels = tuple(t.numel() for t in roles[0])
+    key = (offsets, tuple(widths), numels, scale_step, bases[0].device)
     kept = cache.get(name)
     if kept is None or kept[0] != key:
         rows = []
-        for i, width in enumerate(widths):
-            blocks = torch.arange(roles[0][i].numel() // width, dtype=torch.int64)
-            rows.append(torch.stack([offsets[0][i] + blocks * width, offsets[1][i] + blocks,
-                                     offsets[2][i] + blocks * width,
-                                     torch.full_like(blocks, width)], dim=1))
+        for i, (width, numel) in enumerate(zip(widths, numels)):
+            starts = torch.arange(0, numel, width, dtype=torch.int64)
+            rows.append(torch.stack([offsets[0][i] + starts,
+                                     offsets[1][i] + starts // width * scale_step,
+                                     offsets[2][i] + starts, (numel - starts).clamp(max=width)],
+                                    dim=1))
         table = torch.cat(rows) if rows else torch.empty(0, 4, dtype=torch.int64)
-        align = math.gcd(16, *offsets[0], *offsets[2], *widths)  # a power of two
+        align = math.gcd(16, *offsets[0], *offsets[2], *widths, *numels)  # a power of two
         kept = cache[name] = (key, table.to(bases[0].device), align)
     return kept[1], bases, kept[2]
 
@@ -161,10 +184,15 @@ if triton is not None:
             tl.store(out + out_at + cols, (x * scale).to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _scale_and_cast(src, scales, index, out, n, top, BLOCK: tl.constexpr):
-        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = at < n
-        scale = tl.load(scales + index)
-        y = tl.load(src + at, mask=mask, other=0.0).to(tl.float32) * scale
+    def _scale_and_cast(out, scales, src, table, top, ALIGN: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        row = table + tl.program_id(0).to(tl.int64) * 4
+        at, scale_at = tl.multiple_of(tl.load(row), ALIGN), tl.load(row + 1)
+        src_at = tl.multiple_of(tl.load(row + 2), ALIGN)
+        n = tl.multiple_of(tl.load(row + 3), ALIGN)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        scale = tl.load(scales + scale_at)
+        y = tl.load(src + src_at + cols, mask=mask, other=0.0).to(tl.float32) * scale
         y = tl.minimum(tl.maximum(y, -top), top)
-        tl.store(out + at, y.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + at + cols, y.to(out.dtype.element_ty), mask=mask)

@@ -73,7 +73,7 @@ class SubclassGather(WireFormat):
         if not (self.batched and fused_kernels(pieces)):
             return None
         scale = float8.bucket_scales(pieces, mesh, self.wire_dtype, cache)
-        float8.cast_into(pieces, scale, [parts[0] for parts in outs])
+        float8.cast_into(pieces, scale, [parts[0] for parts in outs], cache)
         return [(sub, (s,)) for sub, s in zip(_rebuilt(formats, pieces, cache),
                                               scale.unbind(0))]
 
