@@ -42,7 +42,8 @@ class TracedForward:
 
     def __init__(self, hooks: ModuleHooks, nested: bool) -> None:
         module = hooks.module
-        self.gathers = [TracedBucket(b, kept=nested) for b in hooks.buckets]  # raises before any change
+        # raises before any change
+        self.gathers = [TracedBucket(b, kept=nested) for b in hooks.buckets]
         self.buckets = hooks.buckets
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
         self.names = [[[".".join(filter(None, ("module", names[id(m)], attr))) for m, attr in slot]

@@ -65,9 +65,9 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     model_sd, optim_sd = _state_dicts(model, optimizer)
     holder = {"model": model_sd, "optim": optim_sd, "step": step}
     publish = functools.partial(_publish_step, tmp, final, directory, keep, rank == 0)
-    if async_:
-        with _single_process_quiet(state):
-            return async_saves(state).start(holder, tmp, publish)
+    if async_:  # its writer thread quiets DCP's note itself (not here: this thread's
+        # filter entry would go out while the writer's, equal to it, is in use)
+        return async_saves(state).start(holder, tmp, publish)
     with _single_process_quiet(state):
         dcp.save(holder, checkpoint_id=tmp, process_group=group)
     publish(group)

@@ -332,12 +332,10 @@ class TracedBucket:
                                _Spans.apply(stand_ins[group], spans))
 
     def _decode(self, wire, gathered, meta) -> torch.Tensor:
-        if self.levels is None:
-            fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
-                     for plan in wire.copies]
-        else:
-            fulls = [_full_regrouped(plan, gathered, self.layout, self.starts[0], self.world)
-                     for plan in wire.copies]
+        fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
+                 if self.levels is None else
+                 _full_regrouped(plan, gathered, self.layout, self.starts[0], self.world)
+                 for plan in wire.copies]
         fmt = wire.format
         return fmt.traced_decode(fulls) if isinstance(fmt, BlockQuantized) else \
             fmt.decode(fulls, meta)
