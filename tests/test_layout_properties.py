@@ -69,6 +69,18 @@ def buckets(draw, max_params=5, worlds=st.integers(1, 5)):
     return world, slots, fulls
 
 
+def _gathered(layout, slots, fulls, world):
+    """The rank-major gather output: what each rank contributes, its pieces at their
+    offsets."""
+    segments = []
+    for r in range(world):
+        buffer = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
+        for slot, full, view in zip(slots, fulls, segment_views(buffer, layout, slots, r)):
+            view.copy_(slot.placement.shard(full, r, world))
+        segments.append(buffer)
+    return torch.cat(segments)
+
+
 @FAST
 @given(st.integers(0, 200), st.lists(st.integers(0, 9), min_size=1, max_size=6))
 def test_shard_sizes_sum_and_proportion(n, units):
@@ -147,13 +159,7 @@ def test_gaps_and_pieces_tile_the_buffer(bucket):
 def test_gathered_buffer_holds_every_full_param(bucket):
     world, slots, fulls = bucket
     layout = plan_layout(slots, [s.dtype for s in slots], world)
-    segments = []
-    for r in range(world):  # what each rank contributes: its pieces at their offsets
-        buffer = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
-        for slot, full, view in zip(slots, fulls, segment_views(buffer, layout, slots, r)):
-            view.copy_(slot.placement.shard(full, r, world))
-        segments.append(buffer)
-    gathered = torch.cat(segments)
+    gathered = _gathered(layout, slots, fulls, world)
     for i, (slot, full) in enumerate(zip(slots, fulls)):
         out, copied = _decoded(gathered, layout, slots, i)
         assert torch.equal(out, full)
@@ -163,17 +169,6 @@ def test_gathered_buffer_holds_every_full_param(bucket):
             assert gathered.data_ptr() <= out.data_ptr() < gathered.data_ptr() + gathered.numel()
         if isinstance(slot.placement, fs.Owned):
             assert is_view  # one non-empty piece: always zero-copy
-
-
-def _gathered(layout, slots, fulls, world):
-    """The rank-major gather output: each rank's pieces at their offsets."""
-    segments = []
-    for r in range(world):
-        buffer = torch.zeros(layout.segment_bytes, dtype=torch.uint8)
-        for slot, full, view in zip(slots, fulls, segment_views(buffer, layout, slots, r)):
-            view.copy_(slot.placement.shard(full, r, world))
-        segments.append(buffer)
-    return torch.cat(segments)
 
 
 @FAST
