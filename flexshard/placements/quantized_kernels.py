@@ -20,10 +20,11 @@ bucket layout says where each block lies (`_table`):
   whose CUDA kernel writes each repeat from one thread: 65 ms per step on an H200.
 
 The same float32 operations, element by element, as the eager path: the same bits
-(tests/test_cuda.py compares them on the GPU; tests/test_quantized_kernels.py runs them
-under Triton's interpreter and compiles them for sm_90 on a CPU machine). Used only on CUDA devices where
-Triton imports; everywhere else (CPU, or `FLEXSHARD_FUSED_QUANT=0`) the eager
-path runs. quantized.py imports this module only for a CUDA tensor.
+(tests/test_cuda.py compares them on the GPU; tests/test_quantized_kernels.py runs
+them under Triton's interpreter and compiles them for sm_90 on a CPU machine). Used
+only on CUDA devices where Triton imports; everywhere else (CPU, or
+`FLEXSHARD_FUSED_QUANT=0`) the eager path runs. quantized.py imports this module
+only for a CUDA tensor.
 """
 
 from __future__ import annotations
@@ -56,11 +57,8 @@ def quantize_rows(srcs: Sequence[torch.Tensor], datas: Sequence[torch.Tensor],
     """Quantize each `srcs[i]` (contiguous, of blocks of `widths[i]` elements) into
     `datas[i]` (int8 or e4m3, its shape) and `scales[i]` (float32, one per block):
     one launch for them all (one per source dtype), a program per block."""
-    by_dtype: dict = {}
-    for i, src in enumerate(srcs):
-        by_dtype.setdefault(src.dtype, []).append(i)
     int8 = datas[0].dtype == torch.int8
-    for dtype, members in by_dtype.items():
+    for dtype, members in _by_dtype(srcs).items():
         roles = ([datas[i] for i in members], [scales[i] for i in members],
                  [srcs[i] for i in members])
         table, bases, align = _table(cache, ("quantize", dtype), roles,
@@ -84,10 +82,7 @@ def scale_and_cast(srcs: Sequence[torch.Tensor], scales: torch.Tensor,
     """Each `outs[i]` = `srcs[i]` times `scales[i]` in float32, saturated to +-`top`
     and cast to out's dtype (torchao's float8 weight cast: placements/float8.py), all
     contiguous: one launch (one per source dtype), a program per `_BLOCK` elements."""
-    by_dtype: dict = {}
-    for i, src in enumerate(srcs):
-        by_dtype.setdefault(src.dtype, []).append(i)
-    for dtype, members in by_dtype.items():
+    for dtype, members in _by_dtype(srcs).items():
         roles = ([outs[i] for i in members], [scales[i:i + 1] for i in members],
                  [srcs[i] for i in members])
         table, bases, align = _table(cache, ("cast", dtype), roles, [_BLOCK] * len(members),
@@ -95,6 +90,14 @@ def scale_and_cast(srcs: Sequence[torch.Tensor], scales: torch.Tensor,
         if table.shape[0]:
             _scale_and_cast[(table.shape[0],)](*bases, table, top, ALIGN=align, BLOCK=_BLOCK,
                                                num_warps=4)
+
+
+def _by_dtype(srcs: Sequence[torch.Tensor]) -> dict:
+    """dtype -> the indices of `srcs` of it (a kernel's source pointer has one type)."""
+    out: dict = {}
+    for i, src in enumerate(srcs):
+        out.setdefault(src.dtype, []).append(i)
+    return out
 
 
 def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int],
