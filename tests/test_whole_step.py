@@ -4,6 +4,7 @@ trains as the one-process reference does, with SGD, and nothing runs eagerly."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -326,17 +327,106 @@ def test_whole_step_int_reshard_regathers_within_the_smaller_group():
         assert r["kept_slice"], "the first gather's output is not what forward saves"
 
 
-def compile_custom_wire_format() -> None:
-    from test_wire_format import SPLIT
+@dataclass(frozen=True)
+class _Rotated(fs.WireFormat):
+    """A matrix sent times a signed permutation Q (exact), which encode hands
+    decode as its meta: decode multiplies by Q's transpose, a matmul, which the
+    checkpoint policy saves where it is not inside one opaque op."""
 
-    fs.compile(fs.flex_shard(make_model(), mp_policy=SPLIT))
+    def parts(self, shape, placement, world_size):
+        return (fs.WirePart(torch.Size(shape), torch.float32, placement),)
+
+    def encode(self, piece, outs, mesh=None):
+        n = piece.shape[-1]
+        signs = torch.ones(n, device=piece.device).index_fill_(0, torch.arange(0, n, 2), -1)
+        q = torch.eye(n, device=piece.device).flip(0) * signs
+        outs[0].copy_(piece @ q)
+        return (q,)
+
+    def decode(self, fulls, meta=None):
+        return fulls[0] @ meta[0].T
+
+
+@dataclass(frozen=True)
+class _RotateMatrices(fs.WirePolicy):
+    def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
+        return _Rotated() if len(shape) > 1 else None
+
+
+def test_whole_step_user_wire_format_trains_as_the_reference():
+    """A user-defined format whose decode is a matmul with its meta (_Rotated) on
+    the matrices of a model of Owned matrices and RaggedShard vectors, at an uneven
+    world of 3: the reference's training, and its decode (one opaque op) recomputed
+    in backward, so no decoded block weight is saved for backward."""
+    from test_wire_format import owned_matrices
+
+    config = {"mp_policy": fs.MixedPrecisionPolicy(gather_format=_RotateMatrices()),
+              "placement": owned_matrices}
+    for r in check_whole(3, config):
+        assert r["graphs"][1][1]["all_gather_into_tensor_coalesced"] == len(r["buckets"]) - 1
+        assert not r["kept"], f"saved for backward: {r['kept']}"
+
+
+@dataclass(frozen=True)
+class _Odd(fs.WireFormat):
+    """A format whose encode returns its meta as a list (`meta`), or whose decode
+    returns a tuple (`pair`)."""
+
+    kind: str
+
+    def parts(self, shape, placement, world_size):
+        return (fs.WirePart(torch.Size(shape), torch.float32, placement),)
+
+    def encode(self, piece, outs, mesh=None):
+        outs[0].copy_(piece)
+        return [piece.shape[0]] if self.kind == "meta" else None
+
+    def decode(self, fulls, meta=None):
+        return (fulls[0] * 1,) if self.kind == "pair" else fulls[0] * 1
+
+
+@dataclass(frozen=True)
+class _OddMatrices(fs.WirePolicy):
+    kind: str
+
+    def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
+        return _Odd(self.kind) if len(shape) > 1 else None
+
+
+def compile_odd_format(kind: str) -> None:
+    fs.compile(fs.flex_shard(make_model(), mp_policy=fs.MixedPrecisionPolicy(
+        gather_format=_OddMatrices(kind))), fullgraph=True, backend="aot_eager")
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("meta", r"wire format _Odd's encode returned a list as its meta; in a compiled step a "
+             r"user-defined format's meta must be None, a tensor or a tuple of tensors"),
+    ("pair", r"wire format _Odd's decode returned a tuple, not a plain tensor; compile each "
+             r"block with block.compile\(\) instead")])
+def test_whole_step_refuses_a_user_format_it_cannot_run_as_ops(kind, match):
+    """A user format's meta that is not tensors, or a decode that returns no
+    tensor: refused by fs.compile itself, before any collective, on every rank."""
+    expect_all_ranks_raise(2, compile_odd_format, "NotImplementedError", match, kind)
+
+
+def compile_unbatched_subclass() -> None:
+    """torchao's float8 weights as a subclass flexshard does not batch (as a user's
+    own FSDP2-style subclass is): its encode needs the mesh the graph lacks."""
+    from flexshard.placements import float8
+    from test_float8_gather import _wrap, float8_model
+
+    batched, float8.is_dynamic_float8 = float8.is_dynamic_float8, lambda *args: False
+    try:  # the world runs other tests after this one
+        fs.compile(_wrap("flexshard", float8_model(), torch.bfloat16))
+    finally:
+        float8.is_dynamic_float8 = batched
 
 
 def test_whole_step_refuses_what_it_leaves_out():
     """Before any change to the model and before any collective, on every rank."""
-    expect_all_ranks_raise(2, compile_custom_wire_format, "NotImplementedError",
-                           r"fs.compile does not support the wire format\(s\) SignSplit "
-                           r"\(bucket 'layers.0'\): compile each block with block.compile\(\) "
+    expect_all_ranks_raise(2, compile_unbatched_subclass, "NotImplementedError",
+                           r"fs.compile does not support the wire format\(s\) SubclassGather "
+                           r"\(bucket '.*'\): compile each block with block.compile\(\) "
                            "instead")
 
 

@@ -31,6 +31,7 @@ from ..placements.quantized import DECODE_NAMESPACE, BlockQuantized
 from ..placements.subclass import SubclassGather
 from ..placements.wire import Cast
 from ..planning.copyplan import plan_copies
+from . import opaque_format
 from .bucket import Bucket
 from .unsharded import plan_param_wires
 
@@ -182,11 +183,16 @@ def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buffer if buffer.dtype == dtype else buffer.view(torch.uint8).view(dtype)
 
 
+def _opaque(fmt) -> bool:
+    """Whether `fmt` encodes and decodes by the opaque ops (a user-defined format)."""
+    return not isinstance(fmt, (Cast, BlockQuantized, SubclassGather))
+
+
 def traced_unsupported(bucket: Bucket) -> list:
     """What the traced gather leaves out for `bucket`, in words (empty: none)."""
     layout, wire = bucket.gather.padded_layout, bucket.gather.wire
-    formats = {type(f).__name__ for f in wire.formats if not isinstance(f, (Cast, BlockQuantized))
-               and not (isinstance(f, SubclassGather) and f.batched)}
+    formats = {type(f).__name__ for f in wire.formats
+               if isinstance(f, SubclassGather) and not f.batched}
     return ([f"the wire format(s) {', '.join(sorted(formats))}"] if formats else []) + \
         ([] if layout.regions else ["no parameters"])
 
@@ -238,6 +244,13 @@ class TracedBucket:
         self.spanned = self._plan_spans(reduce, size)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
+        # a user-defined format's encode and decode: one op each (opaque_format.py)
+        self.opaque = {i: opaque_format.register(
+            w.format, [s[1:] for s in self.sends[i]],
+            [self.wire.slots[j].shape for j in self.wire.regions(i)])
+            for i, w in enumerate(self.wires.params) if _opaque(w.format)}
+        for i, key in self.opaque.items():
+            opaque_format.probe(key, bucket.params[i])
         self.offload = bucket.offload  # its compute device read at trace time (to() moves it)
         self.tp = [w.tp for w in bucket.wiring]
 
@@ -272,9 +285,12 @@ class TracedBucket:
                 bits, scale = cast8[i]
                 outs = [bits.reshape(sends[0][2])]
                 metas[i] = (wire.format.rebuild(piece.detach()), (scale,))
+            elif i in self.opaque:
+                encoded = opaque_format.encode(piece.detach(), self.opaque[i])
+                outs, metas[i] = encoded[:len(sends)], encoded[len(sends):]
             else:
                 outs = [piece.new_empty(shape, dtype=dtype) for _, dtype, shape in sends]
-                wire.meta = wire.format.encode(piece.detach(), outs, None)
+                metas[i] = wire.format.encode(piece.detach(), outs, None)
             parts += [(start, out) for (start, _, _), out in zip(sends, outs)]
         return _join(parts, self.layout.segment_bytes, sharded[0]), metas
 
@@ -309,7 +325,7 @@ class TracedBucket:
         stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
         if self.levels is not None:
             gathered = _RankOrdered(gathered, *self.levels[1::2])
-        fulls = [self._decode(wire, gathered, metas.get(i, wire.meta))
+        fulls = [self._decode(i, wire, gathered, metas.get(i))
                  for i, wire in enumerate(self.wires.params)]
         plains = dict(self._spanned(stand_ins))
         for k, i in enumerate(self.trainable):
@@ -331,14 +347,17 @@ class TracedBucket:
                 yield from zip([k for k, _, _, _ in members],
                                _Spans.apply(stand_ins[group], spans))
 
-    def _decode(self, wire, gathered, meta) -> torch.Tensor:
+    def _decode(self, slot: int, wire, gathered, meta) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
                  if self.levels is None else
                  _full_regrouped(plan, gathered, self.layout, self.starts[0], self.world)
                  for plan in wire.copies]
         fmt = wire.format
-        return fmt.traced_decode(fulls) if isinstance(fmt, BlockQuantized) else \
-            fmt.decode(fulls, meta)
+        if isinstance(fmt, BlockQuantized):
+            return fmt.traced_decode(fulls)
+        if slot in self.opaque:
+            return opaque_format.decode(fulls, meta, self.opaque[slot])
+        return fmt.decode(fulls, meta)
 
 
 def _levels(bucket: Bucket):
