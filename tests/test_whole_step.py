@@ -166,8 +166,14 @@ def test_whole_step_ragged_with_uneven_groups_gathers_the_padded_layout():
         assert r["breaks"] == 0
 
 
-def test_whole_step_bf16_gathers():
-    check_whole(2, {"mp_policy": BF16}, rel=2 ** -6)
+@pytest.mark.parametrize("world", [1, 2])
+def test_whole_step_bf16_gathers(world):
+    """bf16 gathers train as the reference; at one rank (a cast, so hooked) the
+    graphs hold no collective, as eager runs none."""
+    for r in check_whole(world, {"mp_policy": BF16}, rel=2 ** -6):
+        counts = [c for _, graph in r["graphs"] for c in graph.values()]
+        assert [kind for kind, _ in r["graphs"]] == ["forward", "backward"], r["graphs"]
+        assert (sum(counts) == 0) == (world == 1), r["graphs"]
 
 
 def _run(model, rank: int, clip: bool) -> dict:

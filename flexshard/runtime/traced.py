@@ -86,8 +86,11 @@ class _GatherReduce(torch.autograd.Function):
                 levels=None):
         ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, len(splits[1]))
         sends = send.split(splits[0]) if len(splits[0]) > 1 else [send]
-        gathered = (_gather(sends, world, group) if levels is None
-                    else _gather_in_two(sends, *levels))
+        if world == 1:  # this rank's segment is the whole output (as eager: no collective)
+            gathered = [t.view_as(t) for t in sends]
+        else:
+            gathered = (_gather(sends, world, group) if levels is None
+                        else _gather_in_two(sends, *levels))
         stand_ins = [segment.new_empty(world * n) for n in splits[1]]
         ctx.mark_non_differentiable(*gathered)
         return (*stand_ins, *gathered)
@@ -98,9 +101,10 @@ class _GatherReduce(torch.autograd.Function):
         ops = functional_collectives
         # the stand-ins' grads (the gathered outputs have none)
         parts = [g.to(reduce_dtype).contiguous() for g in grads[:groups]]
-        out = [ops.wait_tensor(t) for t in
-               ops.reduce_scatter_tensor_coalesced(parts, "sum", world, group)]
-        out = out[0] if len(out) == 1 else torch.cat(out)
+        if world > 1:
+            parts = [ops.wait_tensor(t) for t in
+                     ops.reduce_scatter_tensor_coalesced(parts, "sum", world, group)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if replicas is not None:  # HSDP: the shards' sum over the replicas
             out = ops.wait_tensor(ops.all_reduce(out, "sum", replicas))
         return (out / factor).to(dtype), None, None, None, None, None, None, None, None
