@@ -405,6 +405,22 @@ def test_fake_world_defaults():
                            name]).placement == name
 
 
+def test_mixed_placement_reads_block_names_of_both_model_families():
+    """Block matrices Owned in this repository's models (`layers.N.`) and in Hugging
+    Face's Llama (`model.layers.N.`), other matrices RaggedShard, vectors Shard(0)."""
+    import torch
+
+    import flexshard as fs
+    from benchmarks.harness.runners import flexshard_placement
+
+    choose = flexshard_placement("mixed")
+    matrix, vector = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    for fqn in ("layers.0.up.weight", "model.layers.3.mlp.up_proj.weight"):
+        assert choose(fqn, matrix) == fs.Owned(), fqn
+    assert choose("model.embed_tokens.weight", matrix) == fs.RaggedShard()
+    assert choose("model.layers.0.input_layernorm.weight", vector) == fs.Shard(0)
+
+
 def test_fake_world_refuses_an_unknown_placement():
     from benchmarks.harness.fake_world import wrap
 

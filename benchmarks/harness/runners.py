@@ -63,9 +63,15 @@ def _placement(name: str):
     return cls()
 
 
+def _in_block(fqn: str) -> bool:
+    """Whether `fqn` is in a block: `layers.N.` (this repository's models) or
+    `model.layers.N.` (Hugging Face's Llama)."""
+    return fqn.startswith("layers.") or ".layers." in fqn
+
+
 def _mixed_choice(fqn: str, param: nn.Parameter):
     """Block matrices Owned, other matrices RaggedShard, vectors Shard(0)."""
-    if param.ndim == 2 and fqn.startswith("layers."):
+    if param.ndim == 2 and _in_block(fqn):
         return _placement("Owned")
     if param.ndim == 2:
         return _placement("RaggedShard")
@@ -86,7 +92,7 @@ def flexshard_placement(name: str):
 
 def muon_matrices(model: nn.Module) -> set:
     """FQNs of the 2-D block weights Muon updates (embeddings and head stay on AdamW)."""
-    return {fqn for fqn, p in model.named_parameters() if p.ndim == 2 and fqn.startswith("layers.")}
+    return {fqn for fqn, p in model.named_parameters() if p.ndim == 2 and _in_block(fqn)}
 
 
 def _sync(device: torch.device) -> None:
