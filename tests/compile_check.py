@@ -44,15 +44,20 @@ def _chained(reduces: list) -> list:
             for before, node in zip(reduces, reduces[1:])]
 
 
+# ops a slice's grad writes: a whole zero-filled input each
+_SCATTERS = ("slice_backward", "as_strided_scatter", "select_backward")
+
+
 def counting_backend(graphs: list, gathered: list = None, chains: list = None,
-                     matmuls: list = None, groups: list = None):
+                     matmuls: list = None, groups: list = None, scatters: list = None):
     """aot_eager that records, per compiled forward and backward graph, how many
     of each functional collective it holds (and in `gathered`, if given, the
     bytes each graph's all-gathers send from this rank). The backward graph runs
     through fs.compile's reduce-order pass first, as inductor's post-grad pass
     does (`chains`, if given: whether each reduce-scatter waits for the one before;
     `matmuls`, if given: each graph's matmuls, mm, addmm and bmm; `groups`, if given:
-    each graph's {(collective, group name): count})."""
+    each graph's {(collective, group name): count}; `scatters`, if given: the elements
+    each graph's slice-grad ops write, _SCATTERS)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -73,6 +78,9 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None,
             if groups is not None:
                 named = [(name, n.args[-1]) for n, name in zip(calls, names) if name in COLLECTIVES]
                 groups.append((kind, {k: named.count(k) for k in set(named)}))
+            if scatters is not None:
+                scatters.append((kind, sum(n.meta["val"].numel() for n, name in zip(calls, names)
+                                           if name in _SCATTERS)))
             if matmuls is not None:
                 matmuls.append((kind, sum(names.count(m) for m in ("mm", "addmm", "bmm"))))
             if chains is not None and kind == "backward":

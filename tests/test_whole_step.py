@@ -60,9 +60,10 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     model = fs.flex_shard(make_model(**(model_kw or {})), **config)
     buckets = get_state(model).buckets
     names = _group_names(buckets[0])
-    graphs, chains, matmuls, groups = [], [], [], []
+    graphs, chains, matmuls, groups, scatters = [], [], [], [], []
     fs.compile(model, fullgraph=fullgraph,
-               backend=counting_backend(graphs, chains=chains, matmuls=matmuls, groups=groups)
+               backend=counting_backend(graphs, chains=chains, matmuls=matmuls, groups=groups,
+                                        scatters=scatters)
                if backend == "count" else backend)
     run = _run(model, rank, clip=False)
     # what forward saves for backward: an unsharded block weight or a block's gather
@@ -73,11 +74,24 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     saved = _saved_numels(model, batch(0, rank)[0])
     n = buckets[0].gather.post_forward_size
     return {**run, "breaks": _breaks(), "graphs": graphs, "chains": chains, "matmuls": matmuls,
-            "kept": saved & (unsharded | outputs),
+            "scatters": scatters, "kept": saved & (unsharded | outputs),
             "kept_slice": n is not None and {o // n for o in outputs} <= saved,
             "groups": [(kind, {(op, names.get(g, g)): c for (op, g), c in counts.items()})
                        for kind, counts in groups],
             "buckets": [(b.name, b.gather.reshard_after_forward) for b in buckets]}
+
+
+def whole_and_plain(config: dict) -> tuple:
+    """Rank body: train_whole's results, and the elements the plain model's own
+    slice-grad ops write, compiled whole the same way (one forward and backward)."""
+    result = train_whole(config)
+    torch._dynamo.reset()
+    graphs, scatters = [], []
+    plain = torch.compile(make_model(), fullgraph=True,
+                          backend=counting_backend(graphs, scatters=scatters))
+    x, y = batch(0, 0)
+    loss_fn(plain(x), y).backward()
+    return result, scatters
 
 
 def _group_names(bucket) -> dict:
@@ -164,6 +178,24 @@ def test_whole_step_ragged_with_uneven_groups_gathers_the_padded_layout():
                           model_kw={"dim": 128, "hidden": 512, "heads": 4})
     for r in results:
         assert r["breaks"] == 0
+
+
+def test_whole_step_mixed_bucket_joins_grads_in_one_write():
+    """Three placements in each block's bucket at world 3: the reference's training,
+    and the backward's slice-grad ops write no more than the plain model's own. Each
+    member's grad pieces (a Shard(0) or RaggedShard param's, one per rank) join the
+    reduce input in one write, not a zero-filled reduce group per piece."""
+    results = run_world(3, whole_and_plain, {"placement": mixed}, timeout=400)
+    for r, plain in results:
+        assert r["breaks"] == 0 and r["graph_calls"] == [1] * STEPS, r
+        assert r["scatters"][1][1] <= plain[1][1], (r["scatters"], plain)
+    ref_losses, _, ref_grads = reference_run(
+        3, STEPS, make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=LR))
+    mean = [sum(r["losses"][s] for r, _ in results) / 3 for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    grads = assemble_grads([(None, None, r["grads"]) for r, _ in results])
+    for k, ref in ref_grads.items():
+        assert_rel_close(grads[k], ref, 1e-5, f"grad of {k}")
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -129,24 +129,29 @@ def _gather_in_two(sends: Sequence[torch.Tensor], across: str, kept: int, within
 class _Spans(torch.autograd.Function):
     """Forward: unfilled tensors of the members' shapes (a stand-in's pieces,
     never read); backward: their grads joined into the stand-in's layout (each
-    member's span, zeros in the gaps) in one write, where slicing each member
-    out would write a whole zero-padded group per member."""
+    member's pieces at their places, zeros in the gaps) in one write, where
+    slicing each member out would write a whole zero-padded group per piece.
+    `members`: (pieces, shape) each, a piece (start in the stand-in, start in the
+    member's flat grad, numel)."""
 
     @staticmethod
-    def forward(ctx, stand_in, spans):
-        ctx.spans, ctx.numel = spans, stand_in.numel()
-        return tuple(stand_in.new_empty(shape) for _, _, shape in spans)
+    def forward(ctx, stand_in, members):
+        ctx.members, ctx.numel = members, stand_in.numel()
+        return tuple(stand_in.new_empty(shape) for _, shape in members)
 
     @staticmethod
     def backward(ctx, *grads):
+        pieces = sorted((start, flat, numel, k) for k, (pieces, _) in enumerate(ctx.members)
+                        for start, flat, numel in pieces)
+        flats = [g.reshape(-1) for g in grads]
         parts, pos = [], 0
-        for (start, numel, _), grad in zip(ctx.spans, grads):
+        for start, flat, numel, k in pieces:
             if start > pos:
-                parts.append(grad.new_zeros(start - pos))
-            parts.append(grad.reshape(-1))
+                parts.append(flats[0].new_zeros(start - pos))
+            parts.append(flats[k][flat:flat + numel])
             pos = start + numel
         if pos < ctx.numel:
-            parts.append(grads[0].new_zeros(ctx.numel - pos))
+            parts.append(flats[0].new_zeros(ctx.numel - pos))
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
 
 
@@ -268,15 +273,22 @@ class TracedBucket:
         return [p.to(device, non_blocking=True) for p in pieces]
 
     def _plan_spans(self, reduce, size: int) -> list:
-        """Per reduce group, (trainable index, start, numel, shape) of the members whose
-        grad is one span of the group's rank-major buffer, by start."""
+        """Per reduce group, (trainable index, pieces) of the members whose grad's
+        pieces are spans of the group's rank-major buffer (one span, or runs of a
+        rank-major placement's pieces), a piece (start, start in the flat grad, numel)."""
         out = [[] for _ in reduce.spans]
         for k, plan in enumerate(self.grad_copies):
+            group = reduce.regions[plan.region].group
+            base = self.world * self.starts[1][group]
             if plan.span is not None:
-                group = reduce.regions[plan.region].group
-                start = plan.span[0] // size - self.world * self.starts[1][group]
-                out[group].append((k, start, plan.numel, plan.shape))
-        return [sorted(members, key=lambda m: m[1]) for members in out]
+                pieces = ((plan.span[0] // size - base, 0, plan.numel),)
+            elif plan.runs is not None:
+                pieces = tuple((run.start - base + i * run.stride, run.flat_start + i * run.length,
+                                run.length) for run in plan.runs for i in range(run.rows))
+            else:
+                continue
+            out[group].append((k, pieces))
+        return out
 
     def send(self, sharded: Sequence[torch.Tensor], cast8: dict) -> tuple:
         """This rank's wire segment, each piece encoded in its format (torchao's
@@ -334,7 +346,7 @@ class TracedBucket:
         plains = dict(self._spanned(stand_ins))
         for k, i in enumerate(self.trainable):
             plain = plains.get(k)
-            if plain is None:  # not one span of its group: sliced out (autograd's pack)
+            if plain is None:  # not spans of its group (an index plan): sliced out
                 plain = _full(self.grad_copies[k], stand_ins, self.reduce_layout,
                               self.starts[1], self.world)
             if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
@@ -344,12 +356,11 @@ class TracedBucket:
         return [full if tp is None else tp.to_param(full) for tp, full in zip(self.tp, fulls)]
 
     def _spanned(self, stand_ins: Sequence[torch.Tensor]):
-        """(trainable index, its stand-in) of the members one span each, per group."""
+        """(trainable index, its stand-in) of the members made of spans, per group."""
         for group, members in enumerate(self.spanned):
             if members:
-                spans = tuple((start, numel, shape) for _, start, numel, shape in members)
-                yield from zip([k for k, _, _, _ in members],
-                               _Spans.apply(stand_ins[group], spans))
+                spec = tuple((pieces, self.grad_copies[k].shape) for k, pieces in members)
+                yield from zip([k for k, _ in members], _Spans.apply(stand_ins[group], spec))
 
     def _decode(self, slot: int, wire, gathered, meta) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
