@@ -24,7 +24,8 @@ def compiled_graph_calls(output: torch.Tensor) -> int:
     return sum(node.name() == COMPILED_GRAPH_NODE for node in seen.values())
 
 
-COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce")
+COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce",
+               "all_reduce_coalesced")  # the last: a compact reduce group's (runtime/traced.py)
 
 
 def _chained(reduces: list) -> list:
@@ -84,8 +85,8 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None,
             if matmuls is not None:
                 matmuls.append((kind, sum(names.count(m) for m in ("mm", "addmm", "bmm"))))
             if chains is not None and kind == "backward":
-                chains.extend(_chained([n for n, name in zip(calls, names)
-                                        if name == "reduce_scatter_tensor_coalesced"]))
+                chains.extend(_chained([n for n, name in zip(calls, names) if name in (
+                    "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")]))
             return make_boxed_func(gm.forward)
         return compile_graph
 

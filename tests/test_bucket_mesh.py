@@ -228,10 +228,11 @@ def test_moe_whole_step_compile(dense_hsdp):
         # the root's dense layers once; each bucket reduces once
         assert graphs == [
             ("forward", {"all_gather_into_tensor_coalesced": 3,
-                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": 0}),
+                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": 0,
+                         "all_reduce_coalesced": 0}),
             ("backward", {"all_gather_into_tensor_coalesced": 2,
                           "reduce_scatter_tensor_coalesced": 3,
-                          "all_reduce": int(dense_hsdp)})], graphs
+                          "all_reduce": int(dense_hsdp), "all_reduce_coalesced": 0})], graphs
 
 
 # Bad input: every rank raises before any collective.

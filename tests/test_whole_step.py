@@ -16,7 +16,7 @@ import flexshard as fs
 from compile_check import compiled_graph_calls, counting_backend
 from flexshard.compat import FUNCTIONAL_COLLECTIVES_NAMESPACE
 from flexshard.runtime.state import get_state
-from flexshard.runtime.traced import recompute_gather_policy
+from flexshard.runtime.traced import TracedBucket, recompute_gather_policy
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT, batch, loss_fn
 from reference import (assemble_grads, assert_rel_close, make_model, reference_run,
@@ -75,6 +75,10 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     n = buckets[0].gather.post_forward_size
     return {**run, "breaks": _breaks(), "graphs": graphs, "chains": chains, "matmuls": matmuls,
             "scatters": scatters, "kept": saved & (unsharded | outputs),
+            # each compact reduce group: (its stand-in's numel, its padded width)
+            "compact": [(b.name, (g.reduces[0][0], g.splits[1][0]))
+                        for b, g in zip(buckets, map(TracedBucket, buckets))
+                        if g.reduces[0][1] is not None],
             "kept_slice": n is not None and {o // n for o in outputs} <= saved,
             "groups": [(kind, {(op, names.get(g, g)): c for (op, g), c in counts.items()})
                        for kind, counts in groups],
@@ -142,9 +146,11 @@ def test_whole_step_matches_reference(placement):
         blocks = len([n for n in names if n != "root"])
         assert r["graphs"] == [
             ("forward", {"all_gather_into_tensor_coalesced": len(names),
-                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": 0}),
+                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": 0,
+                         "all_reduce_coalesced": 0}),
             ("backward", {"all_gather_into_tensor_coalesced": blocks,
-                          "reduce_scatter_tensor_coalesced": len(names), "all_reduce": 0})], \
+                          "reduce_scatter_tensor_coalesced": len(names), "all_reduce": 0,
+                          "all_reduce_coalesced": 0})], \
             r["graphs"]
         assert not r["kept"], f"saved for backward: {r['kept']}"
         assert r["chains"] == [True] * (len(names) - 1), r["chains"]
@@ -178,6 +184,23 @@ def test_whole_step_ragged_with_uneven_groups_gathers_the_padded_layout():
                           model_kw={"dim": 128, "hidden": 512, "heads": 4})
     for r in results:
         assert r["breaks"] == 0
+
+
+def test_whole_step_owned_root_reduces_compact_by_an_all_reduce():
+    """Owned at world 3 with a tied head: the root bucket's tensors (the embedding,
+    the position table, the norm) on unequal owners use under half of the root's
+    padded rank-major reduce input, so its backward all-reduces them unpadded and
+    each owner takes its own span; the blocks reduce-scatter. The reference's
+    training; the reductions one in flight, in order."""
+    for r in check_whole(3, {"placement": fs.Owned()}, model_kw={"tied": True}):
+        blocks = len(r["buckets"]) - 1
+        backward = r["graphs"][1][1]
+        assert (backward["reduce_scatter_tensor_coalesced"], backward["all_reduce_coalesced"]) \
+            == (blocks, 1), r["graphs"]
+        assert r["chains"] == [True] * blocks, r["chains"]
+        # tok 1,110 + pos 330 + norm 60 elements, 16-byte aligned on their owners: 1,504
+        # compact, where the padded input is 3 x 1,112 (the embedding's owner's, aligned)
+        assert r["compact"] == [("root", (1504, 1112))], r["compact"]
 
 
 def test_whole_step_mixed_bucket_joins_grads_in_one_write():
@@ -618,9 +641,11 @@ def test_whole_step_torchao_float8_trains_as_eager():
         blocks = len(wires) - 1
         assert graphs == [
             ("forward", {"all_gather_into_tensor_coalesced": len(wires),
-                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": len(wires)}),
+                         "reduce_scatter_tensor_coalesced": 0, "all_reduce": len(wires),
+                         "all_reduce_coalesced": 0}),
             ("backward", {"all_gather_into_tensor_coalesced": blocks,
-                          "reduce_scatter_tensor_coalesced": len(wires), "all_reduce": 0})], graphs
+                          "reduce_scatter_tensor_coalesced": len(wires), "all_reduce": 0,
+                          "all_reduce_coalesced": 0})], graphs
         # a block's weights (128 x 64, 64 x 128 over 3 ranks: pieces of at most 43 x 64
         # and 22 x 128) travel in fp8: one byte each, where bf16 would be two
         assert gathered == [("forward", sum(wires.values())),

@@ -23,16 +23,19 @@ from ..compat import functional_collectives, inductor_graph_pass
 
 CustomGraphPass, get_hash_for_files = inductor_graph_pass()
 
-_REDUCE_SCATTER = functional_collectives.reduce_scatter_tensor_coalesced.default
+# a bucket's reductions: its reduce-scatter, and its compact groups' all-reduce
+# (runtime/traced.py); HSDP's and tensor parallelism's all-reduces are not coalesced
+_REDUCES = (functional_collectives.reduce_scatter_tensor_coalesced.default,
+            functional_collectives.all_reduce_coalesced.default)
 _WAIT = functional_collectives.wait_tensor.default
 
 
 class ChainReduces(CustomGraphPass):
-    """Post-grad pass: each reduce-scatter after the first waits for the one before."""
+    """Post-grad pass: each bucket reduction after the first waits for the one before."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
-        reduces = [n for n in graph.nodes if n.target is _REDUCE_SCATTER]
+        reduces = [n for n in graph.nodes if n.target in _REDUCES]
         pieces = {n: len(n.args[0]) for n in reduces}  # before the empty ones join
         for before, node in zip(reduces, reduces[1:]):
             waited = [w for g in before.users

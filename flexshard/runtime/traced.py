@@ -78,36 +78,59 @@ def recompute_gather_policy(groups: frozenset, ctx, op, *args, **kwargs) -> Chec
 class _GatherReduce(torch.autograd.Function):
     """Forward: all-gather the wire `send`'s gather groups (one coalesced
     collective; not differentiable) and hand back an unfilled stand-in of each
-    reduce group, rank-major, of `segment`'s dtype. Backward: reduce-scatter
-    the stand-ins' grads (one coalesced collective) into `segment`'s grad."""
+    reduce group, of `segment`'s dtype: rank-major, or a compact group's ranks'
+    used elements back to back (`reduces`: per group, (stand-in numel, None or
+    this rank's (start, used, width) in a compact one)). Backward: reduce-scatter
+    the rank-major stand-ins' grads (one coalesced collective), all-reduce the
+    compact ones' (another), into `segment`'s grad."""
 
     @staticmethod
     def forward(ctx, segment, send, world, group, splits, reduce_dtype, factor, replicas,
-                levels=None):
-        ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, len(splits[1]))
-        sends = send.split(splits[0]) if len(splits[0]) > 1 else [send]
+                reduces, levels=None):
+        ctx.args = (segment.dtype, world, group, reduce_dtype, factor, replicas, reduces)
+        sends = send.split(splits) if len(splits) > 1 else [send]
         if world == 1:  # this rank's segment is the whole output (as eager: no collective)
             gathered = [t.view_as(t) for t in sends]
         else:
             gathered = (_gather(sends, world, group) if levels is None
                         else _gather_in_two(sends, *levels))
-        stand_ins = [segment.new_empty(world * n) for n in splits[1]]
+        stand_ins = [segment.new_empty(numel) for numel, _ in reduces]
         ctx.mark_non_differentiable(*gathered)
         return (*stand_ins, *gathered)
 
     @staticmethod
     def backward(ctx, *grads):
-        dtype, world, group, reduce_dtype, factor, replicas, groups = ctx.args
+        dtype, world, group, reduce_dtype, factor, replicas, reduces = ctx.args
         ops = functional_collectives
         # the stand-ins' grads (the gathered outputs have none)
-        parts = [g.to(reduce_dtype).contiguous() for g in grads[:groups]]
+        parts = [g.to(reduce_dtype).contiguous() for g in grads[:len(reduces)]]
         if world > 1:
-            parts = [ops.wait_tensor(t) for t in
-                     ops.reduce_scatter_tensor_coalesced(parts, "sum", world, group)]
+            parts = _reduced(parts, [mine for _, mine in reduces], world, group)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if replicas is not None:  # HSDP: the shards' sum over the replicas
             out = ops.wait_tensor(ops.all_reduce(out, "sum", replicas))
-        return (out / factor).to(dtype), None, None, None, None, None, None, None, None
+        return (out / factor).to(dtype), *[None] * 9
+
+
+def _reduced(parts: Sequence[torch.Tensor], compact: Sequence, world: int, group: str) -> list:
+    """This rank's segment of each reduce group's sum over `group`: a rank-major
+    part's by one coalesced reduce-scatter, a compact part's (`compact[g]`: this
+    rank's (start, used, width)) by one coalesced all-reduce, its own span taken
+    and padded to the group's width."""
+    ops, out = functional_collectives, list(parts)
+    even = [g for g, mine in enumerate(compact) if mine is None]
+    whole = [g for g, mine in enumerate(compact) if mine is not None]
+    if even:
+        done = ops.reduce_scatter_tensor_coalesced([parts[g] for g in even], "sum", world, group)
+        for g, t in zip(even, done):
+            out[g] = ops.wait_tensor(t)
+    if whole:
+        done = ops.all_reduce_coalesced([parts[g] for g in whole], "sum", group)
+        for g, t in zip(whole, done):
+            start, used, width = compact[g]
+            mine = ops.wait_tensor(t)[start:start + used]
+            out[g] = mine if used == width else torch.cat([mine, mine.new_zeros(width - used)])
+    return out
 
 
 def _gather(sends: Sequence[torch.Tensor], size: int, group: str) -> list:
@@ -250,6 +273,11 @@ class TracedBucket:
         self.splits = ([b - a for a, b in self.layout.spans],
                        [(b - a) // size for a, b in reduce.spans])
         self.starts = ([a for a, _ in self.layout.spans], [a // size for a, _ in reduce.spans])
+        # each reduce group's ranks' used elements where it is all-reduced compact, else None
+        self.compact = _compact(self.grad_copies, reduce, self.world, self.splits[1],
+                                self.starts[1], size)
+        self.reduces = tuple(_stand_in(used, width, self.world, rank)
+                             for used, width in zip(self.compact, self.splits[1]))
         self.spanned = self._plan_spans(reduce, size)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
@@ -281,7 +309,11 @@ class TracedBucket:
             group = reduce.regions[plan.region].group
             base = self.world * self.starts[1][group]
             if plan.span is not None:
-                pieces = ((plan.span[0] // size - base, 0, plan.numel),)
+                start = plan.span[0] // size - base
+                if self.compact[group] is not None:  # at its rank's place, unpadded
+                    rank, within = divmod(start, self.splits[1][group])
+                    start = sum(self.compact[group][:rank]) + within
+                pieces = ((start, 0, plan.numel),)
             elif plan.runs is not None:
                 pieces = tuple((run.start - base + i * run.stride, run.flat_start + i * run.length,
                                 run.length) for run in plan.runs for i in range(run.rows))
@@ -331,14 +363,15 @@ class TracedBucket:
         sharded = self._on_device(sharded)  # under reshard, recomputed in backward
         send, metas = self.send(sharded, cast8)
         size = send.element_size()
-        splits = ([n // size for n in self.splits[0]], self.splits[1])
+        splits = [n // size for n in self.splits[0]]
         pieces = [(self.pieces[k], sharded[i].to(self.plain_dtype))
                   for k, i in enumerate(self.trainable)]
         segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
             sharded[0].new_empty(0)
         outs = _GatherReduce.apply(segment, send, self.world, self.group, splits,
-                                   self.reduce_dtype, self.factor, self.replicas, self.levels)
-        stand_ins, gathered = outs[:len(splits[1])], outs[len(splits[1]):]
+                                   self.reduce_dtype, self.factor, self.replicas, self.reduces,
+                                   self.levels)
+        stand_ins, gathered = outs[:len(self.reduces)], outs[len(self.reduces):]
         if self.levels is not None:
             gathered = _RankOrdered(gathered, *self.levels[1::2])
         fulls = [self._decode(i, wire, gathered, metas.get(i))
@@ -373,6 +406,39 @@ class TracedBucket:
         if slot in self.opaque:
             return opaque_format.decode(fulls, meta, self.opaque[slot])
         return fmt.decode(fulls, meta)
+
+
+# A reduce group is all-reduced unpadded (compact) where its padded rank-major size is at
+# least this many times what its ranks use. A ring all-reduce sends 2 (W - 1) / W of its
+# input; the padded reduce-scatter (W - 1) / W of W times the width: equal at 2. Above, the
+# all-reduce sends fewer bytes, and its input (what backward writes) is smaller at any.
+_COMPACT_FROM = 2
+
+
+def _compact(plans, reduce, world: int, widths: Sequence[int], starts: Sequence[int],
+             size: int) -> list:
+    """Per reduce group, the elements each rank uses of its segment (every member
+    one span inside one rank's segment: whole tensors on their owners) where the
+    group is all-reduced compact (`_COMPACT_FROM`), else None."""
+    used = [[0] * world for _ in widths]
+    whole = [world > 1] * len(widths)
+    for plan in plans:
+        group = reduce.regions[plan.region].group
+        if plan.span is None:
+            whole[group] = False
+            continue
+        rank, within = divmod(plan.span[0] // size - world * starts[group], widths[group])
+        whole[group] = whole[group] and within + plan.numel <= widths[group]
+        used[group][rank] = max(used[group][rank], within + plan.numel)
+    return [tuple(u) if ok and 0 < _COMPACT_FROM * sum(u) <= world * width else None
+            for u, ok, width in zip(used, whole, widths)]
+
+
+def _stand_in(used, width: int, world: int, rank: int) -> tuple:
+    """A reduce group's (stand-in numel, None or this rank's (start, used, width))."""
+    if used is None:
+        return world * width, None
+    return sum(used), (sum(used[:rank]), used[rank], width)
 
 
 def _levels(bucket: Bucket):
