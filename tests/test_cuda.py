@@ -164,13 +164,16 @@ def test_fp32_parity(nccl):
     check_parity(nccl, None)
 
 
-@pytest.mark.parametrize("mode", ["inductor", "cudagraphs", "offload"])
+@pytest.mark.parametrize("mode", ["inductor", "cudagraphs", "offload", "user-format"])
 def test_whole_step_bf16_parity(nccl, mode):
     """fs.compile on this torch (the GPU machine's 2.11 too): the whole step in one
     graph trains as the reference, each step one compiled graph, no graph break.
-    The bf16 cast makes every bucket gather (and reduce in its graph) at world 1.
-    Offloaded: the graph copies each shard from pinned host memory and its grad
-    back; the params, their grads and so the optimizer state stay on the host."""
+    The bf16 cast hooks every bucket at world 1: its graph holds the casts and, as
+    eager, no collective. Offloaded: the graph copies each shard from pinned host
+    memory and its grad back; the params, their grads and so the optimizer state
+    stay on the host. User-format: the matrices sent in a user-defined format
+    (test_wire_format.SignSplit, exact), its encode and decode two custom ops,
+    under CUDA graphs."""
     from torch._dynamo.utils import counters
 
     from compile_check import compiled_graph_calls
@@ -179,8 +182,14 @@ def test_whole_step_bf16_parity(nccl, mode):
     counters.clear()
     ref_losses, ref_grads, ref_params = reference(nccl, STEPS, torch.bfloat16)
     offload = {"offload_policy": OFF} if mode == "offload" else {}
-    model = fs.compile(fs.flex_shard(make_model(nccl), mp_policy=BF16, **offload),
-                       fullgraph=True, cudagraphs=mode == "cudagraphs")
+    mp = BF16
+    if mode == "user-format":
+        from test_wire_format import SplitMatrices
+
+        mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     gather_format=SplitMatrices())
+    model = fs.compile(fs.flex_shard(make_model(nccl), mp_policy=mp, **offload),
+                       fullgraph=True, cudagraphs=mode in ("cudagraphs", "user-format"))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, calls, first = [], [], None
     for step in range(STEPS):

@@ -52,7 +52,8 @@ _UP_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32
 _JOIN_AS = {torch.int8: torch.int8, torch.float8_e4m3fn: torch.bfloat16}
 _EPS = 1e-12  # an all-zero block keeps a finite scale (and decodes to zeros)
 # The whole-step graph's decode (BlockQuantized.traced_decode) is one custom op of
-# this namespace, so reshard after forward recomputes it whole (runtime/traced.py).
+# this namespace, so reshard after forward recomputes it whole (runtime/traced.py);
+# so are a user-defined format's encode and decode (runtime/opaque_format.py).
 DECODE_NAMESPACE = "flexshard"
 
 
