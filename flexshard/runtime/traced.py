@@ -115,8 +115,10 @@ class _GatherReduce(torch.autograd.Function):
 def _reduced(parts: Sequence[torch.Tensor], compact: Sequence, world: int, group: str) -> list:
     """This rank's segment of each reduce group's sum over `group`: a rank-major
     part's by one coalesced reduce-scatter, a compact part's (`compact[g]`: this
-    rank's (start, used, width)) by one coalesced all-reduce, its own span taken
-    and padded to the group's width."""
+    rank's (start, used, width)) by one coalesced all-reduce, a segment's width
+    of it from its own span on. The rest of that width is the segment's padding,
+    whose grad no piece reads, so whatever it holds (a neighbour's sums) is left
+    there: no zero-filled copy but at the output's end."""
     ops, out = functional_collectives, list(parts)
     even = [g for g, mine in enumerate(compact) if mine is None]
     whole = [g for g, mine in enumerate(compact) if mine is not None]
@@ -128,8 +130,9 @@ def _reduced(parts: Sequence[torch.Tensor], compact: Sequence, world: int, group
         done = ops.all_reduce_coalesced([parts[g] for g in whole], "sum", group)
         for g, t in zip(whole, done):
             start, used, width = compact[g]
-            mine = ops.wait_tensor(t)[start:start + used]
-            out[g] = mine if used == width else torch.cat([mine, mine.new_zeros(width - used)])
+            mine = ops.wait_tensor(t)[start if used else 0:][:width]
+            out[g] = mine if mine.numel() == width else \
+                torch.cat([mine, mine.new_zeros(width - mine.numel())])
     return out
 
 
