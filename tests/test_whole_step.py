@@ -345,10 +345,13 @@ def test_whole_step_under_the_users_activation_checkpointing():
             assert_rel_close(whole["full"][k], ref, 1e-6, k)
 
 
-def test_whole_step_hsdp_and_clip_train_as_eager():
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 1)], ids=["2x2", "replicas-only"])
+def test_whole_step_hsdp_and_clip_train_as_eager(mesh_shape):
     """HSDP (2 replicas x 2 shards): the reduce-scatter and the replicas'
-    all-reduce in the graph; clip_grad_norm_ (flexshard's and torch's) global."""
-    check_eager_and_whole(4, {}, mesh_shape=(2, 2), clip=True)
+    all-reduce in the graph; clip_grad_norm_ (flexshard's and torch's) global. And
+    2 replicas of one shard each (a shard group of one rank, whose graph skips the
+    gather and the reduce-scatter: counted in test_whole_step_bf16_gathers[1])."""
+    check_eager_and_whole(mesh_shape[0] * mesh_shape[1], {}, mesh_shape=mesh_shape, clip=True)
 
 
 def test_reshard_recomputes_the_buckets_collectives_only():
