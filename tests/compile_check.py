@@ -28,9 +28,13 @@ COLLECTIVES = ("all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coales
                "all_reduce_coalesced")  # the last: a compact reduce group's (runtime/traced.py)
 
 
-def _chained(reduces: list) -> list:
-    """Per reduce-scatter node after the first: whether it takes an empty piece made
-    from each of the one before's waited outputs (FSDP2's order, one in flight)."""
+def _chained(reduces: list, pieces: dict) -> list:
+    """Per bucket reduction after the first that has a waited one before it and
+    outputs read: whether it takes an empty piece made from each of the last such
+    one's waited outputs (FSDP2's order, one in flight). `pieces`: each node's
+    pieces before the pass added any."""
+    from flexshard.runtime.reduce_order import waited_outputs
+
     def ancestors(node):
         seen, todo = set(), [node]
         while todo:
@@ -40,11 +44,17 @@ def _chained(reduces: list) -> list:
                     todo.append(a)
         return seen
     empty = (torch.ops.aten.slice.Tensor, (0, 0, 0))
-    return [any((p.target, tuple(p.args[1:])) == empty and before in ancestors(p)
-                for p in node.args[0])
-            for before, node in zip(reduces, reduces[1:])]
+    out, last = [], []
+    for node in reduces:
+        if last and node.users:
+            out.append(all(any((p.target, tuple(p.args[1:])) == empty and w in ancestors(p)
+                               for p in node.args[0]) for w in last))
+        last = waited_outputs(node, pieces[node]) or last
+    return out
 
 
+# a bucket's reductions (flexshard/runtime/reduce_order.py)
+_REDUCES = ("reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
 # ops a slice's grad writes: a whole zero-filled input each
 _SCATTERS = ("slice_backward", "as_strided_scatter", "select_backward")
 
@@ -67,6 +77,8 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None,
     def compiler(kind):
         def compile_graph(gm, example_inputs):
             if kind == "backward":
+                pieces = {n: len(n.args[0]) for n in gm.graph.nodes
+                          if getattr(n.target, "__name__", "").split(".")[0] in _REDUCES}
                 ChainReduces()(gm.graph)
                 gm.recompile()
             calls = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -85,8 +97,8 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None,
             if matmuls is not None:
                 matmuls.append((kind, sum(names.count(m) for m in ("mm", "addmm", "bmm"))))
             if chains is not None and kind == "backward":
-                chains.extend(_chained([n for n, name in zip(calls, names) if name in (
-                    "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")]))
+                chains.extend(_chained([n for n, name in zip(calls, names) if name in _REDUCES],
+                                       pieces))
             return make_boxed_func(gm.forward)
         return compile_graph
 

@@ -75,10 +75,10 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     n = buckets[0].gather.post_forward_size
     return {**run, "breaks": _breaks(), "graphs": graphs, "chains": chains, "matmuls": matmuls,
             "scatters": scatters, "kept": saved & (unsharded | outputs),
-            # each compact reduce group: (its stand-in's numel, its padded width)
-            "compact": [(b.name, (g.reduces[0][0], g.splits[1][0]))
+            # each compact reduce group: (bucket, group, its stand-in's numel, its width)
+            "compact": [(b.name, k, numel, g.splits[1][k])
                         for b, g in zip(buckets, map(TracedBucket, buckets))
-                        if g.reduces[0][1] is not None],
+                        for k, (numel, mine) in enumerate(g.reduces) if mine is not None],
             "kept_slice": n is not None and {o // n for o in outputs} <= saved,
             "groups": [(kind, {(op, names.get(g, g)): c for (op, g), c in counts.items()})
                        for kind, counts in groups],
@@ -186,21 +186,30 @@ def test_whole_step_ragged_with_uneven_groups_gathers_the_padded_layout():
         assert r["breaks"] == 0
 
 
-def test_whole_step_owned_root_reduces_compact_by_an_all_reduce():
-    """Owned at world 3 with a tied head: the root bucket's tensors (the embedding,
-    the position table, the norm) on unequal owners use under half of the root's
-    padded rank-major reduce input, so its backward all-reduces them unpadded and
-    each owner takes its own span; the blocks reduce-scatter. The reference's
-    training; the reductions one in flight, in order."""
-    for r in check_whole(3, {"placement": fs.Owned()}, model_kw={"tied": True}):
-        blocks = len(r["buckets"]) - 1
+def _owned_but_the_head(fqn: str, param) -> fs.Placement:
+    return fs.Shard(0) if fqn == "head.weight" else fs.Owned()
+
+
+def test_whole_step_owned_reduces_compact_by_an_all_reduce():
+    """Owned tensors (the head Shard(0)) at world 3, hidden 480: each block's qkv
+    matrix alone outweighs the rest of its bucket, so a block's padded rank-major
+    reduce input is over twice what its owners hold, as is the root's Owned group
+    (embedding, position table, norm) beside the head's own group. Those are
+    all-reduced unpadded, each owner taking its span; the head's group is
+    reduce-scattered, in the root's second collective. A rank owns nothing of
+    block 1 (its reduction has no wait; the chains start after it). The
+    reference's training."""
+    results = check_whole(3, {"placement": _owned_but_the_head}, model_kw={"dim": 480})
+    assert sorted(len(r["chains"]) for r in results) == [2, 3, 3], [r["chains"] for r in results]
+    for r in results:
         backward = r["graphs"][1][1]
         assert (backward["reduce_scatter_tensor_coalesced"], backward["all_reduce_coalesced"]) \
-            == (blocks, 1), r["graphs"]
-        assert r["chains"] == [True] * blocks, r["chains"]
-        # tok 1,110 + pos 330 + norm 60 elements, 16-byte aligned on their owners: 1,504
-        # compact, where the padded input is 3 x 1,112 (the embedding's owner's, aligned)
-        assert r["compact"] == [("root", (1504, 1112))], r["compact"]
+            == (1, 3), r["graphs"]
+        assert r["chains"] and all(r["chains"]), r["chains"]
+        assert [(name, group) for name, group, _, _ in r["compact"]] == \
+            [("layers.0", 0), ("layers.1", 0), ("root", 1)], r["compact"]
+        for _, _, numel, width in r["compact"]:
+            assert 2 * numel <= 3 * width, r["compact"]
 
 
 def test_whole_step_mixed_bucket_joins_grads_in_one_write():

@@ -31,28 +31,40 @@ _WAIT = functional_collectives.wait_tensor.default
 
 
 class ChainReduces(CustomGraphPass):
-    """Post-grad pass: each bucket reduction after the first waits for the one before."""
+    """Post-grad pass: each bucket reduction waits for the last one before it whose
+    outputs are waited (one whose outputs nothing reads, a rank holding nothing of
+    its bucket's, has no wait to chain to)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
         reduces = [n for n in graph.nodes if n.target in _REDUCES]
         pieces = {n: len(n.args[0]) for n in reduces}  # before the empty ones join
-        for before, node in zip(reduces, reduces[1:]):
-            waited = [w for g in before.users
-                      if g.target is operator.getitem and g.args[1] < pieces[before]
-                      for w in g.users if w.target is _WAIT]
-            if not waited or not node.users:
-                continue
-            with graph.inserting_before(node):  # each output of the one before waited
-                empty = [graph.call_function(torch.ops.aten.slice.Tensor, (w, 0, 0, 0))
-                         for w in waited]
-            node.args = (list(node.args[0]) + empty, *node.args[1:])
-            at = max(node.users, key=order.get)
-            for i in range(pieces[node], pieces[node] + len(empty)):
-                with graph.inserting_after(at):  # every piece of a collective waited
-                    at = graph.call_function(operator.getitem, (node, i))
-                with graph.inserting_after(at):
-                    at = graph.call_function(_WAIT, (at,))
+        last = []  # the waited outputs of the last reduction that has any
+        for node in reduces:
+            waited = waited_outputs(node, pieces[node])
+            if last and node.users:
+                _chain(graph, order, node, pieces[node], last)
+            last = waited or last
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))
+
+
+def waited_outputs(node: torch.fx.Node, pieces: int) -> list:
+    """The waits on the first `pieces` outputs of the collective `node`."""
+    return [w for g in node.users if g.target is operator.getitem and g.args[1] < pieces
+            for w in g.users if w.target is _WAIT]
+
+
+def _chain(graph: torch.fx.Graph, order: dict, node: torch.fx.Node, pieces: int,
+           waited: list) -> None:
+    """Give `node` an empty slice of each of `waited` as extra pieces, each waited."""
+    with graph.inserting_before(node):
+        empty = [graph.call_function(torch.ops.aten.slice.Tensor, (w, 0, 0, 0)) for w in waited]
+    node.args = (list(node.args[0]) + empty, *node.args[1:])
+    at = max(node.users, key=order.get)
+    for i in range(pieces, pieces + len(empty)):
+        with graph.inserting_after(at):  # every piece of a collective waited
+            at = graph.call_function(operator.getitem, (node, i))
+        with graph.inserting_after(at):
+            at = graph.call_function(_WAIT, (at,))
