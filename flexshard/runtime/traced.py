@@ -293,6 +293,16 @@ class TracedBucket:
             opaque_format.probe(key, bucket.params[i])
         self.offload = bucket.offload  # its compute device read at trace time (to() moves it)
         self.tp = [w.tp for w in bucket.wiring]
+        self._index_plans(bucket)
+
+    def _index_plans(self, bucket: Bucket) -> None:
+        """Make the index plans' positions (Shard(d > 0): CopyPlan.index) now, on the
+        compute device: made while tracing, their data-dependent ops would fail."""
+        device = (bucket.offload.compute_device if bucket.offload is not None
+                  else bucket.storage.buffer.device)
+        for plan in (*self.grad_copies, *(c for w in self.wires.params for c in w.copies)):
+            if plan.kind == "index":
+                plan.index(device)
 
     def _on_device(self, pieces: Sequence[torch.Tensor]) -> list:
         """`pieces` on the compute device: an offloaded bucket's copied from host memory
