@@ -55,8 +55,8 @@ def _chained(reduces: list, pieces: dict) -> list:
 
 # a bucket's reductions (flexshard/runtime/reduce_order.py)
 _REDUCES = ("reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
-# ops a slice's grad writes: a whole zero-filled input each
-_SCATTERS = ("slice_backward", "as_strided_scatter", "select_backward")
+# ops a slice's or an index's grad writes: a whole zero-filled input each
+_SCATTERS = ("slice_backward", "as_strided_scatter", "select_backward", "index_put")
 
 
 def counting_backend(graphs: list, gathered: list = None, chains: list = None,
@@ -68,7 +68,7 @@ def counting_backend(graphs: list, gathered: list = None, chains: list = None,
     does (`chains`, if given: whether each reduce-scatter waits for the one before;
     `matmuls`, if given: each graph's matmuls, mm, addmm and bmm; `groups`, if given:
     each graph's {(collective, group name): count}; `scatters`, if given: the elements
-    each graph's slice-grad ops write, _SCATTERS)."""
+    each graph's slice- and index-grad ops write, _SCATTERS)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 

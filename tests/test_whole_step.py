@@ -16,7 +16,7 @@ import flexshard as fs
 from compile_check import compiled_graph_calls, counting_backend
 from flexshard.compat import FUNCTIONAL_COLLECTIVES_NAMESPACE
 from flexshard.runtime.state import get_state
-from flexshard.runtime.traced import TracedBucket, recompute_gather_policy
+from flexshard.runtime.traced import TracedBucket, _Indexed, recompute_gather_policy
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT, batch, loss_fn
 from reference import (assemble_grads, assert_rel_close, make_model, reference_run,
@@ -81,9 +81,17 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
                         for b, g in zip(buckets, map(TracedBucket, buckets))
                         for k, (numel, mine) in enumerate(g.reduces) if mine is not None],
             "kept_slice": n is not None and {o // n for o in outputs} <= saved,
+            "indexed": sum(_indexed(TracedBucket(b)) for b in buckets),
             "groups": [(kind, {(op, names.get(g, g)): c for (op, g), c in counts.items()})
                        for kind, counts in groups],
             "buckets": [(b.name, b.gather.reshard_after_forward) for b in buckets]}
+
+
+def _indexed(traced: TracedBucket) -> int:
+    """The elements a bucket's index-plan grads (Shard(d > 0)) write into its reduce
+    stand-ins: one index_put per block size and reduce group."""
+    return sum(len({m.block for _, m in members if isinstance(m, _Indexed)}) * numel
+               for members, (numel, _) in zip(traced.spanned, traced.reduces))
 
 
 def whole_and_plain(config: dict) -> tuple:
@@ -146,8 +154,15 @@ def test_whole_step_matches_reference(placement):
     backward graph, each bucket one (coalesced) all-gather in forward and one
     reduce-scatter in backward, the blocks' gathers recomputed in backward (reshard after
     forward, the root's params kept as FSDP2 keeps them) and no unsharded block
-    weight saved for backward."""
+    weight saved for backward. Backward's slice-grad writes are the plain model's
+    own (its position table's slice) and, for Shard(1) matrices (index plans), one
+    index_put per block size and reduce group, not a zero-filled reduce input per
+    param."""
+    plain = make_model().pos.numel()
     for r in check_whole(2, {"placement": placement}):
+        assert r["scatters"] == [("forward", 0), ("backward", plain + r["indexed"])], \
+            (r["scatters"], r["indexed"])
+        assert (r["indexed"] > 0) == (placement is _shard1_matrices), r["indexed"]
         names = [name for name, _ in r["buckets"]]
         blocks = len([n for n in names if n != "root"])
         assert r["graphs"] == [

@@ -91,21 +91,20 @@ class CopyPlan:
             for run in self.runs:
                 _flat_rows(flat, run).copy_(_strided(typed, run))
 
-    def traced_full(self, typed: torch.Tensor, base: int = 0) -> Optional[torch.Tensor]:
+    def traced_full(self, typed: torch.Tensor, base: int = 0) -> torch.Tensor:
         """The full tensor from `typed` (the rank-major buffer, or the part of it
         from element `base` on: a gather group's output; typed as the plan's dtype)
         by out-of-place ops only, for a traced graph (runtime/traced.py): a view
-        when the plan is one, else a new tensor; None for an index plan given a part."""
+        when the plan is one, else a new tensor (an index plan's positions made
+        beforehand: `index(device, base)`)."""
         if self.span is not None:
             start = self.span[0] // self.dtype.itemsize - base
             if start == 0 and typed.numel() == self.numel:  # its own gather group, whole:
                 return typed.view(self.shape)  # no slice, whose backward would copy
             return typed[start:start + self.numel].view(self.shape)
         if self.runs is None:
-            if base:
-                return None
             # as_strided from the tensor's own offset: dynamo cannot trace storage_offset()
-            block, index = self.index(typed.device)
+            block, index = self.index(typed.device, base)
             blocks = typed.as_strided((typed.numel() // block, block), (block, 1))
             return blocks[index].view(self.shape)
         # runs fill the flat tensor in order (flat_start ascending, no gaps)
@@ -156,14 +155,16 @@ class CopyPlan:
         for run in self.runs:
             _strided(typed, run).copy_(_flat_rows(flat, run))
 
-    def index(self, device: torch.device) -> tuple:
+    def index(self, device: torch.device, base: int = 0, within: int = 0) -> tuple:
         """(block, positions): the full tensor's elements in row-major order are
         blocks of `block` elements, and block k sits at block `positions[k]` of
-        the typed buffer."""
-        if device not in self._index:
-            block, positions = _block_index(_element_index(*self._index_args))
-            self._index[device] = (block, positions.to(device))
-        return self._index[device]
+        the typed buffer from element `base` on (a gather group's part of it);
+        `within`, if given, a multiple of `block` (the part's length)."""
+        key = (device, base, within)
+        if key not in self._index:
+            block, positions = _block_index(_element_index(*self._index_args) - base, within)
+            self._index[key] = (block, positions.to(device))
+        return self._index[key]
 
 
 def plan_copies(layout: BucketLayout, slots: Sequence[SlotPlan]) -> tuple:
@@ -181,15 +182,15 @@ def _blocks(typed: torch.Tensor, block: int) -> torch.Tensor:
     return typed.as_strided((typed.numel() // block, block), (block, 1), typed.storage_offset())
 
 
-def _block_index(positions: torch.Tensor) -> tuple:
+def _block_index(positions: torch.Tensor, within: int = 0) -> tuple:
     """(block, block positions) for element `positions`: the largest block
-    dividing every stretch of consecutive positions and where it starts."""
+    dividing every stretch of consecutive positions, where it starts and `within`."""
     if positions.numel() == 0:
         return 1, positions
     breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
     starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
     lengths = torch.diff(torch.cat([starts, torch.tensor([positions.numel()])]))
-    block = 0
+    block = within
     for value in torch.cat([lengths, positions[starts]]).unique().tolist():
         block = math.gcd(block, value)
     return block, positions[::block] // block

@@ -20,7 +20,7 @@ nothing reads them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -152,33 +152,62 @@ def _gather_in_two(sends: Sequence[torch.Tensor], across: str, kept: int, within
     return _gather(_gather(sends, kept, across), size, within)
 
 
+class _Indexed(NamedTuple):
+    """An index plan's grad in its reduce group: block `positions[j]` of `block`
+    elements holds the flat grad's block j."""
+
+    block: int
+    positions: torch.Tensor
+
+
 class _Spans(torch.autograd.Function):
     """Forward: unfilled tensors of the members' shapes (a stand-in's pieces,
     never read); backward: their grads joined into the stand-in's layout (each
-    member's pieces at their places, zeros in the gaps) in one write, where
-    slicing each member out would write a whole zero-padded group per piece.
+    member's pieces at their places, zeros in the gaps) in one write, and one
+    index_put per block size of the index members, where slicing each member out
+    would write a whole zero-padded group per piece (or per index member).
     `members`: (pieces, shape) each, a piece (start in the stand-in, start in the
-    member's flat grad, numel)."""
+    member's flat grad, numel); or (block, shape) for an index member, its block
+    positions the next of `positions`."""
 
     @staticmethod
-    def forward(ctx, stand_in, members):
+    def forward(ctx, stand_in, members, *positions):
         ctx.members, ctx.numel = members, stand_in.numel()
+        ctx.save_for_backward(*positions)
         return tuple(stand_in.new_empty(shape) for _, shape in members)
 
     @staticmethod
     def backward(ctx, *grads):
-        pieces = sorted((start, flat, numel, k) for k, (pieces, _) in enumerate(ctx.members)
-                        for start, flat, numel in pieces)
         flats = [g.reshape(-1) for g in grads]
-        parts, pos = [], 0
-        for start, flat, numel, k in pieces:
-            if start > pos:
-                parts.append(flats[0].new_zeros(start - pos))
-            parts.append(flats[k][flat:flat + numel])
-            pos = start + numel
-        if pos < ctx.numel:
-            parts.append(flats[0].new_zeros(ctx.numel - pos))
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+        spans = [(k, pieces) for k, (pieces, _) in enumerate(ctx.members)
+                 if isinstance(pieces, tuple)]
+        joined = _joined(spans, flats, ctx.numel)
+        by_block = {}
+        for (k, (block, _)), where in zip(
+                [(k, m) for k, m in enumerate(ctx.members) if not isinstance(m[0], tuple)],
+                ctx.saved_tensors):
+            by_block.setdefault(block, []).append((where, flats[k].view(-1, block)))
+        for block, members in by_block.items():
+            where, values = zip(*members)
+            joined = joined.view(-1, block).index_put(
+                (torch.cat(where) if len(where) > 1 else where[0],),
+                torch.cat(values) if len(values) > 1 else values[0]).view(-1)
+        return (joined, None) + (None,) * len(ctx.saved_tensors)
+
+
+def _joined(spans: Sequence[tuple], flats: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+    """A flat tensor of `numel` of the span members' grad pieces at their places
+    (`spans`: (member, pieces) each), zeros elsewhere, in one write."""
+    pieces = sorted((start, flat, n, k) for k, pieces in spans for start, flat, n in pieces)
+    parts, pos = [], 0
+    for start, flat, n, k in pieces:
+        if start > pos:
+            parts.append(flats[0].new_zeros(start - pos))
+        parts.append(flats[k][flat:flat + n])
+        pos = start + n
+    if pos < numel:
+        parts.append(flats[0].new_zeros(numel - pos))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _ValueFrom(torch.autograd.Function):
@@ -281,6 +310,8 @@ class TracedBucket:
                                 self.starts[1], size)
         self.reduces = tuple(_stand_in(used, width, self.world, rank)
                              for used, width in zip(self.compact, self.splits[1]))
+        self.device = (bucket.offload.compute_device if bucket.offload is not None
+                       else bucket.storage.buffer.device)
         self.spanned = self._plan_spans(reduce, size)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
@@ -293,16 +324,16 @@ class TracedBucket:
             opaque_format.probe(key, bucket.params[i])
         self.offload = bucket.offload  # its compute device read at trace time (to() moves it)
         self.tp = [w.tp for w in bucket.wiring]
-        self._index_plans(bucket)
+        self._index_plans()
 
-    def _index_plans(self, bucket: Bucket) -> None:
-        """Make the index plans' positions (Shard(d > 0): CopyPlan.index) now, on the
-        compute device: made while tracing, their data-dependent ops would fail."""
-        device = (bucket.offload.compute_device if bucket.offload is not None
-                  else bucket.storage.buffer.device)
-        for plan in (*self.grad_copies, *(c for w in self.wires.params for c in w.copies)):
+    def _index_plans(self) -> None:
+        """Make the gather's index plans' positions (Shard(d > 0): CopyPlan.index) in
+        their group's output now, on the compute device: made while tracing, their
+        data-dependent ops would fail (the grads': _plan_spans)."""
+        for plan in (c for w in self.wires.params for c in w.copies):
             if plan.kind == "index":
-                plan.index(device)
+                group = self.layout.regions[plan.region].group
+                plan.index(self.device, self.world * self.starts[0][group] // plan.dtype.itemsize)
 
     def _on_device(self, pieces: Sequence[torch.Tensor]) -> list:
         """`pieces` on the compute device: an offloaded bucket's copied from host memory
@@ -314,9 +345,10 @@ class TracedBucket:
         return [p.to(device, non_blocking=True) for p in pieces]
 
     def _plan_spans(self, reduce, size: int) -> list:
-        """Per reduce group, (trainable index, pieces) of the members whose grad's
-        pieces are spans of the group's rank-major buffer (one span, or runs of a
-        rank-major placement's pieces), a piece (start, start in the flat grad, numel)."""
+        """Per reduce group, (trainable index, pieces) of its members: spans of the
+        group's rank-major buffer (one span, or runs of a rank-major placement's
+        pieces), a piece (start, start in the flat grad, numel); or, for an index
+        plan, (block, its block positions in the group)."""
         out = [[] for _ in reduce.spans]
         for k, plan in enumerate(self.grad_copies):
             group = reduce.regions[plan.region].group
@@ -331,7 +363,8 @@ class TracedBucket:
                 pieces = tuple((run.start - base + i * run.stride, run.flat_start + i * run.length,
                                 run.length) for run in plan.runs for i in range(run.rows))
             else:
-                continue
+                width = self.world * self.splits[1][group]
+                pieces = _Indexed(*plan.index(self.device, base, width))
             out[group].append((k, pieces))
         return out
 
@@ -391,10 +424,7 @@ class TracedBucket:
                  for i, wire in enumerate(self.wires.params)]
         plains = dict(self._spanned(stand_ins))
         for k, i in enumerate(self.trainable):
-            plain = plains.get(k)
-            if plain is None:  # not spans of its group (an index plan): sliced out
-                plain = _full(self.grad_copies[k], stand_ins, self.reduce_layout,
-                              self.starts[1], self.world)
+            plain = plains[k]
             if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
                 plain = plain.to(fulls[i].dtype)
             fulls[i] = _ValueFrom.apply(plain, fulls[i])
@@ -402,11 +432,14 @@ class TracedBucket:
         return [full if tp is None else tp.to_param(full) for tp, full in zip(self.tp, fulls)]
 
     def _spanned(self, stand_ins: Sequence[torch.Tensor]):
-        """(trainable index, its stand-in) of the members made of spans, per group."""
+        """(trainable index, its stand-in) of each reduce group's members."""
         for group, members in enumerate(self.spanned):
             if members:
-                spec = tuple((pieces, self.grad_copies[k].shape) for k, pieces in members)
-                yield from zip([k for k, _ in members], _Spans.apply(stand_ins[group], spec))
+                spec = tuple((pieces.block if isinstance(pieces, _Indexed) else pieces,
+                              self.grad_copies[k].shape) for k, pieces in members)
+                positions = [p.positions for _, p in members if isinstance(p, _Indexed)]
+                yield from zip([k for k, _ in members],
+                               _Spans.apply(stand_ins[group], spec, *positions))
 
     def _decode(self, slot: int, wire, gathered, meta) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
@@ -506,9 +539,5 @@ def _full(plan, outputs: Sequence[torch.Tensor], layout, starts: Sequence[int], 
     out of its own group's output, a view where the plan is one."""
     group = layout.regions[plan.region].group
     size = plan.dtype.itemsize if bytes_ else 1
-    typed = (lambda t: _typed(t, plan.dtype)) if bytes_ else (lambda t: t)
-    full = plan.traced_full(typed(outputs[group]), world * starts[group] // size)
-    if full is None:  # an index plan reads the whole rank-major buffer
-        whole = [typed(o) for o in outputs]
-        full = plan.traced_full(whole[0] if len(whole) == 1 else torch.cat(whole))
-    return full
+    typed = outputs[group] if not bytes_ else _typed(outputs[group], plan.dtype)
+    return plan.traced_full(typed, world * starts[group] // size)
