@@ -40,7 +40,7 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4],
                    help="world sizes to run, each in its own spawned group (default 1 2 4)")
     p.add_argument("--placements", nargs="+", default=None,
-                   help="only these flexshard placements (shard ragged owned mixed); "
+                   help="only these flexshard placements (shard ragged owned mixed shard1); "
                         "naming one this checkout lacks is an error")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default",
                    help="default: one change at a time from Shard/fp32/reshard/odd; engine: "

@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_battery.sh [PLACEMENT] [OUT]
 #
 # PLACEMENT: flexshard's placement in the fake-world runs, shard (Shard(0), the default),
-# ragged (RaggedShard), owned (Owned) or mixed; FSDP2 stays Shard(0). OUT: where results
-# go (default runs/gpu). The log ends with the engine rows of every mode: the GPU time in
+# ragged (RaggedShard), owned (Owned), mixed or shard1 (Shard(1) matrices); FSDP2 stays
+# Shard(0). OUT: where results go (default runs/gpu). The log ends with the engine rows of every mode: the GPU time in
 # copy-family ops outside collective ops, and per labelled region (all of it, and the
 # engine's: the fake backend's writes under collective ops set apart), both sides.
 #
@@ -20,7 +20,7 @@
 # the float8 step fails fast and says so. Order: what is cheapest and most asked first.
 set -u
 placement=shard
-case ${1:-} in shard|ragged|owned|mixed) placement=$1; shift ;; esac
+case ${1:-} in shard|ragged|owned|mixed|shard1) placement=$1; shift ;; esac
 out=${1:-runs/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

@@ -400,7 +400,7 @@ def test_fake_world_defaults():
     assert (args.preset, args.modes) == ("cpu", ["eager"])
     assert parse_args([]).preset == "1b"  # the real-world mode keeps its default
     assert args.placement == "shard"
-    for name in ("ragged", "owned", "mixed"):  # flexshard's placement; FSDP2 stays Shard(0)
+    for name in ("ragged", "owned", "mixed", "shard1"):  # flexshard's; FSDP2 stays Shard(0)
         assert parse_args(["--fake-world", "8", "--device", "cpu", "--placement",
                            name]).placement == name
 
@@ -419,6 +419,9 @@ def test_mixed_placement_reads_block_names_of_both_model_families():
         assert choose(fqn, matrix) == fs.Owned(), fqn
     assert choose("model.embed_tokens.weight", matrix) == fs.RaggedShard()
     assert choose("model.layers.0.input_layernorm.weight", vector) == fs.Shard(0)
+    shard1 = flexshard_placement("shard1")
+    assert (shard1("model.layers.0.mlp.up_proj.weight", matrix), shard1("x.bias", vector)) == \
+        (fs.Shard(1), fs.Shard(0))
 
 
 def test_fake_world_refuses_an_unknown_placement():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PLACEMENTS = ("shard", "ragged", "owned", "mixed")
+PLACEMENTS = ("shard", "ragged", "owned", "mixed", "shard1")
 PARAM_DTYPES = ("fp32", "bf16")
 MODELS = ("odd", "even", "llama")
 OPTIMIZERS = ("adamw", "muon")

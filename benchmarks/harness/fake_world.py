@@ -72,7 +72,7 @@ COMPILED = ("compile", "module-compile", "float8-compile") + WHOLE
 def compiled_mode(mode: str) -> bool:
     return mode in COMPILED
 # flexshard's placements (benchmarks.harness.runners.flexshard_placement); FSDP2 stays Shard(0)
-PLACEMENTS = ("shard", "ragged", "owned", "mixed")
+PLACEMENTS = ("shard", "ragged", "owned", "mixed", "shard1")
 # flexshard's QuantizedGather: no FSDP2 counterpart, so its baseline is flexshard's bf16 gathers
 QUANTIZED = {"int8-gather": torch.int8, "fp8-gather": torch.float8_e4m3fn}
 

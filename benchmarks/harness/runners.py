@@ -78,10 +78,16 @@ def _mixed_choice(fqn: str, param: nn.Parameter):
     return fs.Shard(0)
 
 
+def _shard1_choice(fqn: str, param: nn.Parameter):
+    """Matrices Shard(1) (a piece per rank per row: index plans), vectors Shard(0)."""
+    return fs.Shard(1) if param.ndim == 2 else fs.Shard(0)
+
+
 def flexshard_placement(name: str):
     """The `placement=` argument of flex_shard for a configuration's placement name."""
     choices = {"shard": lambda: fs.Shard(0), "ragged": lambda: _placement("RaggedShard"),
-               "owned": lambda: _placement("Owned"), "mixed": lambda: _mixed_choice}
+               "owned": lambda: _placement("Owned"), "mixed": lambda: _mixed_choice,
+               "shard1": lambda: _shard1_choice}
     if name not in choices:
         raise ValueError(f"unknown placement {name!r}; use one of {sorted(choices)}")
     choice = choices[name]()
