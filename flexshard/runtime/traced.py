@@ -182,10 +182,10 @@ class _Spans(torch.autograd.Function):
         spans = [(k, pieces) for k, (pieces, _) in enumerate(ctx.members)
                  if isinstance(pieces, tuple)]
         joined = _joined(spans, flats, ctx.numel)
+        indexed = [k for k, (pieces, _) in enumerate(ctx.members) if not isinstance(pieces, tuple)]
         by_block = {}
-        for (k, (block, _)), where in zip(
-                [(k, m) for k, m in enumerate(ctx.members) if not isinstance(m[0], tuple)],
-                ctx.saved_tensors):
+        for k, where in zip(indexed, ctx.saved_tensors):
+            block = ctx.members[k][0]
             by_block.setdefault(block, []).append((where, flats[k].view(-1, block)))
         for block, members in by_block.items():
             where, values = zip(*members)
@@ -283,7 +283,7 @@ class TracedBucket:
         grads = bucket.grads
         self.trainable = tuple(bucket.grad_slots)
         # the padded reduce layout: the graph reduces with reduce_scatter_tensor
-        reduce = self.reduce_layout = bucket.gather.padded_reduce_layout
+        reduce = bucket.gather.padded_reduce_layout
         self.reduce_dtype = reduce.regions[0].dtype if reduce.regions else torch.float32
         # the trainable pieces' dtype; of several (a mixed bucket), the reduce dtype,
         # each piece cast to it (the grads' way back casts each to its param's)
