@@ -74,14 +74,15 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
     outputs = {b.gather.layout.wire_bytes // 4 for b in buckets if b.name != "root"}
     saved = _saved_numels(model, batch(0, rank)[0])
     n = buckets[0].gather.post_forward_size
+    traced = [TracedBucket(b) for b in buckets]
     return {**run, "breaks": _breaks(), "graphs": graphs, "chains": chains, "matmuls": matmuls,
             "scatters": scatters, "kept": saved & (unsharded | outputs),
             # each compact reduce group: (bucket, group, its stand-in's numel, its width)
             "compact": [(b.name, k, numel, g.splits[1][k])
-                        for b, g in zip(buckets, map(TracedBucket, buckets))
+                        for b, g in zip(buckets, traced)
                         for k, (numel, mine) in enumerate(g.reduces) if mine is not None],
             "kept_slice": n is not None and {o // n for o in outputs} <= saved,
-            "indexed": sum(_indexed(TracedBucket(b)) for b in buckets),
+            "indexed": sum(map(_indexed, traced)),
             "groups": [(kind, {(op, names.get(g, g)): c for (op, g), c in counts.items()})
                        for kind, counts in groups],
             "buckets": [(b.name, b.gather.reshard_after_forward) for b in buckets]}
