@@ -254,6 +254,23 @@ FUNCTIONAL_COLLECTIVES_NAMESPACE = "_c10d_functional"
 functional_collectives = getattr(torch.ops, FUNCTIONAL_COLLECTIVES_NAMESPACE)
 
 
+# fs.compile's bucket gathers (runtime/traced.py): a function dynamo puts in its graph as
+# one call, traced by AOTAutograd alone (as make_fx traces: the Python runs once, on
+# fake tensors), where dynamo would interpret its Python bytecode by bytecode; and the
+# pytree registration that lets an object (a TracedBucket) be its constant argument.
+# Resolved when fs.compile first needs them: they import dynamo (and inductor with it).
+def nonstrict_trace(fn):
+    """`fn` marked for dynamo's non-strict tracing."""
+    return resolve_first(("torch.compiler:nonstrict_trace", "torch._dynamo:nonstrict_trace"),
+                         "to trace fs.compile's bucket gathers without dynamo")(fn)
+
+
+def register_constant(cls: type) -> None:
+    """`cls` a pytree constant: an argument of a non-strict traced function."""
+    resolve("torch.utils._pytree:register_constant",
+            "to pass a TracedBucket to its non-strict traced gather")(cls)
+
+
 # nn.Module.load_state_dict(assign=True) sets this key in the local_metadata
 # its load_state_dict pre-hooks receive.
 ASSIGN_METADATA_KEY = "assign_to_params_buffers"

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from .runtime.hooks import ModuleHooks, _cast_floating
 from .runtime.sharded_grad import wrap_grads
 from .runtime.state import get_state
-from .runtime.traced import TracedBucket, recompute_gather_policy
+from .runtime.traced import TracedBucket, recompute_gather_policy, unsharded
 
 
 class _Body(nn.Module):
@@ -58,7 +58,7 @@ class TracedForward:
     def region(self, params, casts, args, kwargs):
         fulls = {}
         for gather, names, sharded, cast8 in zip(self.gathers, self.names, params, casts):
-            for aliases, full in zip(names, gather.unsharded(sharded, cast8)):
+            for aliases, full in zip(names, unsharded(gather, sharded, cast8)):
                 fulls.update(dict.fromkeys(aliases, full))
         return torch.func.functional_call(self.body, fulls, args, kwargs, tie_weights=False)
 

@@ -17,7 +17,8 @@ LABELS = {"fsdp2": "FSDP2"}  # how a side is named in the tables
 
 def measures(r: dict) -> dict:
     """The measures compared of one side's record: memory, times, counts, profile."""
-    m = {k: r[k] for k in ("peak_bytes", "step_s", "cpu_s") if k in r}
+    m = {k: r[k] for k in ("peak_bytes", "step_s", "cpu_s", "first_step_s")
+         if r.get(k) is not None}
     if "counts" in r:
         m.update({k: r["counts"][k] for k in ("ops", "non_view_ops", "copy_ops", "copy_bytes",
                                               "engine_copy_bytes") if k in r["counts"]})
@@ -56,6 +57,7 @@ _ROWS = [  # (measure, label, format)
     ("peak_bytes", "peak memory", _mib),
     ("step_s", "step time, median", lambda v: f"{v * 1e3:.1f} ms"),
     ("cpu_s", "process CPU time per step, median", lambda v: f"{v * 1e3:.1f} ms"),
+    ("first_step_s", "first step (a compiled mode's compiles)", lambda v: f"{v:.1f} s"),
 ]
 
 
@@ -73,7 +75,8 @@ def mode_text(m: dict, device: torch.device) -> str:
     for key, label, fmt in _ROWS:
         if key in a and key in b:
             f = fmt.format if isinstance(fmt, str) else fmt
-            unit = f" ({device.type.upper()})" if key in ("peak_bytes", "step_s", "cpu_s") else ""
+            unit = f" ({device.type.upper()})" if key in ("peak_bytes", "step_s", "cpu_s",
+                                                          "first_step_s") else ""
             lines.append(f"| {label}{unit} | {f(a[key])} | {f(b[key])} | "
                          f"{_ratio(m['ratios'].get(key))} |")
     if compiled_mode(m["mode"]) and device.type == "cpu":

@@ -12,20 +12,26 @@ replicas), in the reduce dtype, divided by the bucket's gradient divide factor.
 Autograd then accumulates each sharded grad into the sharded param's `.grad`.
 
 The stand-in never holds values: the forward's values come from the wire, the
-backward's structure from the reduce layout (`_ValueFrom`), so any wire format
+backward's structure from the reduce layout (`_Spans`), so any wire format
 whose decode traces (a cast, QuantizedGather's blocks) reduces its grads in
 the reduce dtype, as eager does. A compiler drops the stand-in's forward ops:
 nothing reads them.
+
+Dynamo does not trace this module's Python: `unsharded` is one non-strict traced
+call in its graph, whose ops AOTAutograd traces (design.md, "The whole step in
+one graph").
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..compat import FUNCTIONAL_COLLECTIVES_NAMESPACE, functional_collectives
+from ..compat import (FUNCTIONAL_COLLECTIVES_NAMESPACE, functional_collectives, nonstrict_trace,
+                      register_constant)
 from ..placements import float8
 from ..placements.quantized import DECODE_NAMESPACE, BlockQuantized
 from ..placements.subclass import SubclassGather
@@ -161,38 +167,61 @@ class _Indexed(NamedTuple):
 
 
 class _Spans(torch.autograd.Function):
-    """Forward: unfilled tensors of the members' shapes (a stand-in's pieces,
-    never read); backward: their grads joined into the stand-in's layout (each
-    member's pieces at their places, zeros in the gaps) in one write, and one
-    index_put per block size of the index members, where slicing each member out
-    would write a whole zero-padded group per piece (or per index member).
-    `members`: (pieces, shape) each, a piece (start in the stand-in, start in the
-    member's flat grad, numel); or (block, shape) for an index member, its block
-    positions the next of `positions`."""
+    """Forward: each member's decoded value as it is (a view; a member whose value
+    is None, a subclass's, gets an unfilled tensor of its shape, which
+    `_ValueFrom` joins to it); backward: their grads, in the stand-in's dtype,
+    joined into the stand-in's layout (each member's pieces at their places, zeros
+    in the gaps) in one write, and one index_put per block size of the index
+    members, where slicing each member out would write a whole zero-padded group
+    per piece (or per index member). One Function per reduce group, not one per
+    param. `group`: the reduce group's `_SpanGroup`; `tensors`: the members'
+    values, then the group's positions (as tensors of the graph: a constant
+    tensor traced in a backward fails)."""
 
     @staticmethod
-    def forward(ctx, stand_in, members, *positions):
-        ctx.members, ctx.numel = members, stand_in.numel()
-        ctx.save_for_backward(*positions)
-        return tuple(stand_in.new_empty(shape) for _, shape in members)
+    def forward(ctx, stand_in, group, *tensors):
+        values = tensors[:len(group.members)]
+        ctx.group, ctx.numel, ctx.dtype = group, stand_in.numel(), stand_in.dtype
+        ctx.save_for_backward(*tensors[len(group.members):])
+        return tuple(stand_in.new_empty(shape) if value is None else value.view_as(value)
+                     for value, (_, shape) in zip(values, group.members))
 
     @staticmethod
     def backward(ctx, *grads):
-        flats = [g.reshape(-1) for g in grads]
-        spans = [(k, pieces) for k, (pieces, _) in enumerate(ctx.members)
-                 if isinstance(pieces, tuple)]
+        members = ctx.group.members
+        flats = [_as(g, ctx.dtype, (-1,)) for g in grads]
+        spans = [(k, pieces) for k, (pieces, _) in enumerate(members) if isinstance(pieces, tuple)]
         joined = _joined(spans, flats, ctx.numel)
-        indexed = [k for k, (pieces, _) in enumerate(ctx.members) if not isinstance(pieces, tuple)]
-        by_block = {}
-        for k, where in zip(indexed, ctx.saved_tensors):
-            block = ctx.members[k][0]
-            by_block.setdefault(block, []).append((where, flats[k].view(-1, block)))
-        for block, members in by_block.items():
-            where, values = zip(*members)
+        for block, where in zip(ctx.group.blocks, ctx.saved_tensors):
+            values = [flats[k].view(-1, block) for k, (pieces, _) in enumerate(members)
+                      if pieces == block]
             joined = joined.view(-1, block).index_put(
-                (torch.cat(where) if len(where) > 1 else where[0],),
-                torch.cat(values) if len(values) > 1 else values[0]).view(-1)
-        return (joined, None) + (None,) * len(ctx.saved_tensors)
+                (where,), torch.cat(values) if len(values) > 1 else values[0]).view(-1)
+        return (joined, None) + (None,) * (len(members) + len(ctx.saved_tensors))
+
+
+class _SpanGroup(NamedTuple):
+    """A reduce group's members as `_Spans` takes them, made when the bucket is
+    prepared: each member's trainable index; (pieces, shape) each, a piece (start
+    in the stand-in, start in the member's flat grad, numel), or (block, shape)
+    for an index member; the index members' block sizes, and per block size the
+    positions of its members' blocks in the stand-in, in member order."""
+
+    trainable: tuple
+    members: tuple
+    blocks: tuple
+    positions: tuple
+
+
+def _span_group(members: Sequence[tuple], shapes: Sequence) -> _SpanGroup:
+    """`members`' (trainable index, pieces or _Indexed) as _Spans takes them."""
+    blocks = tuple(dict.fromkeys(p.block for _, p in members if isinstance(p, _Indexed)))
+    positions = tuple(torch.cat([p.positions for _, p in members
+                                 if isinstance(p, _Indexed) and p.block == block])
+                      for block in blocks)
+    return _SpanGroup(tuple(k for k, _ in members),
+                      tuple((p.block if isinstance(p, _Indexed) else p, shapes[k])
+                            for k, p in members), blocks, positions)
 
 
 def _joined(spans: Sequence[tuple], flats: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
@@ -211,18 +240,17 @@ def _joined(spans: Sequence[tuple], flats: Sequence[torch.Tensor], numel: int) -
 
 
 class _ValueFrom(torch.autograd.Function):
-    """`value` forward, its grad to `plain` backward (cast to plain's dtype)."""
+    """`value` forward, its grad to `plain` backward as it is: a subclass value
+    (torchao's float8 weight), whose plain is cast to its dtype (see unsharded),
+    as torchao's own cast's grad goes back."""
 
     @staticmethod
     def forward(ctx, plain, value):
-        ctx.dtype = plain.dtype
         return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
-        # a subclass value (torchao's float8 weight) came in with its plain's
-        # dtype (see unsharded): its grad goes back as it is, as torchao's own cast's
-        return (grad if grad.dtype == ctx.dtype else grad.to(ctx.dtype)), None
+        return grad, None
 
 
 def _join(parts: Sequence[tuple], nbytes: int, like: torch.Tensor) -> torch.Tensor:
@@ -236,11 +264,23 @@ def _join(parts: Sequence[tuple], nbytes: int, like: torch.Tensor) -> torch.Tens
     for start, t in sorted(parts, key=lambda p: p[0]):
         if start > pos:
             out.append(like.new_zeros((start - pos) // size, dtype=dtype))
-        out.append(t.reshape(-1))
+        out.append(_as(t, dtype, (-1,)))
         pos = start + t.numel() * size
     if pos < nbytes:
         out.append(like.new_zeros((nbytes - pos) // size, dtype=dtype))
     return torch.cat(out)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype, shape=None) -> torch.Tensor:
+    """`t` in `dtype` (and `shape`), with no op where it is so already: the
+    checks run while tracing, where `to` and `reshape` are graph nodes even when
+    they change nothing, each traced again by AOTAutograd."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if shape is not None and not (t.dim() == len(shape) == 1 if shape == (-1,)
+                                  else t.shape == shape):
+        t = t.reshape(shape)
+    return t
 
 
 def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -313,6 +353,9 @@ class TracedBucket:
         self.device = (bucket.offload.compute_device if bucket.offload is not None
                        else bucket.storage.buffer.device)
         self.spanned = self._plan_spans(reduce, size)
+        self.span_groups = [_span_group(members, [c.shape for c in self.grad_copies])
+                            for members in self.spanned]
+        self.positions = tuple(p for group in self.span_groups for p in group.positions)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
         # a user-defined format's encode and decode: one op each (opaque_format.py)
@@ -324,7 +367,15 @@ class TracedBucket:
             opaque_format.probe(key, bucket.params[i])
         self.offload = bucket.offload  # its compute device read at trace time (to() moves it)
         self.tp = [w.tp for w in bucket.wiring]
+        self.traced = _traced_gather()
         self._index_plans()
+
+    # a pytree constant (unsharded() below) needs its own __eq__ and __hash__: identity
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
 
     def _index_plans(self) -> None:
         """Make the gather's index plans' positions (Shard(d > 0): CopyPlan.index) in
@@ -374,7 +425,7 @@ class TracedBucket:
         parts, metas = [], {}
         for i, (wire, sends, piece) in enumerate(zip(self.wires.params, self.sends, sharded)):
             if isinstance(wire.format, Cast):  # one cast, no buffer to copy into
-                outs = [piece.detach().to(sends[0][1]).reshape(sends[0][2])]
+                outs = [_as(piece.detach(), sends[0][1], sends[0][2])]
             elif i in cast8:
                 bits, scale = cast8[i]
                 outs = [bits.reshape(sends[0][2])]
@@ -403,14 +454,17 @@ class TracedBucket:
         scale = float8.scales(amax, dtype)
         return dict(zip(slots, zip(float8.cast_each(pieces, scale, dtype), scale.unbind(0))))
 
-    def unsharded(self, sharded: Sequence[torch.Tensor], cast8: dict) -> list:
+    def unsharded(self, sharded: Sequence[torch.Tensor], cast8: dict,
+                  positions: Sequence[torch.Tensor]) -> list:
         """The unsharded params (one per slot, a TP slot's a DTensor again), made
-        inside the graph that calls this; `cast8` is cast_float8's."""
+        inside the graph that calls this; `cast8` is cast_float8's, `positions`
+        this bucket's `positions` (the grads' index positions: passed in, they are
+        tensors of the graph)."""
         sharded = self._on_device(sharded)  # under reshard, recomputed in backward
         send, metas = self.send(sharded, cast8)
         size = send.element_size()
         splits = [n // size for n in self.splits[0]]
-        pieces = [(self.pieces[k], sharded[i].to(self.plain_dtype))
+        pieces = [(self.pieces[k], _as(sharded[i], self.plain_dtype))
                   for k, i in enumerate(self.trainable)]
         segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
             sharded[0].new_empty(0)
@@ -422,24 +476,26 @@ class TracedBucket:
             gathered = _RankOrdered(gathered, *self.levels[1::2])
         fulls = [self._decode(i, wire, gathered, metas.get(i))
                  for i, wire in enumerate(self.wires.params)]
-        plains = dict(self._spanned(stand_ins))
-        for k, i in enumerate(self.trainable):
-            plain = plains[k]
+        for k, value in list(self._spanned(stand_ins, fulls, positions)):
+            i = self.trainable[k]
             if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
-                plain = plain.to(fulls[i].dtype)
-            fulls[i] = _ValueFrom.apply(plain, fulls[i])
+                value = _ValueFrom.apply(value.to(fulls[i].dtype), fulls[i])
+            fulls[i] = value
         # TP's modules see the DTensor they expect
         return [full if tp is None else tp.to_param(full) for tp, full in zip(self.tp, fulls)]
 
-    def _spanned(self, stand_ins: Sequence[torch.Tensor]):
-        """(trainable index, its stand-in) of each reduce group's members."""
-        for group, members in enumerate(self.spanned):
-            if members:
-                spec = tuple((pieces.block if isinstance(pieces, _Indexed) else pieces,
-                              self.grad_copies[k].shape) for k, pieces in members)
-                positions = [p.positions for _, p in members if isinstance(p, _Indexed)]
-                yield from zip([k for k, _ in members],
-                               _Spans.apply(stand_ins[group], spec, *positions))
+    def _spanned(self, stand_ins: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor],
+                 positions: Sequence[torch.Tensor]):
+        """(trainable index, its value, whose grad goes into its stand-in) of each
+        reduce group's members; a subclass member's value is an unfilled tensor.
+        `positions`: the groups' `_SpanGroup.positions`, one after another."""
+        positions = iter(positions)
+        for stand_in, group in zip(stand_ins, self.span_groups):
+            if group.members:
+                values = [fulls[self.trainable[k]] for k in group.trainable]
+                values = [v if type(v) is torch.Tensor else None for v in values]
+                mine = [next(positions) for _ in group.blocks]
+                yield from zip(group.trainable, _Spans.apply(stand_in, group, *values, *mine))
 
     def _decode(self, slot: int, wire, gathered, meta) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
@@ -541,3 +597,24 @@ def _full(plan, outputs: Sequence[torch.Tensor], layout, starts: Sequence[int], 
     size = plan.dtype.itemsize if bytes_ else 1
     typed = outputs[group] if not bytes_ else _typed(outputs[group], plan.dtype)
     return plan.traced_full(typed, world * starts[group] // size)
+
+
+def _gather_unsharded(bucket: TracedBucket, sharded: Sequence[torch.Tensor], cast8: dict,
+                      positions: Sequence[torch.Tensor]) -> list:
+    return bucket.unsharded(sharded, cast8, positions)
+
+
+@functools.cache
+def _traced_gather():
+    """`_gather_unsharded` marked for non-strict tracing, TracedBucket its constant
+    argument: made for the first TracedBucket (fs.compile), as resolving them
+    imports dynamo, and inductor with it, which `import flexshard` does not."""
+    register_constant(TracedBucket)
+    return nonstrict_trace(_gather_unsharded)
+
+
+def unsharded(bucket: TracedBucket, sharded: Sequence[torch.Tensor], cast8: dict) -> list:
+    """`bucket`'s unsharded params in a graph dynamo captures: one non-strict
+    traced call (AOTAutograd traces its ops; dynamo does not interpret the
+    planning Python around them), its positions passed as tensors of the graph."""
+    return bucket.traced(bucket, sharded, cast8, bucket.positions)
