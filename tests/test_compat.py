@@ -275,6 +275,49 @@ def test_functional_collective_ops_live_in_the_namespace_the_policy_reads():
     assert ops.wait_tensor.default.namespace == compat.FUNCTIONAL_COLLECTIVES_NAMESPACE
 
 
+class _Scale:
+    """A constant argument of a non-strict traced function (as TracedBucket is)."""
+
+    def __init__(self, by: float) -> None:
+        self.by = by
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def _scaled(scale: _Scale, x: torch.Tensor) -> list:
+    return [x * scale.by, (x * scale.by).sum()]
+
+
+def test_nonstrict_trace_is_one_call_in_dynamos_graph_and_trains():
+    """What fs.compile's gathers rely on (runtime/traced.py): a non-strict traced
+    function with a pytree-constant argument is one node of dynamo's graph, whose
+    ops AOTAutograd traces, forward and backward."""
+    import torch._dynamo
+
+    compat.register_constant(_Scale)
+    traced, scale, graphs = compat.nonstrict_trace(_scaled), _Scale(3.0), []
+
+    def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: traced(scale, x)[0].sin(), fullgraph=True, backend=backend)
+    x = torch.randn(4, requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, 3.0 * torch.cos(3.0 * x.detach()))
+    (nodes,) = graphs  # the function's mul and sum are not dynamo's nodes: one call
+    assert len(nodes) == 2 and "flat_apply" in nodes[0] and "getitem" in nodes[1], nodes
+    torch._dynamo.reset()
+
+
 def test_dtensor_local_offsets_place_the_local_tensor():
     from harness import run_world
 
