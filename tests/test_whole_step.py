@@ -16,7 +16,8 @@ import flexshard as fs
 from compile_check import compiled_graph_calls, counting_backend
 from flexshard.compat import FUNCTIONAL_COLLECTIVES_NAMESPACE
 from flexshard.runtime.state import get_state
-from flexshard.runtime.traced import TracedBucket, _Indexed, recompute_gather_policy
+from flexshard.runtime.grad_spans import Indexed
+from flexshard.runtime.traced import TracedBucket, recompute_gather_policy
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT, batch, loss_fn
 from reference import (assemble_grads, assert_rel_close, make_model, reference_run,
@@ -91,7 +92,7 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
 def _indexed(traced: TracedBucket) -> int:
     """The elements a bucket's index-plan grads (Shard(d > 0)) write into its reduce
     stand-ins: one index_put per block size and reduce group."""
-    return sum(len({m.block for _, m in members if isinstance(m, _Indexed)}) * numel
+    return sum(len({m.block for _, m in members if isinstance(m, Indexed)}) * numel
                for members, (numel, _) in zip(traced.spanned, traced.reduces))
 
 

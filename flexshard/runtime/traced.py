@@ -12,7 +12,7 @@ replicas), in the reduce dtype, divided by the bucket's gradient divide factor.
 Autograd then accumulates each sharded grad into the sharded param's `.grad`.
 
 The stand-in never holds values: the forward's values come from the wire, the
-backward's structure from the reduce layout (`_Spans`), so any wire format
+backward's structure from the reduce layout (`Spans`), so any wire format
 whose decode traces (a cast, QuantizedGather's blocks) reduces its grads in
 the reduce dtype, as eager does. A compiler drops the stand-in's forward ops:
 nothing reads them.
@@ -25,7 +25,7 @@ one graph").
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -39,6 +39,7 @@ from ..placements.wire import Cast
 from ..planning.copyplan import plan_copies
 from . import opaque_format
 from .bucket import Bucket
+from .grad_spans import Indexed, Spans, cast_as, span_group
 from .unsharded import plan_param_wires
 
 # aten ops that turn a shard into unsharded params besides views (a cast's encode,
@@ -158,87 +159,6 @@ def _gather_in_two(sends: Sequence[torch.Tensor], across: str, kept: int, within
     return _gather(_gather(sends, kept, across), size, within)
 
 
-class _Indexed(NamedTuple):
-    """An index plan's grad in its reduce group: block `positions[j]` of `block`
-    elements holds the flat grad's block j."""
-
-    block: int
-    positions: torch.Tensor
-
-
-class _Spans(torch.autograd.Function):
-    """Forward: each member's decoded value as it is (a view; a member whose value
-    is None, a subclass's, gets an unfilled tensor of its shape, which
-    `_ValueFrom` joins to it); backward: their grads, in the stand-in's dtype,
-    joined into the stand-in's layout (each member's pieces at their places, zeros
-    in the gaps) in one write, and one index_put per block size of the index
-    members, where slicing each member out would write a whole zero-padded group
-    per piece (or per index member). One Function per reduce group, not one per
-    param. `group`: the reduce group's `_SpanGroup`; `tensors`: the members'
-    values, then the group's positions (as tensors of the graph: a constant
-    tensor traced in a backward fails)."""
-
-    @staticmethod
-    def forward(ctx, stand_in, group, *tensors):
-        values = tensors[:len(group.members)]
-        ctx.group, ctx.numel, ctx.dtype = group, stand_in.numel(), stand_in.dtype
-        ctx.save_for_backward(*tensors[len(group.members):])
-        return tuple(stand_in.new_empty(shape) if value is None else value.view_as(value)
-                     for value, (_, shape) in zip(values, group.members))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        members = ctx.group.members
-        flats = [_as(g, ctx.dtype, (-1,)) for g in grads]
-        spans = [(k, pieces) for k, (pieces, _) in enumerate(members) if isinstance(pieces, tuple)]
-        joined = _joined(spans, flats, ctx.numel)
-        for block, where in zip(ctx.group.blocks, ctx.saved_tensors):
-            values = [flats[k].view(-1, block) for k, (pieces, _) in enumerate(members)
-                      if pieces == block]
-            joined = joined.view(-1, block).index_put(
-                (where,), torch.cat(values) if len(values) > 1 else values[0]).view(-1)
-        return (joined, None) + (None,) * (len(members) + len(ctx.saved_tensors))
-
-
-class _SpanGroup(NamedTuple):
-    """A reduce group's members as `_Spans` takes them, made when the bucket is
-    prepared: each member's trainable index; (pieces, shape) each, a piece (start
-    in the stand-in, start in the member's flat grad, numel), or (block, shape)
-    for an index member; the index members' block sizes, and per block size the
-    positions of its members' blocks in the stand-in, in member order."""
-
-    trainable: tuple
-    members: tuple
-    blocks: tuple
-    positions: tuple
-
-
-def _span_group(members: Sequence[tuple], shapes: Sequence) -> _SpanGroup:
-    """`members`' (trainable index, pieces or _Indexed) as _Spans takes them."""
-    blocks = tuple(dict.fromkeys(p.block for _, p in members if isinstance(p, _Indexed)))
-    positions = tuple(torch.cat([p.positions for _, p in members
-                                 if isinstance(p, _Indexed) and p.block == block])
-                      for block in blocks)
-    return _SpanGroup(tuple(k for k, _ in members),
-                      tuple((p.block if isinstance(p, _Indexed) else p, shapes[k])
-                            for k, p in members), blocks, positions)
-
-
-def _joined(spans: Sequence[tuple], flats: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-    """A flat tensor of `numel` of the span members' grad pieces at their places
-    (`spans`: (member, pieces) each), zeros elsewhere, in one write."""
-    pieces = sorted((start, flat, n, k) for k, pieces in spans for start, flat, n in pieces)
-    parts, pos = [], 0
-    for start, flat, n, k in pieces:
-        if start > pos:
-            parts.append(flats[0].new_zeros(start - pos))
-        parts.append(flats[k][flat:flat + n])
-        pos = start + n
-    if pos < numel:
-        parts.append(flats[0].new_zeros(numel - pos))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 class _ValueFrom(torch.autograd.Function):
     """`value` forward, its grad to `plain` backward as it is: a subclass value
     (torchao's float8 weight), whose plain is cast to its dtype (see unsharded),
@@ -264,23 +184,11 @@ def _join(parts: Sequence[tuple], nbytes: int, like: torch.Tensor) -> torch.Tens
     for start, t in sorted(parts, key=lambda p: p[0]):
         if start > pos:
             out.append(like.new_zeros((start - pos) // size, dtype=dtype))
-        out.append(_as(t, dtype, (-1,)))
+        out.append(cast_as(t, dtype, (-1,)))
         pos = start + t.numel() * size
     if pos < nbytes:
         out.append(like.new_zeros((nbytes - pos) // size, dtype=dtype))
     return torch.cat(out)
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype, shape=None) -> torch.Tensor:
-    """`t` in `dtype` (and `shape`), with no op where it is so already: the
-    checks run while tracing, where `to` and `reshape` are graph nodes even when
-    they change nothing, each traced again by AOTAutograd."""
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    if shape is not None and not (t.dim() == len(shape) == 1 if shape == (-1,)
-                                  else t.shape == shape):
-        t = t.reshape(shape)
-    return t
 
 
 def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -353,7 +261,7 @@ class TracedBucket:
         self.device = (bucket.offload.compute_device if bucket.offload is not None
                        else bucket.storage.buffer.device)
         self.spanned = self._plan_spans(reduce, size)
-        self.span_groups = [_span_group(members, [c.shape for c in self.grad_copies])
+        self.span_groups = [span_group(members, [c.shape for c in self.grad_copies])
                             for members in self.spanned]
         self.positions = tuple(p for group in self.span_groups for p in group.positions)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
@@ -415,7 +323,7 @@ class TracedBucket:
                                 run.length) for run in plan.runs for i in range(run.rows))
             else:
                 width = self.world * self.splits[1][group]
-                pieces = _Indexed(*plan.index(self.device, base, width))
+                pieces = Indexed(*plan.index(self.device, base, width))
             out[group].append((k, pieces))
         return out
 
@@ -425,7 +333,7 @@ class TracedBucket:
         parts, metas = [], {}
         for i, (wire, sends, piece) in enumerate(zip(self.wires.params, self.sends, sharded)):
             if isinstance(wire.format, Cast):  # one cast, no buffer to copy into
-                outs = [_as(piece.detach(), sends[0][1], sends[0][2])]
+                outs = [cast_as(piece.detach(), sends[0][1], sends[0][2])]
             elif i in cast8:
                 bits, scale = cast8[i]
                 outs = [bits.reshape(sends[0][2])]
@@ -464,7 +372,7 @@ class TracedBucket:
         send, metas = self.send(sharded, cast8)
         size = send.element_size()
         splits = [n // size for n in self.splits[0]]
-        pieces = [(self.pieces[k], _as(sharded[i], self.plain_dtype))
+        pieces = [(self.pieces[k], cast_as(sharded[i], self.plain_dtype))
                   for k, i in enumerate(self.trainable)]
         segment = _join(pieces, self.segment_bytes, sharded[0]) if pieces else \
             sharded[0].new_empty(0)
@@ -488,14 +396,14 @@ class TracedBucket:
                  positions: Sequence[torch.Tensor]):
         """(trainable index, its value, whose grad goes into its stand-in) of each
         reduce group's members; a subclass member's value is an unfilled tensor.
-        `positions`: the groups' `_SpanGroup.positions`, one after another."""
+        `positions`: the groups' `SpanGroup.positions`, one after another."""
         positions = iter(positions)
         for stand_in, group in zip(stand_ins, self.span_groups):
             if group.members:
                 values = [fulls[self.trainable[k]] for k in group.trainable]
                 values = [v if type(v) is torch.Tensor else None for v in values]
                 mine = [next(positions) for _ in group.blocks]
-                yield from zip(group.trainable, _Spans.apply(stand_in, group, *values, *mine))
+                yield from zip(group.trainable, Spans.apply(stand_in, group, *values, *mine))
 
     def _decode(self, slot: int, wire, gathered, meta) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
