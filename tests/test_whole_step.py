@@ -16,7 +16,6 @@ import flexshard as fs
 from compile_check import compiled_graph_calls, counting_backend
 from flexshard.compat import FUNCTIONAL_COLLECTIVES_NAMESPACE
 from flexshard.runtime.state import get_state
-from flexshard.runtime.grad_spans import Indexed
 from flexshard.runtime.traced import TracedBucket, recompute_gather_policy
 from harness import expect_all_ranks_raise, run_world
 from models import TinyGPT, batch, loss_fn
@@ -92,8 +91,8 @@ def train_whole(config: dict, backend: str = "count", fullgraph: bool = True,
 def _indexed(traced: TracedBucket) -> int:
     """The elements a bucket's index-plan grads (Shard(d > 0)) write into its reduce
     stand-ins: one index_put per block size and reduce group."""
-    return sum(len({m.block for _, m in members if isinstance(m, Indexed)}) * numel
-               for members, (numel, _) in zip(traced.spanned, traced.reduces))
+    return sum(len({p for p, _ in group.members if isinstance(p, int)}) * numel  # a block
+               for group, (numel, _) in zip(traced.span_groups, traced.reduces))
 
 
 def whole_and_plain(config: dict) -> tuple:

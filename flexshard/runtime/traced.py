@@ -260,9 +260,8 @@ class TracedBucket:
                              for used, width in zip(self.compact, self.splits[1]))
         self.device = (bucket.offload.compute_device if bucket.offload is not None
                        else bucket.storage.buffer.device)
-        self.spanned = self._plan_spans(reduce, size)
         self.span_groups = [span_group(members, [c.shape for c in self.grad_copies])
-                            for members in self.spanned]
+                            for members in self._plan_spans(reduce, size)]
         self.positions = tuple(p for group in self.span_groups for p in group.positions)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
@@ -384,7 +383,7 @@ class TracedBucket:
             gathered = _RankOrdered(gathered, *self.levels[1::2])
         fulls = [self._decode(i, wire, gathered, metas.get(i))
                  for i, wire in enumerate(self.wires.params)]
-        for k, value in list(self._spanned(stand_ins, fulls, positions)):
+        for k, value in self._spanned(stand_ins, fulls, positions):
             i = self.trainable[k]
             if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
                 value = _ValueFrom.apply(value.to(fulls[i].dtype), fulls[i])
@@ -397,13 +396,14 @@ class TracedBucket:
         """(trainable index, its value, whose grad goes into its stand-in) of each
         reduce group's members; a subclass member's value is an unfilled tensor.
         `positions`: the groups' `SpanGroup.positions`, one after another."""
-        positions = iter(positions)
+        out, positions = [], iter(positions)
         for stand_in, group in zip(stand_ins, self.span_groups):
             if group.members:
                 values = [fulls[self.trainable[k]] for k in group.trainable]
                 values = [v if type(v) is torch.Tensor else None for v in values]
                 mine = [next(positions) for _ in group.blocks]
-                yield from zip(group.trainable, Spans.apply(stand_in, group, *values, *mine))
+                out += zip(group.trainable, Spans.apply(stand_in, group, *values, *mine))
+        return out
 
     def _decode(self, slot: int, wire, gathered, meta) -> torch.Tensor:
         fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
