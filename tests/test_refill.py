@@ -69,6 +69,29 @@ def test_several_forwards_train_as_the_unwrapped_model(how, reshard):
             torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def evaluated_first(reshard) -> tuple:
+    """Rank body: the first forward under torch.inference_mode() (evaluating a model
+    before training it), then the two microbatches' SGD step: (eval logits, full params)."""
+    model = fs.flex_shard(make_model(), reshard_after_forward=reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with torch.inference_mode():
+        logits = model(batch(99, 0)[0])
+    _backward(model, "one backward")
+    opt.step()
+    return logits, fs.full_state_dict(model)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_inference_mode_before_the_first_step_leaves_the_model_trainable(reshard):
+    want = _reference()
+    with torch.inference_mode():
+        want_logits = make_model()(batch(99, 0)[0])
+    for logits, got in run_world(WORLD, evaluated_first, reshard):
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def changed_between() -> str:
     """Rank body: forward, a param changed in place, forward again, backward of the first."""
     model = fs.flex_shard(make_model())

@@ -64,6 +64,20 @@ def module_compiled(module) -> bool:
     return getattr(module, COMPILED_CALL_IMPL, None) is not None
 
 
+def outside_inference_mode(fn):
+    """`fn` run with inference mode off (grad stays off) when called inside it: the
+    buffers and params a bucket makes on its first gather outlive that forward, and
+    made as inference tensors they would refuse the version checks of every later
+    step (an evaluation under torch.inference_mode() before the first training step)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(*args, **kwargs)
+    return run
+
+
 def _cast_floating(tree, dtype):
     if dtype is None:
         return tree
@@ -97,6 +111,7 @@ class ModuleHooks:
                                          always_call=True),
         ]
 
+    @outside_inference_mode
     def pre_forward(self, module, args, kwargs):
         self._post_ran = False
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
@@ -146,6 +161,7 @@ class ModuleHooks:
     def _launch_deferred(self, grad_outputs) -> None:
         self.queue.launch_deferred()
 
+    @outside_inference_mode
     def post_forward(self, module, args, kwargs, output):
         self._post_ran = True
         keep = torch.is_grad_enabled() and not in_backward()
@@ -320,6 +336,7 @@ class UnshardHandle:
             bucket.hold(outs)
 
 
+@outside_inference_mode
 def unshard_explicitly(buckets: Sequence[Bucket], async_op: bool):
     """Launch the gathers of `buckets` (module.unshard()); see UnshardHandle."""
     buckets = [b for b in buckets if b.held is None and b.hold_handle is None]
