@@ -85,3 +85,74 @@ def test_user_checkpointing_composes(kind):
         assert rank_calls["reduce_scatter"] == plan.reduces_per_step
         # Between forward and backward only the root bucket's params are unsharded.
         assert rank_live == ["root"]
+
+
+# transformers' gradient checkpointing checkpoints each layer's forward inside its call,
+# so backward recomputes it without the module's hooks, with the params the modules hold.
+
+HF_STEPS, HF_LR = 3, 0.5
+
+
+def hf_llama(use_reentrant: bool):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    # the name since transformers 5.2x; gradient_checkpointing_enable before
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable({"use_reentrant": use_reentrant})
+    return model.train()
+
+
+def hf_ids(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def hf_train(model, ids_of) -> tuple:
+    """SGD steps on `ids_of(step)`: (losses, first step's grads, params, MLP forwards a step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=HF_LR)
+    calls = []
+    # a pre-hook: a non-reentrant recompute stops once it has what backward needs
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    losses, first = [], None
+    for step in range(HF_STEPS):
+        ids = ids_of(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if first is None:
+            first = fs.full_grads(model) if hasattr(model, "unshard") else \
+                {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, first, len(calls) / HF_STEPS
+
+
+def hf_sharded(use_reentrant: bool, reshard: bool) -> tuple:
+    """Rank body: the layers checkpointed by transformers, then flex_shard."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = fs.flex_shard(hf_llama(use_reentrant), reshard_after_forward=reshard)
+    losses, first, calls = hf_train(model, lambda step: hf_ids(step, rank))
+    mean = [loss.clone() for loss in losses]
+    for loss in mean:
+        dist.all_reduce(loss)
+    return [float(m) / world for m in mean], first, fs.full_state_dict(model), calls
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_transformers_gradient_checkpointing_trains_as_one_process(use_reentrant, reshard):
+    ref = hf_llama(use_reentrant)
+    losses, first, calls = hf_train(ref, lambda step: torch.cat([hf_ids(step, r) for r in (0, 1)]))
+    assert calls == 2  # each layer recomputed in backward: checkpointing is on
+    for got_losses, got_first, full, got_calls in run_world(2, hf_sharded, use_reentrant, reshard):
+        assert got_calls == 2
+        torch.testing.assert_close(torch.tensor(got_losses), torch.stack(losses), rtol=1e-5, atol=0)
+        for name, grad in first.items():
+            torch.testing.assert_close(got_first[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        for name, param in ref.state_dict().items():
+            torch.testing.assert_close(full[name], param, rtol=1e-5, atol=1e-6, msg=name)

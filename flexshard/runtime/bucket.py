@@ -98,6 +98,7 @@ class Bucket:
         self.wiring: tuple = tuple(SlotWiring() for _ in self.slots)  # per slot (see wire)
         self.has_tp = False  # a slot is a DTensor param: forward installs DTensors
         self.held: Optional[list] = None  # unsharded params held by module.unshard()
+        self._installed_for_backward = False  # see install_for_backward
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
@@ -266,6 +267,15 @@ class Bucket:
     def install_sharded(self) -> None:
         """Put the sharded params back on the modules."""
         self._install(self.params)
+        self._installed_for_backward = False
+
+    def install_for_backward(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The refilled params on the modules while the block's backward runs, for a
+        forward recomputed without the hooks (hooks.recomputes_without_hooks); the
+        sharded ones return when the storages are freed (backward_done)."""
+        if self.held is None and self.state is BucketState.SHARDED:
+            self.install(tensors)
+            self._installed_for_backward = True
 
     def new_anchor(self) -> None:
         """Start a new route for this bucket's grads into autograd (at the
@@ -296,13 +306,15 @@ class Bucket:
         hold them."""
         self.gather.drop_forward_buffers()
         unsharded = self.gather.unsharded
-        if unsharded is None or self.state is not BucketState.SHARDED:
-            return
-        if forward is not None:
+        made_once = unsharded is not None and self.state is BucketState.SHARDED
+        if made_once and forward is not None:
             unsharded.forwards.discard(forward)
             if unsharded.awaiting_backward():
                 return
-        self.free_unsharded()
+        if self._installed_for_backward:
+            self.install_sharded()
+        if made_once:
+            self.free_unsharded()
 
     # The params made once (gather.py, unsharded.py): a forward's backward refills them.
 

@@ -59,6 +59,13 @@ def saves_kept_elsewhere() -> bool:
     return name.startswith(("_checkpoint_hook.", "save_on_cpu."))
 
 
+def recomputes_without_hooks(module) -> bool:
+    """Whether `module` checkpoints its own forward inside its call (transformers'
+    layers after `model.gradient_checkpointing_enable()`): backward then runs that
+    forward again without the module's hooks, with whatever params the modules hold."""
+    return getattr(module, "gradient_checkpointing", False) is True and module.training
+
+
 def module_compiled(module) -> bool:
     """Whether `module.compile()` was called on `module`."""
     return getattr(module, COMPILED_CALL_IMPL, None) is not None
@@ -126,6 +133,8 @@ class ModuleHooks:
         # under an activation checkpoint or save_on_cpu, which keep none of them.
         refill_in_backward = handled and not saves_kept_elsewhere()
         self._forwards = []
+        # its params go back on the modules for its backward (_Refill, post_forward)
+        self._recomputed = handled and recomputes_without_hooks(module)
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
@@ -136,8 +145,8 @@ class ModuleHooks:
             # activation checkpoint, whose recompute then gathers within the N ranks).
             bucket.gather.keep_post_forward_shard(handled and bool(bucket.gather.reshard_after_forward))
             forward = bucket.gather.take_opened()
-            if forward is not None:  # the params made once (unsharded.py)
-                self._forwards.append((bucket, forward))
+            if forward is not None or self._recomputed:  # the params made once (unsharded.py)
+                self._forwards.append((bucket, forward, outs))
             self.prefetcher.unsharded(bucket)
         if handled:
             self._launch_after_backward(args, kwargs)
@@ -177,7 +186,8 @@ class ModuleHooks:
                 bucket.free_unsharded()
         forwards, self._forwards = self._forwards, []
         if keep and forwards:
-            _refill_before_backward(output, _Refill(self.prefetcher, self.queue, forwards))
+            _refill_before_backward(output, _Refill(self.prefetcher, self.queue, forwards,
+                                                    install=self._recomputed))
         if keep and not self._compile_checked and module_compiled(module):
             self._compile_checked = self.eager_compiled.check(
                 [b.name for b in self.buckets], (args, kwargs), output)
@@ -219,19 +229,24 @@ class _Refill:
     before the block's backward reads what autograd saved, refills each bucket's
     params made once with the values that forward used (Bucket.refill), and the
     next buckets' gathers are prefetched. The reductions the blocks after it
-    deferred go first (their backward is over: see _launch_after_backward)."""
+    deferred go first (their backward is over: see _launch_after_backward).
+    `install`: the block recomputes its forward without hooks (recomputes_without_hooks),
+    so its modules hold the params it computed with until its backward is done
+    (refilled, or a non-resharding bucket's new tensors, kept alive here)."""
 
-    def __init__(self, prefetcher: Prefetcher, queue, forwards: list) -> None:
+    def __init__(self, prefetcher: Prefetcher, queue, forwards: list, install: bool) -> None:
         self.prefetcher, self.queue, self.forwards = prefetcher, queue, forwards
-        self.done = False
+        self.install, self.done = install, False
 
     def __call__(self, grad):
         if not self.done:
             self.done = True
             self.queue.launch_deferred()
-            for bucket, forward in self.forwards:
-                if bucket.refill(forward):
+            for bucket, forward, outs in self.forwards:
+                if forward is not None and bucket.refill(forward):
                     self.prefetcher.unsharded(bucket)
+                if self.install:
+                    bucket.install_for_backward(outs)
         return None
 
 
