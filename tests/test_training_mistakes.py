@@ -438,6 +438,33 @@ def test_root_module_called_outside_forward():
                              logits=head_outside)
 
 
+def stray_tied_head():
+    """The head, tied to the embedding (registered first there), called outside
+    forward: refused; model.unshard() around the call: the unwrapped model's logits."""
+    torch.manual_seed(0)
+    model = fs.flex_shard(HiddenGPT(tied=True))
+    x = batch(0, 0)[0]
+    try:
+        head_outside(model, x)
+    except RuntimeError as e:
+        said = str(e)
+    with torch.no_grad():
+        model.unshard()
+        logits = head_outside(model, x)
+        model.reshard()
+    return said, logits
+
+
+def test_tied_module_called_outside_forward_is_told_to_unshard():
+    torch.manual_seed(0)
+    want = head_outside(HiddenGPT(tied=True), batch(0, 0)[0])
+    for said, logits in run_world(WORLD, stray_tied_head):
+        assert re.search(r"module 'head' ran outside the model's forward.*call model.unshard\(\) "
+                         r"before and model.reshard\(\) after.*a bucket of its own cannot gather "
+                         r"it, as it holds a parameter tied to another module's", said), said
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-6)
+
+
 # An optimizer built between flex_shard on the meta device and to_empty(): the
 # Parameter objects survive the move, so it trains.
 

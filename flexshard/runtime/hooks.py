@@ -308,7 +308,12 @@ class StrayCallHooks:
         self.checks = []  # (module, hook)
         for bucket in buckets:
             modules = {id(m): m for w in bucket.wiring for m, _ in w.aliases}
-            self.checks += [(m, functools.partial(_check_gathered, bucket, names[id(m)]))
+            # a module holding a param registered first elsewhere (tied): no bucket
+            # pattern of its own names that param
+            tied = {id(m) for w in bucket.wiring for m, _ in w.aliases[1:]
+                    if m is not w.aliases[0][0]}
+            self.checks += [(m, functools.partial(_check_gathered, bucket, names[id(m)],
+                                                  id(m) in tied))
                             for m in modules.values() if m is not root]
         self.handles: list = []
         self.arm()
@@ -323,13 +328,18 @@ class StrayCallHooks:
         self.handles = []
 
 
-def _check_gathered(bucket: Bucket, name: str, module, args) -> None:
-    if bucket.state is BucketState.SHARDED and bucket.held is None:
-        raise RuntimeError(
-            f"module {name!r} ran outside the model's forward, which gathers its bucket "
-            f"{bucket.name!r}: its parameters are this rank's shards there. Call it inside the "
-            f"forward, give it a bucket of its own (fs.BucketSpec('{name}.*') in flex_shard's "
-            "buckets: it then gathers by itself), or call model.unshard() first")
+def _check_gathered(bucket: Bucket, name: str, tied: bool, module, args) -> None:
+    if bucket.state is not BucketState.SHARDED or bucket.held is not None:
+        return
+    fix = (f"give it a bucket of its own (fs.BucketSpec('{name}.*') in flex_shard's buckets: "
+           "it then gathers by itself), or call model.unshard() first" if not tied else
+           "or call model.unshard() before and model.reshard() after (around generate() of "
+           "an encoder-decoder model); a bucket of its own cannot gather it, as it holds a "
+           "parameter tied to another module's")
+    raise RuntimeError(
+        f"module {name!r} ran outside the model's forward, which gathers its bucket "
+        f"{bucket.name!r}: its parameters are this rank's shards there. Call it inside the "
+        f"forward, {fix}")
 
 
 class UnshardHandle:
