@@ -134,3 +134,62 @@ def test_unsharded_params_are_made_once_and_freed_between_steps():
         assert facts["same"]
         assert facts["hooks"] == [None, None]  # autograd saves the block's tensors itself
         assert facts["bytes"] == 0 and facts["shape"] == (50, 30)
+
+
+# Several backward passes through one forward: each refills what the last one freed,
+# and a pass that builds a graph of its own (create_graph) frees nothing it reads.
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5),
+                               torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _mlp_batch(rank: int) -> tuple:
+    g = torch.Generator().manual_seed(17 + rank)
+    return torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _passes(model, x, y, how: str, div: int) -> None:
+    """`how`: "retained" (two losses, retain_graph) or "penalty" (an input-gradient
+    penalty: autograd.grad with create_graph, then backward through both)."""
+    if how == "retained":
+        out = model(x)
+        (loss_fn_mse(out, y) / div).backward(retain_graph=True)
+        (out.abs().mean() / div).backward()
+        return
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    ((loss_fn_mse(out, y) + g.square().sum()) / div).backward()
+
+
+def loss_fn_mse(out, y):
+    return (out - y).square().mean()
+
+
+def several_passes(how: str, reshard) -> dict:
+    """Rank body: two SGD steps of `_passes` on a model of three buckets; the full params."""
+    specs = [fs.BucketSpec(f"{i}.*") for i in (0, 2, 4)]
+    model = fs.flex_shard(_mlp(), buckets=specs, reshard_after_forward=reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(2):
+        _passes(model, *_mlp_batch(dist.get_rank()), how, 1)
+        opt.step()
+        opt.zero_grad()
+    return fs.full_state_dict(model)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("how", ["retained", "penalty"])
+def test_several_backward_passes_through_one_forward_train_as_the_unwrapped_model(how, reshard):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(2):
+        for r in range(WORLD):
+            _passes(model, *_mlp_batch(r), how, WORLD)
+        opt.step()
+        opt.zero_grad()
+    for got in run_world(WORLD, several_passes, how, reshard):
+        for name, tensor in model.state_dict().items():
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

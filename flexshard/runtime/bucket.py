@@ -25,7 +25,7 @@ from ..config import MixedPrecisionPolicy, OffloadPolicy
 from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
 from ..planning.layout import SlotPlan
 from ..planning.tensor_parallel import TPSpec
-from .comm import Comm, DeviceContexts, DeviceSite, HostContext, check_takes_uneven
+from .comm import Comm, DeviceContexts, DeviceSite, HostContext, check_takes_uneven, in_backward
 from .counters import BucketCounters
 from .gather import BucketGather
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
@@ -344,8 +344,10 @@ class Bucket:
                 "and needs the values forward used: change the params after backward")
 
     def free_unsharded(self) -> None:
-        """Reshard the params made once (their storages freed), unless held."""
-        if self.held is None:
+        """Reshard the params made once (their storages freed), unless held or
+        inside a backward that builds a graph of its own (create_graph=True: a
+        gradient penalty), whose backward reads them: a later pass frees them."""
+        if self.held is None and not (torch.is_grad_enabled() and in_backward()):
             self.gather.free_unsharded()
 
     def mark_resharded(self) -> None:

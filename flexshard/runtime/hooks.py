@@ -42,7 +42,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..compat import COMPILED_CALL_IMPL, top_saved_tensors_default_hooks, tree_map
+from ..compat import (COMPILED_CALL_IMPL, current_graph_task_id, top_saved_tensors_default_hooks,
+                      tree_map)
 from .bucket import Bucket, BucketState
 from .comm import in_backward
 from .compiled import EagerCompiledBlocks, run_eagerly
@@ -225,9 +226,10 @@ class ModuleHooks:
 
 
 class _Refill:
-    """A tensor hook on a forward's outputs: the first output grad that arrives,
-    before the block's backward reads what autograd saved, refills each bucket's
-    params made once with the values that forward used (Bucket.refill), and the
+    """A tensor hook on a forward's outputs: the first output grad that arrives in a
+    backward pass (in each pass through a retained graph), before the block's
+    backward reads what autograd saved, refills each bucket's params made once
+    with the values that forward used (Bucket.refill), and the
     next buckets' gathers are prefetched. The reductions the blocks after it
     deferred go first (their backward is over: see _launch_after_backward).
     `install`: the block recomputes its forward without hooks (recomputes_without_hooks),
@@ -236,11 +238,12 @@ class _Refill:
 
     def __init__(self, prefetcher: Prefetcher, queue, forwards: list, install: bool) -> None:
         self.prefetcher, self.queue, self.forwards = prefetcher, queue, forwards
-        self.install, self.done = install, False
+        self.install, self.task = install, None
 
     def __call__(self, grad):
-        if not self.done:
-            self.done = True
+        task = current_graph_task_id()  # once per backward pass (retain_graph: each pass)
+        if task != self.task:
+            self.task = task
             self.queue.launch_deferred()
             for bucket, forward, outs in self.forwards:
                 if forward is not None and bucket.refill(forward):
