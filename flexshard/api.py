@@ -113,6 +113,13 @@ class FlexShardModule:
             "shards, and an EMA updates them in place: torch._foreach_lerp_(list("
             "ema.parameters()), list(model.parameters()), 1 - decay)")
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"pickling a flex_shard-ed {type(self).__name__} (torch.save(model)) is not "
+            "supported: its buckets hold process groups and its params are this rank's shards. "
+            "Save its weights instead: torch.save(fs.full_state_dict(model), path) on rank 0, or "
+            "fs.save_checkpoint(directory, model, optimizer, step) for a resumable checkpoint")
+
     def _apply(self, fn, recurse=True):
         """nn.Module._apply (to_empty, to, cuda, ...): the buckets' storage moves
         as one buffer each and the sharded params are re-viewed into it."""

@@ -7,6 +7,7 @@ docs/troubleshooting.md lists them."""
 from __future__ import annotations
 
 import copy
+import io
 import os
 import re
 import subprocess
@@ -213,6 +214,16 @@ DECAY = 0.5
 
 def deepcopy_wrapped():
     copy.deepcopy(fs.flex_shard(make_model()))
+
+
+def pickle_wrapped():
+    torch.save(fs.flex_shard(make_model()), io.BytesIO())
+
+
+def test_pickling_the_model_raises_naming_what_to_save():
+    expect_all_ranks_raise(WORLD, pickle_wrapped, TypeError,
+                           r"pickling a flex_shard-ed FlexShardTinyGPT \(torch.save\(model\)\) is "
+                           r"not supported.*torch.save\(fs.full_state_dict\(model\), path\)")
 
 
 def ema_recipe():
