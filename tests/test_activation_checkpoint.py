@@ -156,3 +156,51 @@ def test_transformers_gradient_checkpointing_trains_as_one_process(use_reentrant
             torch.testing.assert_close(got_first[name], grad, rtol=1e-5, atol=1e-7, msg=name)
         for name, param in ref.state_dict().items():
             torch.testing.assert_close(full[name], param, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def wrapped_blocks_exported() -> tuple:
+    """Rank body: blocks under checkpoint_wrapper, flex_shard, SGD steps: the full
+    state dict and first grads, then that state dict loaded into a new wrapped model."""
+    import torch.distributed as dist
+
+    model = fs.flex_shard(ac_model("wrapper"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    grads = None
+    for step in range(STEPS):
+        x, y = batch(step, dist.get_rank())
+        loss_fn(model(x), y).backward()
+        grads = grads or fs.full_grads(model)
+        opt.step()
+        opt.zero_grad()
+    full = fs.full_state_dict(model)
+    again = fs.flex_shard(ac_model("wrapper"))
+    fs.load_full_state_dict(again, full)
+    return full, grads, fs.full_state_dict(again)
+
+
+def test_full_state_dict_keys_wrapped_blocks_as_state_dict_does():
+    """torch's checkpoint_wrapper keeps its wrapped-module prefix out of state_dict()
+    keys: fs.full_state_dict and fs.full_grads too, so a plain model (an HF export)
+    loads them."""
+    ref = ac_model("wrapper")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    grads = None
+    for step in range(STEPS):
+        for rank in range(2):
+            x, y = batch(step, rank)
+            (loss_fn(ref(x), y) / 2).backward()
+        grads = grads or {k.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                          for k, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    want = ref.state_dict()
+    assert not any("_checkpoint_wrapped_module" in k for k in want)
+    for full, got_grads, reloaded in run_world(2, wrapped_blocks_exported):
+        assert full.keys() == want.keys() == reloaded.keys()
+        assert got_grads.keys() == grads.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            assert torch.equal(reloaded[k], full[k]), k
+        for k, v in grads.items():
+            torch.testing.assert_close(got_grads[k], v, rtol=1e-5, atol=1e-7, msg=k)
+        TinyGPT().load_state_dict(full)  # strict: the unwrapped model's keys
