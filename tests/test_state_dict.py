@@ -213,3 +213,43 @@ def test_load_a_non_tensor_value():
     with pytest.raises(TypeError, match=r"load_state_dict: 'pos' is a int, expected a tensor of "
                                         r"shape \(11, 30\)"):
         model.load_state_dict(sd)
+
+
+def batchnorm_round_trip() -> tuple:
+    """Rank body: a BatchNorm model trained one step on this rank's batch (its
+    running stats its own), its full state dict loaded back, then one more step."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.BatchNorm1d(12),
+                                torch.nn.Linear(12, 3))
+    fs.flex_shard(model, buckets=[fs.BucketSpec("0.*"), fs.BucketSpec("1.*"),
+                                  fs.BucketSpec("2.*")])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    before = fs.full_state_dict(model)
+    fs.load_full_state_dict(model, {k: v.clone() for k, v in before.items()})
+    loaded = fs.full_state_dict(model)
+    step()
+    return before, loaded, fs.full_state_dict(model)
+
+
+def test_a_full_state_dict_with_per_rank_buffers_loads_back():
+    """BatchNorm's running stats differ across ranks (each rank's batches): the
+    ranks' state dicts agree on the params, so the load takes each rank's own
+    buffers, as it found them."""
+    (before0, _, _), (before1, _, _) = ranks = run_world(2, batchnorm_round_trip)
+    assert not torch.equal(before0["1.running_mean"], before1["1.running_mean"])
+    torch.testing.assert_close(before0["0.weight"], before1["0.weight"], rtol=0, atol=0)
+    for before, loaded, after in ranks:
+        assert loaded.keys() == before.keys()
+        for k, v in before.items():
+            assert torch.equal(loaded[k], v), k
+        assert int(after["1.num_batches_tracked"]) == 2
