@@ -414,11 +414,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
     try:  # a failure here is raised after the collective, so no rank waits in it
         present = _check_full_state_dict(state, names, buffers, state_dict)
         refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
-        # a buffer is each rank's own (BatchNorm's running stats differ across ranks):
-        # only whether the source holds it is compared
         sums = [UNCOMPARED if name in refs and group_values(refs[name]) else
-                _full_checksum(state_dict, present[name][0]) if name in present else
-                ABSENT if name not in state_dict else 0
+                _full_checksum(state_dict, present[name][0] if name in present else name)
                 for name in entries]
     except Exception as e:  # noqa: BLE001 (re-raised as it is by check_sources_agree)
         error = e
@@ -454,7 +451,7 @@ def _check_full_state_dict(state, names: dict, buffers: dict, state_dict: dict) 
 
 
 def _full_checksum(state_dict: dict, key: str) -> int:
-    """The agreement checksum of state_dict[key] (ABSENT where it lacks the key)."""
+    """The agreement checksum of state_dict[key] (ABSENT for a buffer it lacks)."""
     if key not in state_dict:
         return ABSENT
     value = state_dict[key]
