@@ -3,7 +3,6 @@ state (AdamW, SGD momentum, Muon momentum) reshards like the parameters."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import flexshard as fs
@@ -156,56 +155,3 @@ def test_optimizer_state_of_another_shape():
     expect_all_ranks_raise(2, _load_bad_optimizer_state, ValueError,
                            r"optimizer\.load_state_dict: 'pos\.exp_avg' has shape \(3,\) but the "
                            r"parameter is \(11, 30\)")
-
-
-# An optimizer rebuilt mid-training (a resume, a new LR schedule) given the old one's
-# state dict, or the old one rolled back to a deep-copied snapshot.
-
-def _momentum_run(model, batches, source: str) -> torch.optim.Optimizer:
-    """Two SGD-momentum steps, then `source`'s state loaded ("new": into a new
-    optimizer; "snapshot": a deepcopy of it taken then, loaded back after a third
-    step) and two more steps."""
-    import copy
-
-    from models import loss_fn
-
-    def step(opt, i):
-        x, y = batches(i)
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    step(opt, 0)
-    step(opt, 1)
-    if source == "new":
-        saved, opt = opt.state_dict(), torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    else:
-        saved = copy.deepcopy(opt.state_dict())
-        opt.param_groups[0]["momentum"] = 0.0  # what the rollback undoes
-    opt.load_state_dict(saved)
-    step(opt, 2)
-    step(opt, 3)
-    return opt
-
-
-def rebuilt(source: str) -> dict:
-    import torch.distributed as dist
-
-    from models import batch
-
-    model = fs.flex_shard(make_model())
-    _momentum_run(model, lambda i: batch(i, dist.get_rank()), source)
-    return fs.full_state_dict(model)
-
-
-@pytest.mark.parametrize("source", ["new", "snapshot"])
-def test_state_loaded_into_a_new_or_rolled_back_optimizer_trains_as_one_process(source):
-    from models import batch
-
-    ref = make_model()
-    _momentum_run(ref, lambda i: tuple(torch.cat(t) for t in zip(batch(i, 0), batch(i, 1))),
-                  source)
-    for full in run_world(2, rebuilt, source):
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -176,11 +176,6 @@ class ShardedPieces(torch.Tensor):
     def __reduce_ex__(self, protocol):
         return ShardedPieces, (self._local, tuple(self.shape), self._boxes)
 
-    def __deepcopy__(self, memo):
-        # a snapshot (copy.deepcopy(optimizer.state_dict()) to roll back to): the pieces
-        # copied, a ShardedPieces even of LivePieces, which load_state_dict takes back
-        return ShardedPieces(self._local.clone(), tuple(self.shape), self._boxes)
-
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         aten = torch.ops.aten
@@ -244,9 +239,6 @@ class LiveDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):
         raise not_picklable(self.shape)
-
-    def __deepcopy__(self, memo):
-        return self.clone()  # a plain DTensor of copied pieces: a snapshot to load back
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -263,17 +263,6 @@ class OptimizerHooks:
             self.optimizer_handles += [
                 optimizer.register_state_dict_post_hook(self._state_dict_post_hook),
                 optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)]
-            self._unwrap_loaded(optimizer, state, refs)
-
-    def _unwrap_loaded(self, optimizer, state, refs: dict) -> None:
-        """State loaded before the optimizer's first step (a new optimizer given a
-        saved state dict, before these hooks were on it) made this rank's pieces,
-        as the load hook would have."""
-        for param, values in optimizer.state.items():
-            ref = refs.get(id(param))
-            if ref is not None:
-                for name, value in list(values.items()):
-                    values[name] = self._unwrap(state, ref, param, f"{ref.slot.fqn}.{name}", value)
 
     def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
         state = self._state()
