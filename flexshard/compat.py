@@ -107,18 +107,6 @@ top_saved_tensors_default_hooks = resolve(
     "to skip the recompute region inside a user's activation checkpoint")
 
 
-# torch's checkpoint_wrapper: the wrapped module's attribute name, which its state-dict
-# hooks drop from the keys (and add back on load).
-CHECKPOINT_WRAPPER_PREFIX = resolve(
-    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper:_CHECKPOINT_PREFIX",
-    "to key full state dicts as the unwrapped model's state_dict() does")
-
-
-def state_dict_key(name: str) -> str:
-    """A parameter's or buffer's name as the model's state_dict() keys it."""
-    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
-
-
 # Selective checkpointing's dispatch modes (forward and recompute).
 SAC_MODES = (
     resolve("torch.utils.checkpoint:_CachingTorchDispatchMode",

@@ -9,14 +9,13 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from .compat import state_dict_key
 from .runtime.sharded_grad import complete_norms, plain
 from .runtime.state import get_state
 
 
 def full_grads(module: nn.Module) -> dict:
-    """FQN (as state_dict() keys it) -> the full gradient of each parameter of a
-    flex_shard-ed `module` (as the unwrapped model's `.grad` after the same steps), on every rank;
+    """FQN -> the full gradient of each parameter of a flex_shard-ed `module`
+    (as the unwrapped model's `.grad` after the same steps), on every rank;
     None where no rank has one. One small all-reduce and one all-gather per
     bucket (under tensor parallelism, then one gather over tp per DTensor param)."""
     out = {}
@@ -25,8 +24,7 @@ def full_grads(module: nn.Module) -> dict:
         fulls = bucket.gather.gather_pieces([plain(g) if g is not None else None for g in pieces])
         specs = [w.tp for w in bucket.wiring]
         for slot, grad, full, spec in zip(bucket.slots, pieces, fulls, specs):
-            out[state_dict_key(slot.fqn)] = (None if grad is None else full if spec is None
-                                             else spec.full_of(full))
+            out[slot.fqn] = None if grad is None else full if spec is None else spec.full_of(full)
     return out
 
 
@@ -41,10 +39,10 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict:
     fqns, local, specs, out = [], [], [], {}
     for bucket in get_state(module).buckets:
         for i, grad in enumerate(_agreed_grads(bucket, "grad_norms")):
-            out[state_dict_key(bucket.slots[i].fqn)] = None
+            out[bucket.slots[i].fqn] = None
             if grad is None:
                 continue
-            fqns.append(state_dict_key(bucket.slots[i].fqn))
+            fqns.append(bucket.slots[i].fqn)
             local.append(_local_norm(plain(grad), float(norm_type)))
             spec = bucket.wiring[i].norms
             specs.append(None if spec is None else spec._replace(refusal=None))

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
-from flexshard.compat import state_dict_key
 from models import batch, loss_fn
 from reference import assert_rel_close, make_model, reference_run
 
@@ -260,9 +259,7 @@ def reference_train(model, world: int, steps: int, step_fn=None) -> tuple:
             losses.append(loss.item())
     finally:
         torch.set_num_threads(threads)
-    # keyed as state_dict() keys them (and fs.full_state_dict): no checkpoint_wrapper prefix
-    return losses, {state_dict_key(k): v.detach().clone()
-                    for k, v in model.named_parameters(remove_duplicate=False)}
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
 def check_against_reference(losses, full: dict, world: int, steps: int, model_kw=None,

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names, state_dict_key
+from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
@@ -378,10 +378,8 @@ def full_state_dict(module: nn.Module) -> dict:
     out = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         ref = slots.get(name)  # a tied name shares its tensor, as in the plain state dict
-        out[state_dict_key(name)] = (fulls[ref.slot.fqn] if ref is not None
-                                     else param.detach().clone())
-    out.update({state_dict_key(fqn): buf.detach().clone()
-                for fqn, buf in persistent_buffers(module).items()})
+        out[name] = fulls[ref.slot.fqn] if ref is not None else param.detach().clone()
+    out.update({fqn: buf.detach().clone() for fqn, buf in persistent_buffers(module).items()})
     return out
 
 
@@ -395,9 +393,7 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
     ValueError naming the tensors that differ (checkpoint/agreement.py)."""
     state = get_state(module)
     names = names_by_slot(module, state)
-    # each buffer under the key the state dict holds it by (module or state_dict() name)
-    buffers = {fqn if fqn in state_dict else state_dict_key(fqn): buf
-               for fqn, buf in persistent_buffers(module).items()}
+    buffers = persistent_buffers(module)
     entries = list(names) + list(buffers)  # the same names, in the same order, on every rank
     present, sums, error = {}, [], None
     try:  # a failure here is raised after the collective, so no rank waits in it
@@ -477,12 +473,10 @@ def _tp_local(ref: SlotRef, full: torch.Tensor) -> torch.Tensor:
 
 
 def names_by_slot(module: nn.Module, state: FlexShardState) -> dict:
-    """slot FQN -> every name of that sharded param (tied aliases included), and
-    each as state_dict() keys it where that differs (compat.state_dict_key)."""
+    """slot FQN -> every name of that sharded param (tied aliases included)."""
     out: dict = {}
     for name, ref in named_slots(module, state).items():
-        names = out.setdefault(ref.slot.fqn, [])
-        names += [name] if state_dict_key(name) == name else [name, state_dict_key(name)]
+        out.setdefault(ref.slot.fqn, []).append(name)
     return out
 
 
