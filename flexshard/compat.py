@@ -218,6 +218,24 @@ def persistent_buffer_names(module) -> list:
     return [name for name, buf in module._buffers.items() if buf is not None and name not in skip]
 
 
+# State-dict names (wrap/names.py): the attribute through which torch's checkpoint_wrapper
+# holds the module it wraps, which its state-dict hooks, FSDP's and DSD's get_state_dict
+# leave out of the keys; and the one through which torch.compile's OptimizedModule holds
+# its module, which DSD leaves out. OptimizedModule is resolved when a name goes through
+# `_orig_mod` (dynamo is imported by then; importing it for nothing costs seconds).
+CHECKPOINT_WRAPPED_MODULE = resolve(
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper:_CHECKPOINT_WRAPPED_MODULE",
+    "to name a checkpoint_wrapper-ed block's params as its state_dict() does")
+COMPILED_ORIG_MOD = "_orig_mod"
+OPTIMIZED_MODULE = "torch._dynamo.eval_frame:OptimizedModule"
+
+
+def is_compiled_wrapper(module) -> bool:
+    """Whether `module` is torch.compile's OptimizedModule (a compiled module's wrapper)."""
+    return isinstance(module, resolve(OPTIMIZED_MODULE, "to name a torch.compile-d block's "
+                                                        "params as DSD's get_state_dict does"))
+
+
 # torch.compile on CPU (runtime/compiled.py): the C++ compilers inductor searches,
 # read when asked (the CXX environment variable sets it at import). Resolved on
 # first use, not at import: importing inductor costs about 0.5 s, paid only by

@@ -11,21 +11,31 @@ from torch.profiler import record_function
 
 from .runtime.sharded_grad import complete_norms, plain
 from .runtime.state import get_state
+from .wrap.names import state_dict_name
 
 
 def full_grads(module: nn.Module) -> dict:
     """FQN -> the full gradient of each parameter of a flex_shard-ed `module`
-    (as the unwrapped model's `.grad` after the same steps), on every rank;
+    (as the unwrapped model's `.grad` after the same steps, keyed as its
+    state dict: no wrapper's `_checkpoint_wrapped_module.`), on every rank;
     None where no rank has one. One small all-reduce and one all-gather per
     bucket (under tensor parallelism, then one gather over tp per DTensor param)."""
-    out = {}
+    out, keys = {}, _state_dict_keys(module)
     for bucket in get_state(module).buckets:
         pieces = _agreed_grads(bucket, "full_grads")
         fulls = bucket.gather.gather_pieces([plain(g) if g is not None else None for g in pieces])
         specs = [w.tp for w in bucket.wiring]
-        for slot, grad, full, spec in zip(bucket.slots, pieces, fulls, specs):
-            out[slot.fqn] = None if grad is None else full if spec is None else spec.full_of(full)
+        for param, slot, grad, full, spec in zip(bucket.params, bucket.slots, pieces, fulls,
+                                                 specs):
+            key = keys.get(id(param), slot.fqn)
+            out[key] = None if grad is None else full if spec is None else spec.full_of(full)
     return out
+
+
+def _state_dict_keys(module: nn.Module) -> dict:
+    """id(param) -> its name in the unwrapped model's state dict (a tied
+    param's first name; wrap/names.py)."""
+    return {id(p): state_dict_name(module, name) for name, p in module.named_parameters()}
 
 
 def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict:
@@ -36,13 +46,14 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict:
     if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or norm_type == 0:
         raise ValueError(f"grad_norms: norm_type must be a nonzero number (1, 2, inf, ...), "
                          f"got {norm_type!r}")
-    fqns, local, specs, out = [], [], [], {}
+    fqns, local, specs, out, keys = [], [], [], {}, _state_dict_keys(module)
     for bucket in get_state(module).buckets:
         for i, grad in enumerate(_agreed_grads(bucket, "grad_norms")):
-            out[bucket.slots[i].fqn] = None
+            key = keys.get(id(bucket.params[i]), bucket.slots[i].fqn)
+            out[key] = None
             if grad is None:
                 continue
-            fqns.append(bucket.slots[i].fqn)
+            fqns.append(key)
             local.append(_local_norm(plain(grad), float(norm_type)))
             spec = bucket.wiring[i].norms
             specs.append(None if spec is None else spec._replace(refusal=None))

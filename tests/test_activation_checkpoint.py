@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import flexshard as fs
 from harness import run_world
 from models import TinyGPT, batch, loss_fn
+from reference import LR, assert_rel_close, reference_run
 from training_helpers import (CountingComm, MatmulLog, UnshardedTracker,
                               check_against_reference, settled, train)
 
@@ -156,3 +157,61 @@ def test_transformers_gradient_checkpointing_trains_as_one_process(use_reentrant
             torch.testing.assert_close(got_first[name], grad, rtol=1e-5, atol=1e-7, msg=name)
         for name, param in ref.state_dict().items():
             torch.testing.assert_close(full[name], param, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# Names: checkpoint_wrapper's `_checkpoint_wrapped_module.` is not in the state dict's keys.
+
+WRAPPED = "_checkpoint_wrapped_module."
+
+
+def _sgd(model) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def _wrapped_full_state():
+    """Rank body: SGD steps of the checkpoint_wrapper-ed model; its full state
+    dict and step-0 full grads, then that state dict loaded into a plain TinyGPT
+    and into fresh wrapped models (each full-tensor loader, and the old prefixed
+    keys), read back."""
+    model = fs.flex_shard(ac_model("wrapper"))
+    opt = _sgd(model)
+    for step in range(STEPS):
+        x, y = batch(step, torch.distributed.get_rank())
+        loss_fn(model(x), y).backward()
+        grads = fs.full_grads(model) if step == 0 else grads
+        opt.step()
+        opt.zero_grad()
+    full = fs.full_state_dict(model)
+    plain = TinyGPT()
+    plain.load_state_dict(full)  # strict: exactly the plain model's keys
+    prefixed = {k: full[k.replace(WRAPPED, "")] for k, _ in
+                ac_model("wrapper").named_parameters(remove_duplicate=False)}
+    loaded = {}
+    for how, source in (("full", full), ("prefixed", prefixed), ("pretrained", full),
+                        ("load_state_dict", full)):
+        fresh = fs.flex_shard(ac_model("wrapper"))
+        if how == "pretrained":
+            assert fs.load_pretrained(fresh, source) == ([], [])
+        elif how == "load_state_dict":
+            fresh.load_state_dict(source)
+        else:
+            fs.load_full_state_dict(fresh, source)
+        loaded[how] = fs.full_state_dict(fresh)
+    return full, grads, plain.state_dict(), loaded
+
+
+def test_full_state_dict_of_wrapped_blocks_has_the_plain_models_keys():
+    ref_losses, ref_params, ref_grads = reference_run(
+        2, STEPS, lr=LR, make_opt=_sgd, model_kw={})
+    plain_keys = list(TinyGPT().state_dict())
+    assert not any(WRAPPED in k for k in plain_keys)
+    for full, grads, plain, loaded in run_world(2, _wrapped_full_state):
+        assert list(full) == plain_keys and grads.keys() == ref_grads.keys()
+        for k, ref in ref_params.items():
+            assert_rel_close(full[k], ref, 1e-5, k)
+        for k, ref in ref_grads.items():
+            assert_rel_close(grads[k], ref, 1e-5, f"grad of {k}")
+        for k in plain_keys:
+            assert torch.equal(plain[k], full[k]), k
+            for how, values in loaded.items():
+                assert torch.equal(values[k], full[k]), f"{how}: {k}"

@@ -444,3 +444,19 @@ def test_module_compile_and_the_compiled_graphs_autograd_node():
     assert out.grad_fn.name() == compat.COMPILED_GRAPH_NODE
     eager = torch.randn(3, requires_grad=True).sin() * 2
     assert eager.grad_fn.name() != compat.COMPILED_GRAPH_NODE
+
+
+def test_wrapper_attributes_that_state_dicts_leave_out():
+    """wrap/names.py drops these from named_parameters()' names, as the wrapped
+    module's own state_dict() (checkpoint_wrapper) and DSD's (both) do."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)), torch.compile(nn.Linear(2, 2)))
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [f"0.{compat.CHECKPOINT_WRAPPED_MODULE}.weight",
+                     f"0.{compat.CHECKPOINT_WRAPPED_MODULE}.bias",
+                     f"1.{compat.COMPILED_ORIG_MOD}.weight", f"1.{compat.COMPILED_ORIG_MOD}.bias"]
+    assert compat.is_compiled_wrapper(model[1]) and not compat.is_compiled_wrapper(model[0])
+    assert list(get_model_state_dict(model)) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert list(model[0].state_dict()) == ["weight", "bias"]

@@ -102,7 +102,7 @@ def train(config: dict, compiled: str = "", order: str = "after", bf16: bool = F
         warnings.simplefilter("always")
         losses, seen, grads, graph_calls = _train_steps(model, step_fn, rank, lambda: {
             k.replace("._orig_mod", ""): p.grad.clone() for k, p in model.named_parameters()})
-    full = {k.replace("._orig_mod", ""): v for k, v in fs.full_state_dict(model).items()}
+    full = fs.full_state_dict(model)  # keyed as the plain model's state dict: no `_orig_mod.`
     return {"losses": losses, "full": full, "grads": grads, "gathers": gathers[0],
             "counters": seen, "graph_calls": graph_calls,
             "said": [str(w.message) for w in said if "flexshard" in str(w.message)]}
@@ -293,3 +293,30 @@ def test_the_compiler_check_passes_where_inductor_needs_none_or_finds_one(device
     with inductor_config.patch({"cpp.cxx": cxx}):
         check_cpp_compiler(torch.device(device), backend)  # raises nothing
     assert inductor_config.cpp.cxx == before  # restored for later compiles in this process
+
+
+def _compiled_names() -> tuple:
+    """Rank body: TinyGPT with torch.compile-d blocks (never run: names only) and
+    fs's full-tensor state dicts of it, loaded back from both spellings of the keys."""
+    model = make_model(seed=1)
+    _compile_blocks(model, "wrap")
+    model = fs.flex_shard(model)
+    source = make_model().state_dict()
+    fs.load_full_state_dict(model, source)
+    loaded = fs.full_state_dict(model)
+    prefixed = {k: source[k.replace("._orig_mod", "")] for k, _ in model.named_parameters()}
+    fs.load_full_state_dict(model, {k: v + 1 for k, v in prefixed.items()})
+    plus_one = fs.full_state_dict(model)
+    fs.load_pretrained(model, source)
+    return loaded, plus_one, fs.full_state_dict(model), list(model.state_dict())
+
+
+def test_full_state_dicts_of_compiled_blocks_have_the_plain_models_keys():
+    """As DSD's get_model_state_dict, without torch.compile's `_orig_mod.`."""
+    source = make_model().state_dict()
+    for loaded, plus_one, reloaded, own_keys in run_world(2, _compiled_names):
+        assert list(loaded) == list(plus_one) == list(reloaded) == list(source)
+        assert any("._orig_mod." in k for k in own_keys)  # module.state_dict(): torch's keys
+        for k, v in source.items():
+            assert torch.equal(loaded[k], v) and torch.equal(reloaded[k], v), k
+            assert torch.equal(plus_one[k], v + 1), k

@@ -3,6 +3,7 @@ state (AdamW, SGD momentum, Muon momentum) reshards like the parameters."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flexshard as fs
@@ -155,3 +156,46 @@ def test_optimizer_state_of_another_shape():
     expect_all_ranks_raise(2, _load_bad_optimizer_state, ValueError,
                            r"optimizer\.load_state_dict: 'pos\.exp_avg' has shape \(3,\) but the "
                            r"parameter is \(11, 30\)")
+
+
+# Resuming into a new optimizer in memory: `new.load_state_dict(old.state_dict())`
+# before new's first step (its state-dict hooks attach at that step).
+
+RESUME_STEPS = (2, 2)  # steps before and after the resume
+
+
+def _momentum_sgd(model) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def _resumed(placement_name: str, how: str):
+    """Rank body: SGD with momentum, moved after RESUME_STEPS[0] steps into a
+    new optimizer through the old one's state_dict() (`how`: as it is, or a
+    copy.deepcopy of it: a rollback snapshot). Full params, and the types the
+    new optimizer's state holds."""
+    import copy
+
+    import torch.distributed as dist
+
+    before, after = RESUME_STEPS
+    model = fs.flex_shard(make_model(), placement=PLACEMENTS[placement_name])
+    opt = _momentum_sgd(model)
+    train(model, opt, range(before), dist.get_rank())
+    saved = opt.state_dict()
+    new = _momentum_sgd(model)
+    new.load_state_dict(copy.deepcopy(saved) if how == "deepcopy" else saved)
+    train(model, new, range(before, before + after), dist.get_rank())
+    types = {type(v) for s in new.state.values() for v in s.values()}
+    return fs.full_state_dict(model), types
+
+
+@pytest.mark.parametrize("how", ["as_is", "deepcopy"])
+@pytest.mark.parametrize("placement_name", ["shard0", "uneven"])  # DTensor / ShardedPieces
+def test_new_optimizer_resumes_as_the_uninterrupted_run(placement_name, how):
+    from reference import reference_run
+
+    _, ref_params, _ = reference_run(2, sum(RESUME_STEPS), make_opt=_momentum_sgd)
+    for full, types in run_world(2, _resumed, placement_name, how):
+        assert types == {torch.Tensor}  # this rank's pieces, as the old optimizer held them
+        for k, ref in ref_params.items():
+            assert_rel_close(full[k], ref, 1e-5, k)

@@ -18,7 +18,7 @@ import flexshard as fs
 from flexshard.checkpoint import agreement
 from flexshard.checkpoint.pretrained import _SafetensorsReader
 from harness import run_world
-from reference import make_model
+from reference import assert_rel_close, make_model
 from test_meta_buffers import built_normally, llama_config, meta_wrapped
 
 DIFFER = r"the ranks' sources hold different values for "
@@ -191,3 +191,70 @@ def test_hugging_face_recipe_with_seeded_weights_matches_the_model_built_normall
     for message, loss in run_world(2, _hf_recipe, True):
         assert message == ""
         torch.testing.assert_close(loss, expected)
+
+
+# Buffers are not sharded: each rank's own (BatchNorm's running stats on its own batches,
+# as under DDP without SyncBatchNorm). Only their presence is compared, and a round trip
+# through the full state dict keeps each rank's.
+
+BN_STEPS = (2, 2)  # steps before and after the round trip
+BN_LR = 0.1
+
+
+def _bn_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _bn_loss(model, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+    return (model(x) - y).square().mean()
+
+
+def _bn_train(model, steps) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=BN_LR)
+    for step in steps:
+        _bn_loss(model, step, dist.get_rank()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _bn_round_trip(loader: str) -> dict:
+    """Rank body: train, round-trip the full state dict through `loader` (into the
+    model itself, or into a fresh one), train on; the full state dict."""
+    model = fs.flex_shard(_bn_model())
+    _bn_train(model, range(BN_STEPS[0]))
+    full = fs.full_state_dict(model)
+    if loader != "self":
+        model = fs.flex_shard(_bn_model(seed=1))
+    _load("full" if loader == "self" else loader, model, full)
+    _bn_train(model, range(BN_STEPS[0], sum(BN_STEPS)))
+    return fs.full_state_dict(model)
+
+
+def _bn_reference(world: int) -> list:
+    """Single process: a copy of the model per rank (its own running stats), each
+    step's gradients averaged over the copies; every copy's state dict."""
+    models = [_bn_model() for _ in range(world)]
+    params = [list(m.parameters()) for m in models]
+    for step in range(sum(BN_STEPS)):
+        grads = [torch.autograd.grad(_bn_loss(m, step, r), params[r])
+                 for r, m in enumerate(models)]
+        with torch.no_grad():
+            for i in range(len(params[0])):
+                mean = sum(g[i] for g in grads) / world
+                for p in params:
+                    p[i].add_(mean, alpha=-BN_LR)
+    return [m.state_dict() for m in models]
+
+
+@pytest.mark.parametrize("loader", ["self", "full", "pretrained", "state_dict"])
+def test_per_rank_buffers_round_trip_and_train_as_before(loader):
+    reference = _bn_reference(2)
+    results = run_world(2, _bn_round_trip, loader)
+    assert not torch.equal(results[0]["1.running_mean"], results[1]["1.running_mean"])
+    for full, ref in zip(results, reference):  # rank r: the params, and copy r's buffers
+        assert full.keys() == ref.keys()
+        for k, v in ref.items():
+            assert_rel_close(full[k], v, 1e-5, k)

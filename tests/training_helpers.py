@@ -259,7 +259,10 @@ def reference_train(model, world: int, steps: int, step_fn=None) -> tuple:
             losses.append(loss.item())
     finally:
         torch.set_num_threads(threads)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+    # keyed as the model's state dict (no wrapper's `_checkpoint_wrapped_module.`), as
+    # fs.full_state_dict is; tied params under each name
+    return losses, {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
+                    if isinstance(v, torch.nn.Parameter)}
 
 
 def check_against_reference(losses, full: dict, world: int, steps: int, model_kw=None,

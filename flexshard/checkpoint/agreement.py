@@ -7,9 +7,12 @@ nodes), every rank still loads without error and the model trains silently
 wrong: its pieces come from different tensors.
 
 So before anything is written, every rank reduces what it read to one
-checksum per parameter and persistent buffer, and one all-gather of those
-(one int64 each, plus a failure flag) compares them: every rank raises the
-same ValueError naming the tensors that differ. A rank whose own checks failed
+checksum per parameter, and one all-gather of those (one int64 each, plus a
+failure flag) compares them: every rank raises the same ValueError naming the
+tensors that differ. Persistent buffers are compared for presence only: they
+are not sharded, so each rank loads its own source's, and per-rank values
+(BatchNorm's running stats, as under DDP without SyncBatchNorm) are
+legitimate. A rank whose own checks failed
 (a key missing from its source) joins the same all-gather, so no rank waits
 in a collective the others never enter.
 
@@ -30,6 +33,8 @@ from ..runtime.state import FlexShardState, files_group
 
 ABSENT = -1  # the checksum of a tensor this rank's source does not have (checksums are >= 0)
 UNCOMPARED = -2  # on every rank, for a tensor each group loads its own values of (experts)
+PRESENT = -3  # a buffer the source has: each rank loads its own (buffers are per rank), so
+# only whether the sources hold it is compared
 _SAMPLE_ELEMENTS = 1 << 18  # elements read per tensor: 1 MiB of float32
 _MODULUS = (1 << 61) - 1  # checksums fit an int64
 _SHOWN = 3  # tensors named in the error; the rest are counted

@@ -146,7 +146,8 @@ class ShardedPieces(torch.Tensor):
     the chunks that overlap each box straight into it (into the sharded
     parameter or optimizer state it views). Any other tensor op is refused.
     A copy (DCP's stager, DSD's cpu offload) pickles as its pieces and boxes;
-    the `LivePieces` that state_dict() returns refuse to be pickled.
+    the `LivePieces` that state_dict() returns refuse to be pickled, but
+    copy.deepcopy gives a ShardedPieces of a copy of the pieces.
     """
 
     _local: torch.Tensor
@@ -175,6 +176,11 @@ class ShardedPieces(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         return ShardedPieces, (self._local, tuple(self.shape), self._boxes)
+
+    def __deepcopy__(self, memo):  # a rollback snapshot of an optimizer's state_dict()
+        out = ShardedPieces(self._local.clone(), self.shape, self._boxes)
+        memo[id(self)] = out
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -239,6 +245,11 @@ class LiveDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):
         raise not_picklable(self.shape)
+
+    def __deepcopy__(self, memo):  # a plain DTensor of a copy of the piece, as other copies
+        out = DTensor(self.to_local().clone(), dtensor_spec(self), requires_grad=False)
+        memo[id(self)] = out
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 
 from ..runtime.state import get_state
-from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
+from .agreement import ABSENT, PRESENT, UNCOMPARED, check_sources_agree, checksum
 from .pieces import box_views
-from .state_dict import (SlotRef, check_tied_values, group_values, named_slots,
-                         persistent_buffers, slot_boxes)
+from .state_dict import (SlotRef, buffer_names, check_tied_values, group_values, named_slots,
+                         slot_boxes)
 
 
 class PretrainedKeys(NamedTuple):
@@ -106,16 +106,25 @@ def _plan(model, state, reader, key_map, strict: bool) -> _Plan:
     _check_shapes(reader, params, buffers, state)
     for keys, ref in params:
         _check_tied(reader, keys, ref.shape)
-    sums = [UNCOMPARED if isinstance(e.target, SlotRef) and group_values(e.target) else
-            checksum(functools.partial(reader.read, e.keys[0]), reader.shape(e.keys[0]))
-            if e.keys else ABSENT for e in entries]
+    sums = [ABSENT if not e.keys else _checksum(reader, e) for e in entries]
     return _Plan(params, buffers, missing, sums)
+
+
+def _checksum(reader, entry: "_Entry") -> int:
+    """What the ranks compare of a tensor their sources hold: a parameter's
+    checksum; a buffer's presence alone (buffers are per rank: agreement.py)."""
+    if not isinstance(entry.target, SlotRef):
+        return PRESENT
+    if group_values(entry.target):
+        return UNCOMPARED
+    return checksum(functools.partial(reader.read, entry.keys[0]), reader.shape(entry.keys[0]))
 
 
 def _entries(model, state, keys: set, key_map) -> list:
     """[_Entry]: every sharded parameter (tied names together), then every
-    persistent buffer, in the model's order; a tied parameter's source keys are
-    all its names the source holds."""
+    persistent buffer, in the model's order, each named as the unwrapped
+    model's state dict names it; a tied parameter's source keys are all its
+    names the source holds (named_parameters()' spellings too: wrap/names.py)."""
     names_of: dict = {}
     for name, ref in named_slots(model, state).items():
         names_of.setdefault((id(ref.bucket), ref.index), (ref, []))[1].append(name)
@@ -123,9 +132,9 @@ def _entries(model, state, keys: set, key_map) -> list:
     for ref, names in names_of.values():
         found = [k for k in (key_map(n) for n in names) if k is not None and k in keys]
         entries.append(_Entry(names[0], list(dict.fromkeys(found)), ref))  # key_map may merge
-    for name, buf in persistent_buffers(model).items():
-        key = key_map(name)
-        entries.append(_Entry(name, [key] if key is not None and key in keys else [], buf))
+    for name, (buf, aliases) in buffer_names(model).items():
+        found = [k for k in map(key_map, aliases) if k is not None and k in keys]
+        entries.append(_Entry(name, found[:1], buf))
     return entries
 
 

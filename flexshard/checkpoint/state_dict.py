@@ -28,7 +28,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
-from .agreement import ABSENT, UNCOMPARED, check_sources_agree, checksum
+from ..wrap.names import state_dict_name
+from .agreement import ABSENT, PRESENT, UNCOMPARED, check_sources_agree, checksum
 from .pieces import LivePieces, ShardedPieces, dtensor_shard, live_dtensor, piece_boxes
 
 
@@ -66,12 +67,17 @@ def slot_refs(state: FlexShardState) -> dict:
 
 
 def named_slots(module: nn.Module, state: FlexShardState) -> dict:
-    """Every name (tied aliases included) of a sharded parameter -> SlotRef."""
+    """Every name of a sharded parameter -> SlotRef: its names (tied aliases
+    included) as the unwrapped model's state dict gives them, then, where a
+    wrapper makes them differ, as named_parameters() does (wrap/names.py)."""
     for bucket in state.buckets:
         _check_sharded(bucket)
     refs = slot_refs(state)
-    return {name: refs[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
-            if id(p) in refs}
+    named = [(name, refs[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
+             if id(p) in refs]
+    out = {state_dict_name(module, name): ref for name, ref in named}
+    out.update((name, ref) for name, ref in named if name not in out)
+    return out
 
 
 # Sharded values: local piece <-> value with the full shape.
@@ -263,6 +269,20 @@ class OptimizerHooks:
             self.optimizer_handles += [
                 optimizer.register_state_dict_post_hook(self._state_dict_post_hook),
                 optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)]
+            self._keep_local_pieces(optimizer, state, refs)
+
+    def _keep_local_pieces(self, optimizer, state, refs: dict) -> None:
+        """State an optimizer loaded before its hooks attached (the resume
+        pattern `new.load_state_dict(old.state_dict())` before new's first
+        step) holds full-shape values: keep this rank's pieces of them, as the
+        load hook would have. Each piece is the loaded value's own local
+        tensor (shared with `old`, as torch's load shares plain tensors)."""
+        for param in (p for g in optimizer.param_groups for p in g["params"]):
+            ref, entry = refs.get(id(param)), optimizer.state.get(param)
+            if ref is not None and entry:
+                optimizer.state[param] = {
+                    name: self._unwrap(state, ref, param, f"{ref.slot.fqn}.{name}", value)
+                    for name, value in entry.items()}
 
     def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
         state = self._state()
@@ -355,7 +375,8 @@ def _full_values_agree(state: FlexShardState, module, state_dict, prefix, *args)
     sums = [UNCOMPARED if group_values(refs[fqn]) else ABSENT if fqn not in full else
             checksum(lambda s, v=full[fqn]: v if s is None else v[s], full[fqn].shape)
             for fqn in names]
-    check_sources_agree(state, list(names), sums, None, "load_state_dict")
+    check_sources_agree(state, [aliases[0] for aliases in names.values()], sums, None,
+                        "load_state_dict")
 
 
 # Full state dicts.
@@ -363,9 +384,10 @@ def _full_values_agree(state: FlexShardState, module, state_dict, prefix, *args)
 
 def full_state_dict(module: nn.Module) -> dict:
     """The unwrapped model's state_dict() on every rank: every key of it (tied
-    parameters under each of their names, persistent buffers) as a full
-    tensor. Collective: one gather per bucket (under tensor parallelism, then
-    one gather over tp per DTensor param)."""
+    parameters under each of their names, persistent buffers; no wrapper's
+    `_checkpoint_wrapped_module.` or `_orig_mod.`) as a full tensor. A buffer
+    is this rank's own (buffers are not sharded). Collective: one gather per
+    bucket (under tensor parallelism, then one gather over tp per DTensor param)."""
     state = get_state(module)
     fulls = {}
     with torch.no_grad():
@@ -378,46 +400,58 @@ def full_state_dict(module: nn.Module) -> dict:
     out = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         ref = slots.get(name)  # a tied name shares its tensor, as in the plain state dict
-        out[name] = fulls[ref.slot.fqn] if ref is not None else param.detach().clone()
-    out.update({fqn: buf.detach().clone() for fqn, buf in persistent_buffers(module).items()})
+        out[state_dict_name(module, name)] = (fulls[ref.slot.fqn] if ref is not None
+                                              else param.detach().clone())
+    out.update({key: buf.detach().clone() for key, buf in persistent_buffers(module).items()})
     return out
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
-    """Load full tensors (keyed by FQN) into the sharded parameters, and the
+    """Load full tensors (keyed as the unwrapped model's state dict, or as
+    named_parameters() names them) into the sharded parameters, and the
     persistent buffers the state dict holds into the module's. A tied
     parameter loads from any of its names; the state dict of the unwrapped
     model, which holds every name of it, is accepted when those tensors are
     equal. Collective (one small all-gather): before anything is written, the
-    ranks compare checksums of their state dicts, and every rank raises a
-    ValueError naming the tensors that differ (checkpoint/agreement.py)."""
+    ranks compare checksums of their parameters, and every rank raises a
+    ValueError naming the tensors that differ (checkpoint/agreement.py).
+    Buffers are not sharded: each rank loads its own source's, as
+    full_state_dict gives each rank its own."""
     state = get_state(module)
     names = names_by_slot(module, state)
-    buffers = persistent_buffers(module)
-    entries = list(names) + list(buffers)  # the same names, in the same order, on every rank
-    present, sums, error = {}, [], None
+    buffers = buffer_names(module)
+    entries = [aliases[0] for aliases in names.values()] + list(buffers)  # alike on every rank
+    found, sums, error = None, [], None
     try:  # a failure here is raised after the collective, so no rank waits in it
-        present = _check_full_state_dict(state, names, buffers, state_dict)
+        found = _check_full_state_dict(state, names, buffers, state_dict)
         refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
-        sums = [UNCOMPARED if name in refs and group_values(refs[name]) else
-                _full_checksum(state_dict, present[name][0] if name in present else name)
-                for name in entries]
+        sums = [UNCOMPARED if group_values(refs[fqn]) else _full_checksum(state_dict, keys[0])
+                for fqn, keys in found.params.items()]
+        sums += [ABSENT if key is None else PRESENT for key in found.buffers.values()]
     except Exception as e:  # noqa: BLE001 (re-raised as it is by check_sources_agree)
         error = e
     check_sources_agree(state, entries, sums, error, "load_full_state_dict")
-    _load_buffers(buffers, state_dict)
+    _load_buffers(buffers, found.buffers, state_dict)
     refs = {ref.slot.fqn: ref for ref in slot_refs(state).values()}
     for bucket in state.buckets:
-        bucket.load_full(lambda fqn: _tp_local(refs[fqn], state_dict[present[fqn][0]]))
+        bucket.load_full(lambda fqn: _tp_local(refs[fqn], state_dict[found.params[fqn][0]]))
 
 
-def _check_full_state_dict(state, names: dict, buffers: dict, state_dict: dict) -> dict:
-    """Every check before load_full_state_dict writes: keys, shapes, tied
-    values. Returns slot FQN -> the names of it the state dict holds."""
+class _Found(NamedTuple):
+    """The keys of a full state dict: slot FQN -> the names of it the state
+    dict holds; buffer state-dict name -> the key holding it (None: absent)."""
+
+    params: dict
+    buffers: dict
+
+
+def _check_full_state_dict(state, names: dict, buffers: dict, state_dict: dict) -> _Found:
+    """Every check before load_full_state_dict writes: keys, shapes, tied values."""
     present = {fqn: [n for n in aliases if n in state_dict] for fqn, aliases in names.items()}
-    missing = sorted(fqn for fqn, found in present.items() if not found)
-    unexpected = sorted(set(state_dict) - {n for aliases in names.values() for n in aliases}
-                        - set(buffers))
+    missing = sorted(names[fqn][0] for fqn, found in present.items() if not found)
+    known = {n for aliases in list(names.values()) + [a for _, a in buffers.values()]
+             for n in aliases}
+    unexpected = sorted(set(state_dict) - known)
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
                        f"{unexpected}; the state dict must hold every parameter of the module "
@@ -431,40 +465,52 @@ def _check_full_state_dict(state, names: dict, buffers: dict, state_dict: dict) 
                                  f"{tuple(state_dict[key].shape)} but the parameter is "
                                  f"{tuple(shapes[fqn])}")
         check_tied_values(found, state_dict.__getitem__, "load_full_state_dict")
-    _check_buffer_shapes(buffers, state_dict)
-    return present
+    held = {name: next((a for a in aliases if a in state_dict), None)
+            for name, (_, aliases) in buffers.items()}
+    _check_buffer_shapes(buffers, held, state_dict)
+    return _Found(present, held)
 
 
 def _full_checksum(state_dict: dict, key: str) -> int:
-    """The agreement checksum of state_dict[key] (ABSENT for a buffer it lacks)."""
-    if key not in state_dict:
-        return ABSENT
+    """The agreement checksum of state_dict[key]."""
     value = state_dict[key]
     return checksum(lambda slices: value if slices is None else value[slices], value.shape)
 
 
 def persistent_buffers(module: nn.Module) -> dict:
-    """FQN -> buffer, for the buffers a state dict holds (non-persistent ones left out)."""
-    return {f"{prefix}.{name}" if prefix else name: getattr(sub, name)
-            for prefix, sub in module.named_modules()
-            for name in persistent_buffer_names(sub)}
+    """State-dict name -> buffer, for the buffers a state dict holds
+    (non-persistent ones left out)."""
+    return {name: buf for name, (buf, _) in buffer_names(module).items()}
 
 
-def _check_buffer_shapes(buffers: dict, state_dict: dict) -> None:
-    for fqn, buf in buffers.items():
-        if fqn in state_dict and tuple(state_dict[fqn].shape) != tuple(buf.shape):
-            raise ValueError(f"load_full_state_dict: buffer {fqn!r} has shape "
-                             f"{tuple(state_dict[fqn].shape)} in the state dict but "
+def buffer_names(module: nn.Module) -> dict:
+    """State-dict name -> (persistent buffer, the names a source may hold it
+    under: that one, then named_buffers()' where a wrapper makes it differ)."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        for attr in persistent_buffer_names(sub):
+            raw = f"{prefix}.{attr}" if prefix else attr
+            name = state_dict_name(module, raw)
+            out[name] = (getattr(sub, attr), list(dict.fromkeys([name, raw])))
+    return out
+
+
+def _check_buffer_shapes(buffers: dict, held: dict, state_dict: dict) -> None:
+    for name, key in held.items():
+        buf = buffers[name][0]
+        if key is not None and tuple(state_dict[key].shape) != tuple(buf.shape):
+            raise ValueError(f"load_full_state_dict: buffer {key!r} has shape "
+                             f"{tuple(state_dict[key].shape)} in the state dict but "
                              f"{tuple(buf.shape)} in the module; load a state dict of the same "
                              "model configuration")
 
 
-def _load_buffers(buffers: dict, state_dict: dict) -> None:
+def _load_buffers(buffers: dict, held: dict, state_dict: dict) -> None:
     """Copy the persistent buffers `state_dict` holds into the module's, in place."""
     with torch.no_grad():
-        for fqn, buf in buffers.items():
-            if fqn in state_dict:
-                buf.copy_(state_dict[fqn])
+        for name, key in held.items():
+            if key is not None:
+                buffers[name][0].copy_(state_dict[key])
 
 
 def _tp_local(ref: SlotRef, full: torch.Tensor) -> torch.Tensor:
@@ -473,7 +519,8 @@ def _tp_local(ref: SlotRef, full: torch.Tensor) -> torch.Tensor:
 
 
 def names_by_slot(module: nn.Module, state: FlexShardState) -> dict:
-    """slot FQN -> every name of that sharded param (tied aliases included)."""
+    """slot FQN -> every name of that sharded param (tied aliases included):
+    the state dict's names first, then named_parameters()' (`named_slots`)."""
     out: dict = {}
     for name, ref in named_slots(module, state).items():
         out.setdefault(ref.slot.fqn, []).append(name)
