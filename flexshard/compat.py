@@ -313,10 +313,6 @@ DCP_CALLERS = (
 # call torch.nn.utils.clip_grad_norm_ and get_total_norm make on grads (sharded_grad.py).
 chunk_cat = resolve("torch:_chunk_cat", "to join a bucket's pieces into one buffer in one op")
 foreach_norm = resolve("torch:_foreach_norm", "to take every float8 weight's amax in one op")
-# GradScaler's unscale of a device's grads, setting found_inf on an inf or NaN
-# (sharded_grad.py makes it global, as DTensor does for FSDP2's grads).
-amp_unscale = resolve("torch:_amp_foreach_non_finite_check_and_unscale_",
-                      "to find an inf or NaN in any rank's piece of the grads (GradScaler)")
 
 
 def inductor_graph_pass() -> tuple:

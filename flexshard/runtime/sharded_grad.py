@@ -10,12 +10,7 @@ are global. Here, when a backward ends, each bucket's sharded grads become
 every op as a plain tensor (no wrapping of outputs, so optimizer state stays
 plain) except full norms, which it completes with one all-reduce per call over
 the ranks holding the other pieces. A norm of a sharded grad is therefore a
-collective, as a DTensor's is: every rank must take it. Its `.data` and
-`.detach()` stay ShardedGrads (the classic hand-written clip takes
-`p.grad.data.norm()`), and GradScaler's inf/NaN check is global too: found_inf
-is set on every rank when any rank's piece holds one, so all ranks skip the same
-steps and keep one scale. Other reductions (`g.pow(2).sum()`, `g.abs().max()`)
-are this rank's piece's.
+collective, as a DTensor's is: every rank must take it.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..compat import amp_unscale, foreach_norm, plain_torch_function
+from ..compat import foreach_norm, plain_torch_function
 from .comm import Comm
 
 _SPEC = "_flexshard_norm"  # a ShardedGrad's NormGroups
@@ -57,12 +52,8 @@ class ShardedGrad(torch.Tensor):
         with plain_torch_function():
             if func is foreach_norm:
                 return _foreach_norm(*args, **kwargs)
-            if func is amp_unscale:
-                return _unscale(*args, **kwargs)
             if func in _FULL_NORMS and _full_reduction(func, args, kwargs):
                 return _norm(func, args, kwargs)
-            if func in _SAME_PIECE:  # .data, .detach(): the piece, its norms still full
-                return _as_sharded(func(*args, **kwargs), _spec_of(args[0]))
             return func(*args, **kwargs)
 
     def full_tensor(self) -> torch.Tensor:
@@ -92,71 +83,30 @@ def wrap_grads(params: Sequence[torch.Tensor], specs: Sequence[Optional[NormGrou
         grad = param.grad
         if spec is None or grad is None or type(grad) is ShardedGrad:
             continue
-        param.grad = _as_sharded(grad, spec)
-
-
-def _as_sharded(tensor: torch.Tensor, spec: NormGroups) -> torch.Tensor:
-    with plain_torch_function():
-        sharded = tensor.as_subclass(ShardedGrad)
-    sharded.__dict__[_SPEC] = spec
-    return sharded
+        with plain_torch_function():
+            sharded = grad.as_subclass(ShardedGrad)
+        sharded.__dict__[_SPEC] = spec
+        param.grad = sharded
 
 
 # The norms, completed.
 
-_FULL_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm,
-               torch.linalg.matrix_norm)
-_SAME_PIECE = (torch.Tensor.detach, torch.Tensor.data.__get__)
-_MATRIX_NORMS = (torch.linalg.norm, torch.linalg.matrix_norm)  # their default order: 'fro'
-
-
-def _order(func, args, kwargs):
-    """The norm's order as a number (2 for 'fro' and a matrix norm's default), or
-    what was passed (a matrix order: 'nuc', or a number on a 2-d linalg norm)."""
-    default = "fro" if func in _MATRIX_NORMS else 2
-    ord_ = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else default))
-    if ord_ is None or ord_ == "fro":
-        return 2
-    if func is torch.linalg.matrix_norm or (func is torch.linalg.norm and args[0].dim() > 1):
-        return str(ord_)  # spectral, nuclear, induced: not a sum over the elements
-    return ord_
+_FULL_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
 
 
 def _full_reduction(func, args, kwargs) -> bool:
-    """A norm over every element (no dim; a matrix norm of a 2-d grad over both)."""
+    """A norm over every element, of an order we can complete (p or 'fro')."""
+    ord_ = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2))
     dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
-    if func is torch.linalg.matrix_norm:  # over dims (-2, -1) by default: all of a 2-d grad
-        dim = None if tuple(dim or (-2, -1)) in ((-2, -1), (0, 1)) and args[0].dim() == 2 \
-            else dim or (-2, -1)
-    return dim is None and kwargs.get("out") is None
+    if ord_ == "fro":
+        ord_ = 2
+    return dim is None and kwargs.get("out") is None and isinstance(ord_, (int, float))
 
 
 def _norm(func, args, kwargs) -> torch.Tensor:
-    ord_ = _order(func, args, kwargs)
-    if isinstance(ord_, str):
-        raise NotImplementedError(
-            f"{func.__name__}(grad, ord={kwargs.get('ord', args[1] if len(args) > 1 else None)!r}) "
-            "of a sharded grad: this order is not a sum over the elements, so it cannot be "
-            "completed from the ranks' pieces. Take it of p.grad.full_tensor() (a collective), "
-            "or use the Frobenius / vector norms, which are global")
     local = func(*args, **kwargs)
-    return complete_norms([local], [_spec_of(args[0])], float(ord_))[0]
-
-
-def _unscale(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """GradScaler's unscale of `grads`; found_inf then says whether any rank's piece
-    of any of them holds an inf or NaN (one max all-reduce per group of ranks)."""
-    amp_unscale(grads, found_inf, inv_scale)
-    specs: dict = {}
-    for grad in grads:
-        spec = _spec_of(grad)
-        if spec is not None and spec.groups:
-            specs.setdefault(tuple(id(g) for g in spec.groups), spec)
-    for spec in specs.values():
-        flag = found_inf.to(spec.device())
-        for group in spec.groups:
-            spec.comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
-        found_inf.copy_(flag)
+    ord_ = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2))
+    return complete_norms([local], [_spec_of(args[0])], 2.0 if ord_ == "fro" else float(ord_))[0]
 
 
 def _foreach_norm(tensors, ord=2, dtype=None) -> list:
