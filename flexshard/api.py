@@ -395,7 +395,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.used_in_nested_runner = planned.used_in_nested_runner
         bucket.needs_hooks = planned.needs_hooks
         tps = slot_specs(planned.slots, tp_specs) or (None,) * len(planned.slots)
-        bucket.wire([SlotWiring(aliases, tp, norm_groups(bucket, i, tp)
+        bucket.wire([SlotWiring(aliases, tp, norm_groups(bucket, i, tp, state.mesh_group)
                                 if i in bucket.grad_slots else None)
                      for i, (aliases, tp) in enumerate(zip(planned.aliases, tps))])
         state.buckets.append(bucket)

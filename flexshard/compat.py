@@ -144,6 +144,11 @@ make_wrapper_subclass = resolve(  # checkpoint/pieces.py: ShardedPieces holds no
 # on plain tensors and return plain tensors (the extending-torch docs' idiom).
 plain_torch_function = resolve("torch._C:DisableTorchFunctionSubclass",
                                "to run ops on sharded grads as on plain tensors")
+# torch.amp.GradScaler's check of its grads (every device kind): unscales them in place
+# and sets found_inf to 1 where one holds an inf or NaN; sharded_grad.py makes the flag
+# the same on the ranks holding the other pieces, as DTensor's handler of it does.
+amp_unscale_ = resolve("torch:_amp_foreach_non_finite_check_and_unscale_",
+                       "to skip a GradScaler step on every rank when one rank's grads overflow")
 
 # DTensor's wrapper takes its local tensor's storage offset; a wrapper whose offset is
 # not 0 has a nonzero data_ptr, so torch.save and DCP's stager read its (invalid)

@@ -204,6 +204,72 @@ def test_moe_parity(dense_hsdp):
         assert plan.buckets[2].all_reduces_per_step == int(dense_hsdp)
 
 
+# torch.amp.GradScaler with one optimizer for the experts and one for the rest: an inf
+# in ep group 0's experts skips the experts' step on all 4 ranks (ranks 2 and 3 hold
+# other experts, all finite), as one process holding every expert skips it.
+
+
+def scaled_moe_steps(model, loss_of, poison) -> tuple:
+    """SGD under GradScaler("cpu"), two optimizers; `poison(model)` after step 1's
+    backward: (steps whose scale dropped, final scale)."""
+    experts = [q for q in model.experts.parameters() if q.numel()]
+    rest = [q for n, q in model.named_parameters() if not n.startswith("experts.")]
+    opts = [torch.optim.SGD(experts, lr=LR), torch.optim.SGD(rest, lr=LR)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    skipped = []
+    for step in range(STEPS):
+        scaler.scale(loss_of(model, step)).backward()
+        if step == 1:
+            poison(model)
+        scale = scaler.get_scale()
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+        skipped.append(scaler.get_scale() < scale)
+    return skipped, scaler.get_scale()
+
+
+def _poison_rank0_expert(model):
+    if dist.get_rank() == 0:  # a piece of expert 0 or 1 (ep group 0): none of ranks 2, 3's
+        model.experts.w_in.grad.view(-1)[0] = float("inf")
+
+
+def scaled_moe() -> tuple:
+    model, p = _wrap(dense_hsdp=True)
+    rank = dist.get_rank()
+    result = scaled_moe_steps(model, lambda m, step: moe_loss(m, step, rank),
+                              _poison_rank0_expert)
+    return result, p, fs.full_state_dict(model)
+
+
+def _poison_expert0(model):
+    model.experts.w_in.grad[0, 0, 0] = float("inf")
+
+
+def _mean_loss(model, step: int) -> torch.Tensor:
+    return sum(moe_loss(model, step, r) for r in range(WORLD)) / WORLD
+
+
+def test_grad_scaler_skips_the_experts_step_on_every_rank():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref_model = MoE()
+        ref = scaled_moe_steps(ref_model, _mean_loss, _poison_expert0)
+    finally:
+        torch.set_num_threads(threads)
+    assert ref == ([False, True, False], 8.0)
+    local = EXPERTS // EP
+    for rank, (result, p, full) in enumerate(run_world(WORLD, scaled_moe, timeout=300)):
+        assert result == ref, f"rank {rank}"
+        for k, want in ref_model.named_parameters():
+            if k.startswith("experts."):
+                want = want[p * local:(p + 1) * local]
+            assert_rel_close(full[k], want.detach(), 1e-5, f"rank {rank}: {k}")
+
+
 @pytest.mark.parametrize("dense_hsdp", [False, True])
 def test_moe_whole_step_compile(dense_hsdp):
     """fs.compile of the MoE: the experts' bucket gathers and reduces over its own

@@ -87,3 +87,126 @@ def test_clip_rejects_bad_input():
     expect_all_ranks_raise(2, nonfinite, RuntimeError, r"total norm of order 2.0 .* is inf")
     with pytest.raises(TypeError, match="not wrapped by flex_shard"):
         fs.clip_grad_norm_(make_model(), 1.0)
+
+
+# The spellings of a grad's norm in code written for unsharded models, and the
+# hand-written clipping loop older code uses, on sharded grads: global, as on one process.
+
+WORLD, LR = 2, 0.05
+NORMS = {  # name -> a full norm of a sharded grad, global (a collective)
+    "g.norm()": lambda g: g.norm(),
+    "torch.norm(g)": lambda g: torch.norm(g),
+    "g.norm(p='fro')": lambda g: g.norm(p="fro"),
+    "g.norm(inf)": lambda g: g.norm(math.inf),
+    "vector_norm(g, 1)": lambda g: torch.linalg.vector_norm(g, 1),
+    "linalg.norm(g)": lambda g: torch.linalg.norm(g),
+    "linalg.norm(g, 'fro')": lambda g: torch.linalg.norm(g, "fro"),
+    "matrix_norm(g)": lambda g: torch.linalg.matrix_norm(g),
+    "g.data.norm()": lambda g: g.data.norm(),
+    "g.detach().norm()": lambda g: g.detach().norm(),
+    "g.detach().data.norm(2)": lambda g: g.detach().data.norm(2),
+}
+VECTOR_NORMS = {  # of a 1-D grad, torch.linalg.norm is a vector p-norm
+    "linalg.norm(b, 1)": lambda b: torch.linalg.norm(b, 1),
+    "linalg.norm(b, -inf)": lambda b: torch.linalg.norm(b, -math.inf),
+    "b.data.norm()": lambda b: b.data.norm(),
+}
+LOCAL = lambda g: g.pow(2).sum()  # noqa: E731 - an elementwise reduction: this rank's piece
+
+
+def spelled_norms(model) -> dict:
+    g, b = model.layers[0].up.weight.grad, model.layers[0].up.bias.grad
+    norms = {name: float(f(g)) for name, f in NORMS.items()}
+    norms.update({name: float(f(b)) for name, f in VECTOR_NORMS.items()})
+    return {**norms, "local": float(LOCAL(g))}
+
+
+def spelled_norms_body() -> dict:
+    model = fs.flex_shard(make_model())
+    x, y = batch(0, torch.distributed.get_rank())
+    loss_fn(model(x), y).backward()
+    return spelled_norms(model)
+
+
+def test_each_spelling_of_a_grad_norm_is_global():
+    model = make_model()
+    xs, ys = zip(*(batch(0, r) for r in range(WORLD)))
+    loss_fn(model(torch.cat(xs)), torch.cat(ys)).backward()
+    want = spelled_norms(model)
+    results = run_world(WORLD, spelled_norms_body)
+    for name in [*NORMS, *VECTOR_NORMS]:
+        for rank, got in enumerate(results):
+            assert got[name] == pytest.approx(want[name], rel=1e-5), f"{name} on rank {rank}"
+    # Sums, maxes and the like stay the piece's (docs/api.md): the ranks' add up.
+    assert sum(got["local"] for got in results) == pytest.approx(want["local"], rel=1e-5)
+    assert all(got["local"] < want["local"] for got in results)
+
+
+HAND_NORMS = {"data": lambda g: g.data.norm(2), "detach": lambda g: g.detach().norm(2),
+              "linalg": torch.linalg.norm}
+
+
+def hand_clipped_sgd(model, batches, spelling: str) -> list:
+    """SGD steps clipped the pre-clip_grad_norm_ way: the total norm from each
+    grad's, then every grad scaled in place through .data; the totals."""
+    opt, norm, totals = torch.optim.SGD(model.parameters(), lr=LR), HAND_NORMS[spelling], []
+    for step in range(STEPS):
+        x, y = batches(step)
+        loss_fn(model(x), y).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = sum(norm(g).item() ** 2 for g in grads) ** 0.5
+        assert total > MAX_NORM, "the test must clip"
+        for g in grads:
+            g.data.mul_(MAX_NORM / (total + 1e-6))
+        opt.step()
+        opt.zero_grad()
+        totals.append(total)
+    return totals
+
+
+def hand_clipped_body(spelling: str) -> tuple:
+    model = fs.flex_shard(make_model())
+    rank = torch.distributed.get_rank()
+    return hand_clipped_sgd(model, lambda step: batch(step, rank), spelling), \
+        fs.full_state_dict(model)
+
+
+def _all_batches(step: int) -> tuple:
+    xs, ys = zip(*(batch(step, r) for r in range(WORLD)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+@pytest.mark.parametrize("spelling", sorted(HAND_NORMS))
+def test_hand_written_clipping_loop_trains_as_one_process(spelling):
+    model = make_model()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the harness workers: same kernels, same rounding
+    try:
+        ref_totals = hand_clipped_sgd(model, _all_batches, spelling)
+    finally:
+        torch.set_num_threads(threads)
+    for rank, (totals, full) in enumerate(run_world(WORLD, hand_clipped_body, spelling)):
+        torch.testing.assert_close(torch.tensor(totals), torch.tensor(ref_totals), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"rank {rank}: {m}")
+        for k, v in model.named_parameters():
+            torch.testing.assert_close(full[k], v.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}, {k}: {m}")
+
+
+def matrix_norm_of_order(kind: str, ord_) -> None:
+    model = fs.flex_shard(make_model())
+    x, y = batch(0, torch.distributed.get_rank())
+    loss_fn(model(x), y).backward()
+    g = model.layers[0].up.weight.grad
+    torch.linalg.norm(g, ord_) if kind == "norm" else torch.linalg.matrix_norm(g, ord_)
+
+
+def test_matrix_norms_other_than_frobenius_refuse():
+    for kind, ord_ in [("norm", 2), ("matrix_norm", "nuc")]:
+        expect_all_ranks_raise(
+            WORLD, matrix_norm_of_order, NotImplementedError,
+            rf"torch\.linalg\.{kind}\(grad, ord={ord_!r}\) of param 'layers\.0\.up\.weight' "
+            rf"\(bucket '[^']+'\): a matrix norm of order {ord_!r} cannot be completed from "
+            r"the ranks' pieces of a sharded grad.*Use ord='fro' for the global Frobenius "
+            r"norm, or take this norm of the full gradient, p\.grad\.full_tensor\(\)",
+            kind, ord_)

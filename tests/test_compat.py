@@ -406,6 +406,28 @@ def test_plain_torch_function_and_foreach_norm():
     assert type(a + 1) is torch.Tensor  # outputs stay plain under the handler
 
 
+def test_amp_unscale_reaches_torch_function_and_only_sets_found_inf():
+    class Sub(torch.Tensor):
+        seen: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.seen.append(func)
+            with compat.plain_torch_function():
+                return func(*args, **(kwargs or {}))
+
+    grads = [torch.full((2,), 4.0), torch.full((3,), 8.0).as_subclass(Sub)]
+    found_inf, inv_scale = torch.zeros(()), torch.full((), 0.25)
+    compat.amp_unscale_(grads, found_inf, inv_scale)  # GradScaler("cpu")'s call
+    assert compat.amp_unscale_ in Sub.seen  # a list holding a subclass dispatches
+    assert [g.tolist() for g in grads] == [[1.0, 1.0], [2.0, 2.0, 2.0]] and found_inf == 0
+    grads[0][0] = math.inf
+    compat.amp_unscale_(grads, found_inf, inv_scale)
+    assert found_inf == 1
+    compat.amp_unscale_(grads[1:], found_inf, inv_scale)  # finite grads leave it set
+    assert found_inf == 1
+
+
 def test_chunk_cat_writes_dim0_chunks_back_to_back_with_the_cast():
     a = torch.arange(1., 13.).view(6, 2).to(torch.bfloat16)  # chunks of 2 rows: 2, 2, 2, 0
     b = torch.arange(100., 105.).to(torch.bfloat16)  # chunks of 2: 2, 2, 1, 0 (padded)

@@ -10,7 +10,12 @@ are global. Here, when a backward ends, each bucket's sharded grads become
 every op as a plain tensor (no wrapping of outputs, so optimizer state stays
 plain) except full norms, which it completes with one all-reduce per call over
 the ranks holding the other pieces. A norm of a sharded grad is therefore a
-collective, as a DTensor's is: every rank must take it.
+collective, as a DTensor's is: every rank must take it. Two more calls are
+completed the same way: `.data` and `.detach()` return the piece still as a
+ShardedGrad (hand-written clipping loops take `p.grad.data.norm()`), and
+torch.amp.GradScaler's inf/NaN check makes its found_inf flag the maximum over
+the ranks, so every rank skips the same steps. Other reductions (sum, max,
+norms along dims) stay this rank's piece's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..compat import foreach_norm, plain_torch_function
+from ..compat import amp_unscale_, foreach_norm, plain_torch_function
 from .comm import Comm
 
 _SPEC = "_flexshard_norm"  # a ShardedGrad's NormGroups
@@ -38,13 +43,17 @@ class NormGroups(NamedTuple):
     #                                     device now (grads may be on host; meta at wrap time)
     refusal: Optional[str] = None  # why its norm cannot be completed here (raised instead)
     full_of: Optional[Callable] = None  # this piece -> the full grad (ShardedGrad.full_tensor)
+    flag_groups: tuple = ()  # where a GradScaler's found_inf must agree: `groups`, and the
+    #                          model's mesh for a bucket on a smaller one (other experts)
+    name: str = "a param"  # "param 'fqn' (bucket 'b')", for errors
 
     def __deepcopy__(self, memo):
         return self  # process groups are not copied; the copy's pieces lie where these do
 
 
 class ShardedGrad(torch.Tensor):
-    """This rank's piece of a sharded param's gradient; full norms are global."""
+    """This rank's piece of a sharded param's gradient; full norms and GradScaler's
+    inf/NaN check are global."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -54,7 +63,14 @@ class ShardedGrad(torch.Tensor):
                 return _foreach_norm(*args, **kwargs)
             if func in _FULL_NORMS and _full_reduction(func, args, kwargs):
                 return _norm(func, args, kwargs)
-            return func(*args, **kwargs)
+            if func in _LINALG_NORMS:
+                return _linalg_norm(func, args, kwargs)
+            if func is amp_unscale_:
+                return _unscale(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if func in _ALIASES and type(args[0]) is ShardedGrad:
+                return _sharded(out, _spec_of(args[0]))  # the same piece: norms stay global
+            return out
 
     def full_tensor(self) -> torch.Tensor:
         """The full gradient, as FSDP2's DTensor grads spell it: a collective
@@ -83,10 +99,15 @@ def wrap_grads(params: Sequence[torch.Tensor], specs: Sequence[Optional[NormGrou
         grad = param.grad
         if spec is None or grad is None or type(grad) is ShardedGrad:
             continue
-        with plain_torch_function():
-            sharded = grad.as_subclass(ShardedGrad)
-        sharded.__dict__[_SPEC] = spec
-        param.grad = sharded
+        param.grad = _sharded(grad, spec)
+
+
+def _sharded(tensor: torch.Tensor, spec: NormGroups) -> "ShardedGrad":
+    """`tensor` (a piece of a sharded grad, or an alias of one) as a ShardedGrad."""
+    with plain_torch_function():
+        sharded = tensor.as_subclass(ShardedGrad)
+    sharded.__dict__[_SPEC] = spec
+    return sharded
 
 
 # The norms, completed.
@@ -112,6 +133,59 @@ def _norm(func, args, kwargs) -> torch.Tensor:
 def _foreach_norm(tensors, ord=2, dtype=None) -> list:
     local = foreach_norm(tensors, ord, dtype=dtype)
     return complete_norms(list(local), [_spec_of(t) for t in tensors], float(ord))
+
+
+def _arg(args, kwargs, i: int, name: str, default):
+    return kwargs.get(name, args[i] if len(args) > i else default)
+
+
+_LINALG_NORMS = (torch.linalg.norm, torch.linalg.matrix_norm)
+
+
+def _linalg_norm(func, args, kwargs) -> torch.Tensor:
+    """torch.linalg.norm / matrix_norm of a sharded grad: over every element
+    (Frobenius; a vector norm of a 1-D piece) completed, other matrix norms
+    refused; along dims (rows, a batch of matrices) this rank's, as Tensor.norm."""
+    local = func(*args, **kwargs)  # torch checks the arguments first
+    x, spec = args[0], _spec_of(args[0])
+    matrix = func is torch.linalg.matrix_norm
+    ord_ = _arg(args, kwargs, 1, "ord", "fro" if matrix else None)
+    dim = _arg(args, kwargs, 2, "dim", (-2, -1) if matrix else None)
+    every = (x.ndim == 2 and sorted(d % 2 for d in dim) == [0, 1]) if matrix else dim is None
+    if spec is None or not every or kwargs.get("out") is not None:
+        return local
+    if ord_ is None or ord_ == "fro":
+        return complete_norms([local], [spec], 2.0)[0]
+    if x.ndim == 1:  # linalg.norm of a vector: a p-norm
+        return complete_norms([local], [spec], float(ord_))[0]
+    name = "matrix_norm" if matrix else "norm"
+    raise NotImplementedError(
+        f"torch.linalg.{name}(grad, ord={ord_!r}) of {spec.name}: a matrix norm of order "
+        f"{ord_!r} cannot be completed from the ranks' pieces of a sharded grad (only the "
+        "Frobenius norm can). Use ord='fro' for the global Frobenius norm, or take this "
+        "norm of the full gradient, p.grad.full_tensor() (a collective)")
+
+
+_ALIASES = (torch.Tensor.data.__get__, torch.Tensor.detach)  # new tensors on the same piece
+
+
+def _unscale(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """GradScaler's check of this rank's pieces; then found_inf the maximum over
+    every group where other pieces (or the model's other experts) lie, so the
+    ranks skip the same steps. Plain tensors in `grads` count as this rank's."""
+    amp_unscale_(grads, found_inf, inv_scale)
+    groups: dict = {}  # first use of each group, in the grads' order (the same on every rank)
+    for spec in filter(None, map(_spec_of, grads)):
+        for group in spec.flag_groups:
+            groups.setdefault(id(group), (group, spec))
+    if not groups:
+        return
+    flag = found_inf.to(next(iter(groups.values()))[1].device())  # the collective's device
+    with record_function("FlexShard::found_inf_all_reduce"):
+        for group, spec in groups.values():
+            spec.comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+    if flag is not found_inf:
+        found_inf.copy_(flag)
 
 
 def _spec_of(tensor) -> Optional[NormGroups]:
@@ -153,9 +227,9 @@ def _reduce_op(ord_: float) -> Any:
     return dist.ReduceOp.SUM
 
 
-def norm_groups(bucket, index: int, tp_spec) -> NormGroups:
+def norm_groups(bucket, index: int, tp_spec, model_group=None) -> NormGroups:
     """Slot `index`'s NormGroups: its bucket's shard group, and the TP mesh dims
-    its DTensor param is split over."""
+    its DTensor param is split over; `model_group`: every rank of the model's mesh."""
     groups = (bucket.group,) if bucket.world_size > 1 else ()
     if tp_spec is not None and tp_spec.sharded_over_tp:
         from torch.distributed.tensor import Shard
@@ -169,8 +243,11 @@ def norm_groups(bucket, index: int, tp_spec) -> NormGroups:
                    "(other experts) under the same names, so a per-rank total of torch's "
                    "norms would differ across ranks. Use fs.clip_grad_norm_(model, max_norm) "
                    "for clipping, fs.grad_norms(model) for logging")
+    # Replicas hold equal pieces (HSDP's all-reduce); experts on a smaller mesh differ.
+    flags = groups + ((model_group,) if bucket.on_sub_mesh and model_group is not None else ())
     return NormGroups(groups, bucket.comm, lambda: bucket.compute_device, refusal,
-                      functools.partial(_full_grad, bucket, index, tp_spec))
+                      functools.partial(_full_grad, bucket, index, tp_spec), flags,
+                      f"param {bucket.slots[index].fqn!r} (bucket {bucket.name!r})")
 
 
 def _full_grad(bucket, index: int, tp_spec, piece: torch.Tensor) -> torch.Tensor:
