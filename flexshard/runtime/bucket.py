@@ -270,9 +270,10 @@ class Bucket:
         self._installed_for_backward = False
 
     def install_for_backward(self, tensors: Sequence[torch.Tensor]) -> None:
-        """The refilled params on the modules while the block's backward runs, for a
-        forward recomputed without the hooks (hooks.recomputes_without_hooks); the
-        sharded ones return when the storages are freed (backward_done)."""
+        """The params a forward computed with (refilled, or a non-resharding bucket's
+        new tensors) on the modules while the block's backward runs, for a forward
+        recomputed without the hooks (hooks.recomputes_without_hooks); the sharded
+        ones return when backward is done with them (backward_done)."""
         if self.held is None and self.state is BucketState.SHARDED:
             self.install(tensors)
             self._installed_for_backward = True

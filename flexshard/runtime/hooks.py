@@ -134,7 +134,7 @@ class ModuleHooks:
         # under an activation checkpoint or save_on_cpu, which keep none of them.
         refill_in_backward = handled and not saves_kept_elsewhere()
         self._forwards = []
-        # its params go back on the modules for its backward (_Refill, post_forward)
+        # its params go back on the modules for its backward (_Refill.install)
         self._recomputed = handled and recomputes_without_hooks(module)
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
@@ -146,7 +146,8 @@ class ModuleHooks:
             # activation checkpoint, whose recompute then gathers within the N ranks).
             bucket.gather.keep_post_forward_shard(handled and bool(bucket.gather.reshard_after_forward))
             forward = bucket.gather.take_opened()
-            if forward is not None or self._recomputed:  # the params made once (unsharded.py)
+            # what its backward refills (the params made once, unsharded.py), or reinstalls
+            if forward is not None or self._recomputed:
                 self._forwards.append((bucket, forward, outs))
             self.prefetcher.unsharded(bucket)
         if handled:
