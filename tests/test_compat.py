@@ -389,7 +389,9 @@ def test_foreach_norm_inf_is_each_max_abs():
     assert all(torch.equal(n, t.abs().max()) for n, t in zip(norms, ts))
 
 
-def test_plain_torch_function_and_foreach_norm():
+def _recording_subclass() -> type:
+    """A fresh torch-function subclass recording the functions that reach it and
+    running them as on plain tensors (sharded_grad.py's idiom)."""
     class Sub(torch.Tensor):
         seen: list = []
 
@@ -399,6 +401,11 @@ def test_plain_torch_function_and_foreach_norm():
             with compat.plain_torch_function():
                 return func(*args, **(kwargs or {}))
 
+    return Sub
+
+
+def test_plain_torch_function_and_foreach_norm():
+    Sub = _recording_subclass()
     a, b = torch.ones(4).as_subclass(Sub), torch.full((3,), 2.0)
     norms = torch.nn.utils.get_total_norm([a, b], foreach=True)  # clip_grad_norm_'s path
     assert compat.foreach_norm in Sub.seen
@@ -407,15 +414,7 @@ def test_plain_torch_function_and_foreach_norm():
 
 
 def test_amp_unscale_reaches_torch_function_and_only_sets_found_inf():
-    class Sub(torch.Tensor):
-        seen: list = []
-
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            cls.seen.append(func)
-            with compat.plain_torch_function():
-                return func(*args, **(kwargs or {}))
-
+    Sub = _recording_subclass()
     grads = [torch.full((2,), 4.0), torch.full((3,), 8.0).as_subclass(Sub)]
     found_inf, inv_scale = torch.zeros(()), torch.full((), 0.25)
     compat.amp_unscale_(grads, found_inf, inv_scale)  # GradScaler("cpu")'s call
