@@ -70,10 +70,11 @@ class Optimizers:
 
 
 def make_optimizer(model: nn.Module, lr: float = 1e-2) -> Optimizers:
-    """Muon on the matrices this rank owns, AdamW on every other shard it holds."""
+    """Muon on the matrices (each whole on the rank that owns it, empty on the
+    others), AdamW on every other shard."""
     split = split_for_muon(model, is_matrix)
     opts = [torch.optim.AdamW(split.others, lr=lr)]
-    if split.matrices:  # a rank may own no matrix at all
+    if split.matrices:  # a model may have no matrix
         opts.append(torch.optim.Muon(split.matrices, lr=lr))
     return Optimizers(*opts)
 

@@ -22,8 +22,8 @@ MatrixFilter = Callable[[str, torch.Size], bool]
 class MuonSplit(NamedTuple):
     """This rank's trainable sharded params, split by optimizer kind."""
 
-    matrices: list  # matrices this rank holds whole: for torch.optim.Muon
-    others: list  # every other non-empty shard: for an elementwise optimizer (AdamW)
+    matrices: list  # the picked matrices: whole on the rank that holds each, else empty
+    others: list  # every other param's shard: for an elementwise optimizer (AdamW)
 
 
 def _is_2d(fqn: str, shape: torch.Size) -> bool:
@@ -34,8 +34,11 @@ def split_for_muon(module: nn.Module, is_matrix: Optional[MatrixFilter] = None) 
     """Split a flex_shard-ed module's params for Muon + an elementwise optimizer.
 
     `is_matrix(fqn, full_shape)` picks the params Muon updates (default: every
-    2-D param). Each picked param must be whole on one rank (fs.Owned());
-    ranks holding an empty piece skip it. Empty pieces are left out of both lists.
+    2-D param). Each picked param must be whole on one rank (fs.Owned()).
+    Both lists hold the same params on every rank, empty pieces included (Muon
+    and AdamW skip them at no cost): code that takes the norm of a list's grads
+    (clip_grad_norm_ per optimizer) makes a collective per grad, which must
+    line up across ranks.
     """
     pick = is_matrix or _is_2d
     matrices, others = [], []
@@ -44,8 +47,7 @@ def split_for_muon(module: nn.Module, is_matrix: Optional[MatrixFilter] = None) 
             if not param.requires_grad:
                 continue
             if not pick(slot.fqn, slot.shape):
-                if param.numel():
-                    others.append(param)
+                others.append(param)
                 continue
             holders = [r for r, s in enumerate(slot.local_shapes) if s.numel()]
             if len(holders) > 1 or (holders and slot.local_shapes[holders[0]] != slot.shape):
@@ -58,6 +60,5 @@ def split_for_muon(module: nn.Module, is_matrix: Optional[MatrixFilter] = None) 
                     f"parameter {slot.fqn!r} in bucket {bucket.name!r} has shape "
                     f"{tuple(slot.shape)}; torch.optim.Muon takes 2-D params only, so leave "
                     "it out with is_matrix")
-            if param.numel():
-                matrices.append(param)
+            matrices.append(param)
     return MuonSplit(matrices, others)

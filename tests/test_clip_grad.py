@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flexshard as fs
+from flexshard.runtime.state import find_state
 from harness import expect_all_ranks_raise, run_world
 from models import batch, loss_fn
 from reference import make_model
@@ -210,3 +211,51 @@ def test_matrix_norms_other_than_frobenius_refuse():
             r"the ranks' pieces of a sharded grad.*Use ord='fro' for the global Frobenius "
             r"norm, or take this norm of the full gradient, p\.grad\.full_tensor\(\)",
             kind, ord_)
+
+
+
+def _subset_norms(model, pick) -> dict:
+    """torch's clip_grad_norm_ and get_total_norm over each of `pick(model)`'s
+    lists of params."""
+    out = {}
+    for name, params in pick(model).items():
+        grads = [p.grad for p in params if p.grad is not None]
+        out[name] = float(torch.nn.utils.get_total_norm(grads, 2.0))
+        out[name + " clip"] = float(torch.nn.utils.clip_grad_norm_(params, 1e6))
+    return out
+
+
+def _is_block_matrix(fqn, shape) -> bool:
+    return fqn.startswith("layers") and len(shape) == 2
+
+
+def _muon_lists(model) -> dict:
+    if find_state(model) is None:  # the one-process model
+        named = list(model.named_parameters())
+        return {"matrices": [p for n, p in named if _is_block_matrix(n, p.shape)],
+                "others": [p for n, p in named if not _is_block_matrix(n, p.shape)]}
+    split = fs.optim.split_for_muon(model, _is_block_matrix)
+    return {"matrices": split.matrices, "others": split.others}
+
+
+def muon_lists_body() -> dict:
+    model = fs.flex_shard(make_model(), placement=fs.Owned())
+    for step in range(2):  # the second call finds the grads already ShardedGrads
+        x, y = batch(step, torch.distributed.get_rank())
+        loss_fn(model(x), y).backward()
+        norms = _subset_norms(model, _muon_lists)
+        model.zero_grad()
+    return norms
+
+
+def test_clipping_each_optimizers_params_of_a_muon_split():
+    """Clipping per optimizer (Lightning's way) over fs.optim.split_for_muon's
+    lists, under Owned at 3 ranks (each rank holds other matrices whole): each
+    norm is the whole list's, on every rank, and nothing hangs."""
+    world, model = 3, make_model()
+    xs, ys = zip(*(batch(1, r) for r in range(world)))
+    loss_fn(model(torch.cat(xs)), torch.cat(ys)).backward()
+    want = _subset_norms(model, _muon_lists)
+    for rank, got in enumerate(run_world(world, muon_lists_body)):
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, rel=1e-5), f"{name} on rank {rank}"

@@ -62,7 +62,8 @@ def _split_sizes():
 
     model = fs.flex_shard(make_model(), placement=owned_matrices)
     matrices, others = split_for_muon(model, is_block_matrix)
-    return dist.get_rank(), [tuple(p.shape) for p in matrices], len(others)
+    return (dist.get_rank(), [tuple(p.shape) for p in matrices if p.numel()], len(others),
+            len(matrices))
 
 
 def test_each_matrix_on_exactly_one_rank():
@@ -70,9 +71,11 @@ def test_each_matrix_on_exactly_one_rank():
     model = make_model()
     want = sorted(tuple(p.shape) for n, p in model.named_parameters()
                   if is_block_matrix(n, p.shape))
-    assert sorted(s for _, shapes, _ in results for s in shapes) == want
-    assert all(shapes for _, shapes, _ in results)  # both ranks own matrices
-    assert all(n > 0 for _, _, n in results)
+    assert sorted(s for _, shapes, *_ in results for s in shapes) == want
+    assert all(shapes for _, shapes, *_ in results)  # both ranks own matrices
+    # each list holds every picked param on every rank (empty pieces included)
+    assert {(n, m) for *_, n, m in results} == {(len(list(model.parameters())) - len(want),
+                                                 len(want))}
 
 
 def _muon_on_row_shards():
