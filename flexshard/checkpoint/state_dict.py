@@ -329,13 +329,13 @@ class OptimizerHooks:
             return value
         from torch.distributed.tensor import DTensor
 
-        if isinstance(value, (ShardedPieces, DTensor)):
-            check_value_shape(key, value, ref, "optimizer.load_state_dict")
-            return local_value(state, ref, key, value)
-        if value.shape == param.shape or value.dim() == 0:
+        if not isinstance(value, (ShardedPieces, DTensor)) and (
+                value.shape == param.shape or value.dim() == 0):
             return value  # already this rank's piece, or a scalar
         check_value_shape(key, value, ref, "optimizer.load_state_dict")
-        return local_value(state, ref, key, value)  # a full tensor
+        # a full tensor's piece may be a strided view (Shard(1)'s columns), which
+        # torch's fused optimizers read as if dense: state is laid out as the param
+        return local_value(state, ref, key, value).contiguous()
 
 
 class StateDictHooks:
