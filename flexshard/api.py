@@ -110,8 +110,8 @@ class FlexShardModule:
             "buckets hold process groups and its params are this rank's shards. Deep-copy the "
             "model before flex_shard and wrap both alike (ema = copy.deepcopy(model); "
             "fs.flex_shard(model); fs.flex_shard(ema)); the copies' params are then the same "
-            "shards, and an EMA updates them in place: torch._foreach_lerp_(list("
-            "ema.parameters()), list(model.parameters()), 1 - decay)")
+            "shards, and an EMA updates them in place: with torch.no_grad(): "
+            "torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)")
 
     def __reduce_ex__(self, protocol):
         raise TypeError(

@@ -9,6 +9,7 @@ the optimizer step; every other parameter is an ordinary shard for AdamW.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -49,8 +50,7 @@ def split_for_muon(module: nn.Module, is_matrix: Optional[MatrixFilter] = None) 
             if not pick(slot.fqn, slot.shape):
                 others.append(param)
                 continue
-            holders = [r for r, s in enumerate(slot.local_shapes) if s.numel()]
-            if len(holders) > 1 or (holders and slot.local_shapes[holders[0]] != slot.shape):
+            if not whole_on_one_rank(slot):
                 raise ValueError(
                     f"parameter {slot.fqn!r} in bucket {bucket.name!r} is picked for Muon but "
                     f"{slot.placement} splits it across ranks; Muon needs whole matrices: "
@@ -62,3 +62,58 @@ def split_for_muon(module: nn.Module, is_matrix: Optional[MatrixFilter] = None) 
                     "it out with is_matrix")
             matrices.append(param)
     return MuonSplit(matrices, others)
+
+
+def whole_on_one_rank(slot) -> bool:
+    """Whether one rank holds all of the param (Owned, or a world of one)."""
+    holders = [shape for shape in slot.local_shapes if math.prod(shape)]
+    return len(holders) <= 1 and all(tuple(h) == tuple(slot.shape) for h in holders)
+
+
+# torch optimizers whose update of a param reads more than each element's own
+# state: on a rank's pieces they would step by the piece's statistics
+_WHOLE_TENSOR = {
+    "Muon": "orthogonalizes each matrix as a whole",
+    "Adafactor": "factors each param's second moment by rows and columns and scales its "
+                 "step by the param's RMS",
+}
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, sharded: list) -> None:
+    """Refuse, at an optimizer's first step, a torch optimizer that would train
+    flex_shard's pieces wrong. `sharded`: (bucket, slot, split over TP) of each
+    of the model's params it holds. Every rank knows every slot's split, so
+    every rank holding such a param raises."""
+    kind = type(optimizer)
+    if not sharded or kind.__module__.split(".")[:2] != ["torch", "optim"]:
+        return
+    if kind.__name__ == "LBFGS":
+        split = [(b, s) for b, s, tp in sharded if b.world_size > 1 or tp]
+        if split:
+            bucket, slot = split[0]
+            raise NotImplementedError(
+                f"torch.optim.LBFGS flattens every param's grad into one vector and steps by "
+                f"its dot products and line search; on flex_shard's params (such as "
+                f"{slot.fqn!r} in bucket {bucket.name!r}) each rank sees only its own "
+                "pieces, so the ranks would step apart, or hang in a line search. Use an "
+                "optimizer that updates each element from its own state (SGD, AdamW), or "
+                "run LBFGS on one process")
+        return
+    why = _WHOLE_TENSOR.get(kind.__name__)
+    for bucket, slot, tp in sharded if why else ():
+        if tp or not whole_on_one_rank(slot):
+            how = "tensor parallel" if tp else slot.placement
+            raise ValueError(
+                f"torch.optim.{kind.__name__} {why}, but parameter {slot.fqn!r} in bucket "
+                f"{bucket.name!r} is split across ranks ({how}): "
+                "each rank would step its piece as if it were the whole tensor. Give the "
+                "params it updates placement fs.Owned() (each whole on one rank; "
+                "fs.optim.split_for_muon picks Muon's matrices), or use an elementwise "
+                "optimizer (AdamW) for them")
+        if kind.__name__ == "Adafactor" and not math.prod(slot.local_shapes[bucket.rank]):
+            raise ValueError(
+                f"torch.optim.Adafactor divides by each param's numel, and parameter "
+                f"{slot.fqn!r} in bucket {bucket.name!r} is an empty piece on this rank "
+                "(another rank holds it whole): give Adafactor this rank's non-empty pieces "
+                "([p for p in params if p.numel()]) and clip with fs.clip_grad_norm_(model, "
+                "max_norm), which does not depend on each rank's list")

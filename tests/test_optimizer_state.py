@@ -35,9 +35,16 @@ def assemble(per_rank: list) -> dict:
     return out
 
 
+def _owned_matrices(fqn, param):
+    """Muon's matrices whole (Owned), the rest RaggedShard."""
+    return fs.Owned() if param.dim() == 2 else fs.RaggedShard()
+
+
 def muon_and_sgd(placement_name, seed=0):
     """Muon on the matrices, SGD with momentum on the rest."""
-    model = fs.flex_shard(make_model(seed), placement=PLACEMENTS[placement_name])
+    placement = _owned_matrices if placement_name == "owned matrices" \
+        else PLACEMENTS[placement_name]
+    model = fs.flex_shard(make_model(seed), placement=placement)
     named = list(model.named_parameters())
     muon = torch.optim.Muon([p for _, p in named if p.dim() == 2], lr=LR)
     sgd = torch.optim.SGD([p for _, p in named if p.dim() != 2], lr=LR, momentum=0.9)
@@ -67,7 +74,7 @@ def _load_muon(path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opts = muon_and_sgd("ragged", seed=1)
+    model, opts = muon_and_sgd("owned matrices", seed=1)  # SGD's params: Owned -> RaggedShard
     model_sd, optim_sd = get_state_dict(model, opts)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, opts, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -39,9 +39,11 @@ def test_torch_save_of_the_state_dict_refuses():
     for placement in ("shard0", "uneven"):  # DTensor values, ShardedPieces values
         for what in ("model", "optimizer"):
             expect_all_ranks_raise(2, _torch_save, TypeError,
-                                   r"cannot pickle a value of a flex_shard model's state_dict\(\).*"
+                                   r"cannot pickle a value of a flex_shard state dict, the "
+                                   r"model's or its optimizer's.*"
                                    r"full = fs\.full_state_dict\(model\) on every rank and "
-                                   r"torch\.save\(full, path\) on rank 0.*fs\.save_checkpoint",
+                                   r"torch\.save\(full, path\) on rank 0 \(an optimizer's full "
+                                   r"state: .*get_state_dict.*fs\.save_checkpoint",
                                    placement, what)
 
 

@@ -53,10 +53,12 @@ def sgd_train(model, opt, steps: int = STEPS, step_fn=None, logits=None) -> list
     return losses
 
 
-def reference(step_fn=None, model=None, steps: int = STEPS, logits=None) -> tuple:
-    """The one-process SGD run on every rank's batch: (losses, params)."""
+def reference(step_fn=None, model=None, steps: int = STEPS, logits=None,
+              params_of=None) -> tuple:
+    """The one-process SGD run on every rank's batch: (losses, params).
+    `params_of(model)`: what SGD steps (default: model.parameters())."""
     model = model if model is not None else make_model()
-    opt = sgd(model.parameters())
+    opt = sgd(model.parameters() if params_of is None else params_of(model))
     losses = []
     for step in range(steps):
         xs, ys = zip(*(batch(step, r) for r in range(WORLD)))
@@ -240,7 +242,8 @@ def ema_recipe():
 def test_deepcopy_raises_and_the_ema_recipe_trains():
     expect_all_ranks_raise(WORLD, deepcopy_wrapped, TypeError,
                            r"copy.deepcopy of a flex_shard-ed FlexShardTinyGPT is not supported.*"
-                           r"ema = copy.deepcopy\(model\); fs.flex_shard\(model\)")
+                           r"ema = copy.deepcopy\(model\); fs.flex_shard\(model\).*"
+                           r"with torch\.no_grad\(\): torch\._foreach_lerp_\(")
     losses, ema = run_world(WORLD, ema_recipe)[0]
     start = make_model().state_dict()
     ref_losses, trained = reference()
@@ -249,6 +252,44 @@ def test_deepcopy_raises_and_the_ema_recipe_trains():
     assert ema.keys() == want.keys()
     for k, v in want.items():
         torch.testing.assert_close(ema[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# Param groups by a rule on the param: weight decay off for vectors (p.ndim) or
+# for small params (by the full shape, from model.state_dict(): no collective).
+
+DECAY_RULES = ("ndim", "full numel")
+GROUP_PLACEMENTS = {"ragged 3:1": fs.RaggedShard(units=(3, 1)),  # uneven pieces
+                    "shard1": lambda fqn, p: fs.Shard(1) if p.dim() > 1 else fs.Shard(0)}
+
+
+def decay_groups(model, rule: str) -> list:
+    if rule == "ndim":
+        decays = {n: p.ndim >= 2 for n, p in model.named_parameters()}
+    else:
+        full = model.state_dict()  # full shapes; a piece's numel is this rank's
+        decays = {n: full[n].numel() >= 256 for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
+    return [{"params": [params[n] for n, d in decays.items() if d], "weight_decay": 0.5},
+            {"params": [params[n] for n, d in decays.items() if not d], "weight_decay": 0.0}]
+
+
+def decay_grouped(rule: str, placement: str) -> tuple:
+    model = fs.flex_shard(make_model(), placement=GROUP_PLACEMENTS[placement])
+    losses = sgd_train(model, sgd(decay_groups(model, rule)))
+    return losses, fs.full_state_dict(model)
+
+
+@pytest.mark.parametrize("placement", sorted(GROUP_PLACEMENTS))
+@pytest.mark.parametrize("rule", DECAY_RULES)
+def test_param_groups_by_a_rule_on_the_param_train_as_one_process(rule, placement):
+    groups = decay_groups(make_model(), rule)
+    assert groups[0]["params"] and groups[1]["params"], "both groups must be used"
+    ref_losses, ref_params = reference(params_of=lambda m: decay_groups(m, rule))
+    for losses, full in run_world(WORLD, decay_grouped, rule, placement):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=0)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
 # A bucket's module called twice in one forward: both calls' grads are summed.

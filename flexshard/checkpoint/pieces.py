@@ -271,12 +271,15 @@ _COPIES = (_ATEN.detach.default, _ATEN.alias.default, _ATEN._to_copy.default,
 def not_picklable(shape) -> TypeError:
     """The error for pickling one rank's pieces of a state dict value."""
     return TypeError(
-        f"cannot pickle a value of a flex_shard model's state_dict() (this rank's pieces of a "
-        f"{tuple(shape)} tensor, not the tensor): torch.save(model.state_dict()) would write "
-        "a file no plain model loads. For a file of full tensors, call "
-        "full = fs.full_state_dict(model) on every rank and torch.save(full, path) on rank 0; "
-        "for a resharding checkpoint, fs.save_checkpoint(directory, model, optimizer, step) "
-        "or torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=directory)")
+        f"cannot pickle a value of a flex_shard state dict, the model's or its optimizer's "
+        f"(this rank's pieces of a {tuple(shape)} tensor, not the tensor): torch.save of "
+        "model.state_dict() or optimizer.state_dict() would write a file no plain model or "
+        "optimizer loads. For a file of full tensors, call full = fs.full_state_dict(model) "
+        "on every rank and torch.save(full, path) on rank 0 (an optimizer's full state: "
+        "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer, "
+        "options=StateDictOptions(full_state_dict=True))); for a resharding checkpoint of "
+        "both, fs.save_checkpoint(directory, model, optimizer, step) or "
+        "torch.distributed.checkpoint.save(...)")
 
 
 def live_dtensor(local: torch.Tensor, mesh, placements, shape: Sequence[int], stride):

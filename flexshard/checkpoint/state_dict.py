@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
+from ..optim import check_optimizer
 from ..runtime.bucket import BucketState
 from ..runtime.state import FlexShardState, get_state
 from ..wrap.names import state_dict_name
@@ -265,7 +266,10 @@ class OptimizerHooks:
         if state is None:
             return
         refs = slot_refs(state)
-        if any(id(p) in refs for g in optimizer.param_groups for p in g["params"]):
+        mine = [refs[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in refs]
+        check_optimizer(optimizer, [(r.bucket, r.slot, r.tp is not None and r.tp.sharded_over_tp)
+                                    for r in mine])
+        if mine:
             self.optimizer_handles += [
                 optimizer.register_state_dict_post_hook(self._state_dict_post_hook),
                 optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)]
