@@ -580,6 +580,62 @@ def test_tensor_swapped_under_a_param_raises(swap, fqn):
                            rf"p.copy_\(shard\).*load_state_dict\(\{{'{re.escape(fqn)}'", swap)
 
 
+def half_submodule(model):
+    model.layers[1].half()
+
+
+def test_submodule_converted_after_wrapping_raises():
+    expect_all_ranks_raise(WORLD, swap_then_forward, NotImplementedError,
+                           r"parameter 'layers\.1\.[\w.]+' \(bucket 'layers\.1'\) was converted "
+                           r"to torch\.float16 after flex_shard \(module\.half\(\).*keeps it "
+                           r"torch\.float32.*Convert the model before flex_shard", half_submodule)
+
+
+def compiled_wrapper_state() -> tuple:
+    model = fs.flex_shard(make_model())
+    compiled = torch.compile(model)  # compiles at its first call: none here
+    return list(fs.full_state_dict(compiled)), list(fs.full_state_dict(model))
+
+
+def test_fs_functions_take_the_compiled_wrapper():
+    for got, want in run_world(WORLD, compiled_wrapper_state):
+        assert list(got) == list(want)
+
+
+def weight_normed_model():
+    """TinyGPT whose blocks' `up` layers take torch.nn.utils.weight_norm (a
+    forward pre-hook that recomputes the weight from its g and v params)."""
+    import warnings
+
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations
+        for layer in model.layers:
+            torch.nn.utils.weight_norm(layer.up)
+    return model
+
+
+def weight_normed() -> tuple:
+    # each `up` layer its own bucket: its hooks and weight_norm's on one module
+    rest = ("norm1", "qkv", "proj", "norm2", "down")
+    buckets = [spec for i in range(2) for spec in (
+        fs.BucketSpec(f"layers.{i}.up.*"), fs.BucketSpec([f"layers.{i}.{m}.*" for m in rest]))]
+    model = fs.flex_shard(weight_normed_model(),
+                          buckets=buckets + [fs.BucketSpec(["tok.*", "pos", "norm.*", "head.*"])])
+    return sgd_train(model, sgd(model.parameters())), fs.full_state_dict(model)
+
+
+def test_pre_hooks_registered_before_wrapping_see_the_unsharded_params():
+    """weight_norm's pre-hook, registered before flex_shard, runs after the
+    gather (flex_shard's pre-hook goes first, as FSDP2's)."""
+    ref_losses, ref_params = reference(model=weight_normed_model())
+    for losses, full in run_world(WORLD, weight_normed):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=0)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_tensor_swapped_before_unshard_raises():
     expect_all_ranks_raise(WORLD, swap_then_forward, ValueError,
                            r"parameter 'head.weight' .* no longer views its bucket's storage",

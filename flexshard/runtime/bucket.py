@@ -217,7 +217,14 @@ class Bucket:
         if list(map(torch.Tensor.data_ptr, self.params)) == ptrs:
             return
         index = next(i for i, p in enumerate(self.params) if p.data_ptr() != ptrs[i])
-        fqn = self.slots[index].fqn
+        fqn, param, slot = self.slots[index].fqn, self.params[index], self.slots[index]
+        if param.dtype != slot.dtype:
+            raise NotImplementedError(
+                f"parameter {fqn!r} (bucket {self.name!r}) was converted to {param.dtype} "
+                "after flex_shard (module.half(), .to(dtype), .apply(...) on a submodule); "
+                f"flex_shard keeps it {slot.dtype} in its bucket's storage. "
+                "Convert the model before flex_shard, or compute in another dtype with "
+                "MixedPrecisionPolicy(param_dtype=...)")
         raise ValueError(
             f"parameter {fqn!r} (bucket {self.name!r}) no longer views its bucket's storage: its "
             "tensor was swapped after flex_shard (p.data = ..., p.set_(...)), so the gather "

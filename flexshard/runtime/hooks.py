@@ -112,8 +112,10 @@ class ModuleHooks:
         self.eager_compiled = eager_compiled  # says once when a .compile()d block ran eagerly
         self._compile_checked = False  # a forward of the compiled module was checked
         self.handles = [
-            # eager even inside a compiled module: a graph break at each (runtime/compiled.py)
-            module.register_forward_pre_hook(run_eagerly(self.pre_forward), with_kwargs=True),
+            # eager even inside a compiled module: a graph break at each (runtime/compiled.py);
+            # first, so the user's pre-hooks (weight_norm's) see the unsharded params
+            module.register_forward_pre_hook(run_eagerly(self.pre_forward), with_kwargs=True,
+                                             prepend=True),
             module.register_forward_hook(run_eagerly(self.post_forward), with_kwargs=True),
             module.register_forward_hook(run_eagerly(self.after_forward_always), with_kwargs=True,
                                          always_call=True),

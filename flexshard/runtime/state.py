@@ -64,6 +64,8 @@ def find_state(module: nn.Module) -> Optional[FlexShardState]:
 def get_state(module: nn.Module) -> FlexShardState:
     """The module's FlexShardState; TypeError if flex_shard was never applied."""
     state = find_state(module)
+    if state is None and isinstance(module._modules.get("_orig_mod"), nn.Module):
+        return get_state(module._orig_mod)  # torch.compile(model)'s OptimizedModule
     if state is None:
         raise TypeError(
             f"{type(module).__name__} is not wrapped by flex_shard; call "
