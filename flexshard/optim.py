@@ -100,7 +100,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, sharded: list) -> None:
                 "run LBFGS on one process")
         return
     why = _WHOLE_TENSOR.get(kind.__name__)
-    for bucket, slot, tp in sharded if why else ():
+    if why is None:
+        return  # elementwise: every piece steps as its part of the whole would
+    for bucket, slot, tp in sharded:
         if tp or not whole_on_one_rank(slot):
             how = "tensor parallel" if tp else slot.placement
             raise ValueError(

@@ -217,7 +217,8 @@ class Bucket:
         if list(map(torch.Tensor.data_ptr, self.params)) == ptrs:
             return
         index = next(i for i, p in enumerate(self.params) if p.data_ptr() != ptrs[i])
-        fqn, param, slot = self.slots[index].fqn, self.params[index], self.slots[index]
+        slot, param = self.slots[index], self.params[index]
+        fqn = slot.fqn
         if param.dtype != slot.dtype:
             raise NotImplementedError(
                 f"parameter {fqn!r} (bucket {self.name!r}) was converted to {param.dtype} "
