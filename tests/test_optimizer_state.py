@@ -230,3 +230,38 @@ def test_fused_optimizer_state_kept_as_pieces_trains_as_one_process(placement_na
     for full in run_world(2, _fused_adamw_stepped_before_wrapping, placement_name):
         for k, ref in ref_params.items():
             assert_rel_close(full[k], ref, 1e-5, k)
+
+
+def _full_optimizer_state_of(placement_name: str) -> tuple:
+    """Rank body: AdamW trained 2 steps; fs.full_optimizer_state_dict, and a
+    fresh model + optimizer at this world loading it, trained one more step."""
+    import copy
+
+    import torch.distributed as dist
+
+    model, opt = wrapped(placement_name)
+    train(model, opt, range(2), dist.get_rank())
+    full = fs.full_optimizer_state_dict(model, opt)
+    again, again_opt = wrapped("shard0")  # another placement
+    again.load_state_dict(fs.full_state_dict(model))
+    again_opt.load_state_dict(copy.deepcopy(full))  # torch's load shares the tensors
+    train(again, again_opt, range(2, 3), dist.get_rank())
+    return full, fs.full_state_dict(again)
+
+
+@pytest.mark.parametrize("placement_name", ["owned", "ragged", "uneven"])
+def test_full_optimizer_state_dict_of_uneven_placements(placement_name):
+    """A one-process optimizer's state dict, on every rank, for placements whose
+    state-dict values are not DTensors (DSD's full_state_dict keeps them pieces);
+    it loads into another placement and trains as one process."""
+    _, ref_state = reference([2, 2])
+    ref_params, _ = reference([2, 2, 2])
+    names = [k for k, _ in make_model().named_parameters()]
+    for full, params in run_world(2, _full_optimizer_state_of, placement_name):
+        for index, fqn in enumerate(names):
+            for name in ("exp_avg", "exp_avg_sq"):
+                got, want = full["state"][index][name], ref_state[fqn][name]
+                assert type(got) is torch.Tensor and got.shape == want.shape, (fqn, name)
+                assert_rel_close(got, want, 1e-5, f"{fqn}.{name}")
+        for k, ref in ref_params.items():
+            assert_rel_close(params[k], ref, 1e-5, k)

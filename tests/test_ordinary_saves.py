@@ -42,8 +42,8 @@ def test_torch_save_of_the_state_dict_refuses():
                                    r"cannot pickle a value of a flex_shard state dict, the "
                                    r"model's or its optimizer's.*"
                                    r"full = fs\.full_state_dict\(model\) on every rank and "
-                                   r"torch\.save\(full, path\) on rank 0 \(an optimizer's full "
-                                   r"state: .*get_state_dict.*fs\.save_checkpoint",
+                                   r"torch\.save\(full, path\) on rank 0 \(an optimizer's: "
+                                   r"fs\.full_optimizer_state_dict\(model, optimizer\)\).*fs\.save_checkpoint",
                                    placement, what)
 
 

@@ -275,9 +275,8 @@ def not_picklable(shape) -> TypeError:
         f"(this rank's pieces of a {tuple(shape)} tensor, not the tensor): torch.save of "
         "model.state_dict() or optimizer.state_dict() would write a file no plain model or "
         "optimizer loads. For a file of full tensors, call full = fs.full_state_dict(model) "
-        "on every rank and torch.save(full, path) on rank 0 (an optimizer's full state: "
-        "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer, "
-        "options=StateDictOptions(full_state_dict=True))); for a resharding checkpoint of "
+        "on every rank and torch.save(full, path) on rank 0 (an optimizer's: "
+        "fs.full_optimizer_state_dict(model, optimizer)); for a resharding checkpoint of "
         "both, fs.save_checkpoint(directory, model, optimizer, step) or "
         "torch.distributed.checkpoint.save(...)")
 

@@ -410,6 +410,46 @@ def full_state_dict(module: nn.Module) -> dict:
     return out
 
 
+def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """`optimizer.state_dict()` with each value shaped like a sharded param made
+    the full tensor, as a one-process optimizer's, on every rank (torch.save it
+    on rank 0). `optimizer.load_state_dict` of it reshards to any world size and
+    placement. Collective: one gather per bucket and state name (the names
+    agreed by one small object all-gather)."""
+    import torch.distributed as dist
+
+    state, out = get_state(module), optimizer.state_dict()
+    refs, mine = slot_refs(state), {}
+    for key, param in _param_keys(optimizer, out):
+        ref, entry = refs.get(id(param)), optimizer.state.get(param, {})
+        if ref is not None:
+            mine[id(param)] = (key, entry)
+    names = [sorted({n for p in b.params for n, v in mine.get(id(p), (0, {}))[1].items()
+                     if n != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape})
+             for b in state.buckets]
+    group = state.mesh_group
+    if group is not None and dist.get_world_size(group) > 1:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, names, group=group)
+        names = [sorted(set().union(*(r[i] for r in every))) for i in range(len(names))]
+    for bucket, bucket_names in zip(state.buckets, names):
+        for name in bucket_names:
+            pieces = [_state_piece(mine.get(id(p)), name, p) for p in bucket.params]
+            fulls = bucket.gather.gather_pieces(pieces)
+            for param, piece, full, wiring in zip(bucket.params, pieces, fulls, bucket.wiring):
+                if piece is not None:
+                    key = mine[id(param)][0]
+                    out["state"][key] = {**out["state"][key], name: full if wiring.tp is None
+                                         else wiring.tp.full_of(full)}
+    return out
+
+
+def _state_piece(found, name: str, param):
+    """This rank's piece of a param's optimizer state `name`, or None."""
+    value = found[1].get(name) if found is not None else None
+    return value if isinstance(value, torch.Tensor) and value.shape == param.shape else None
+
+
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
     """Load full tensors (keyed as the unwrapped model's state dict, or as
     named_parameters() names them) into the sharded parameters, and the
