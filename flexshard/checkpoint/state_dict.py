@@ -424,7 +424,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
         ref, entry = refs.get(id(param)), optimizer.state.get(param, {})
         if ref is not None:
             mine[id(param)] = (key, entry)
-    names = [sorted({n for p in b.params for n, v in mine.get(id(p), (0, {}))[1].items()
+    names = [sorted({n for p in b.params for n, v in mine.get(id(p), (None, {}))[1].items()
                      if n != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape})
              for b in state.buckets]
     group = state.mesh_group
