@@ -425,8 +425,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
         if ref is not None:
             mine[id(param)] = (key, entry)
     names = [sorted({n for p in b.params for n, v in mine.get(id(p), (None, {}))[1].items()
-                     if n != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape})
-             for b in state.buckets]
+                     if n != "step" and _shaped_like(v, p)}) for b in state.buckets]
     group = state.mesh_group
     if group is not None and dist.get_world_size(group) > 1:
         every = [None] * dist.get_world_size(group)
@@ -447,7 +446,13 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
 def _state_piece(found, name: str, param):
     """This rank's piece of a param's optimizer state `name`, or None."""
     value = found[1].get(name) if found is not None else None
-    return value if isinstance(value, torch.Tensor) and value.shape == param.shape else None
+    return value if _shaped_like(value, param) else None
+
+
+def _shaped_like(value, param) -> bool:
+    """Whether an optimizer state value is a tensor shaped like its param's
+    piece (so sharded like it), not a scalar such as a step count."""
+    return isinstance(value, torch.Tensor) and value.shape == param.shape
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
