@@ -4,7 +4,8 @@ zeros, random shapes and dims, every collective and FullGrad.
 - values and gradients match one process that holds every rank's tensors
   (float64, so only summation order differs);
 - torch.autograd.gradcheck (float64) of each collective wrapped into a
-  function that is the same on every rank: rank-specific pieces enter through
+  function that is the same on every rank, and of that function's gradient
+  (second derivatives, as a gradient penalty takes them): rank-specific pieces enter through
   `shard_tensor` and leave through `gather_tensor` / an all-reduce, so every
   rank perturbs the same inputs and runs the same backward passes in step.
 
@@ -210,7 +211,17 @@ def _same_everywhere(case):
         shape = [world, *shape]
     t = torch.randn(shape, generator=torch.Generator().manual_seed(case["seed"]),
                     dtype=torch.float64, requires_grad=True)
-    return torch.autograd.gradcheck(fn, (t,))
+    # The second derivative along a fixed direction (a gradient penalty's): the
+    # gradient of fn as a function of t, which is the same on every rank too.
+    # (gradgradcheck would also perturb the output's gradient, which each rank
+    # reads in its own part only.)
+    direction = torch.randn(fn(t).shape, generator=torch.Generator().manual_seed(case["seed"]),
+                            dtype=torch.float64)
+
+    def grad_of_fn(t):
+        return torch.autograd.grad(fn(t), t, direction, create_graph=True)[0]
+
+    return torch.autograd.gradcheck(fn, (t,)) and torch.autograd.gradcheck(grad_of_fn, (t,))
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -3,6 +3,8 @@ values and gradients against single-process autograd, empty pieces included."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -140,7 +142,7 @@ def _piece_mismatch():
     gather_tensor(torch.zeros(3, 2), [1, 1])
 
 
-def test_errors_on_every_rank_before_any_collective():
+def test_errors_on_every_rank_before_the_data_moves():
     expect_all_ranks_raise(2, _sum_mismatch, ValueError,
                            r"shard_tensor: the tensor has 5 rows along dim 0 but sum\(sizes\) is 4")
     expect_all_ranks_raise(2, _piece_mismatch, ValueError,
@@ -199,6 +201,7 @@ class CountingComm(fs.Comm):
 
 
 EVERY = ("all_gather", "all_to_all", "all_reduce")
+DATA = ("all_to_all", "all_reduce")  # the size check is an all-gather
 
 
 def _collectives_issued(check_sizes):
@@ -219,14 +222,16 @@ def test_all_to_all_is_one_collective_each_way():
 
 
 def _a2a_local(case):
-    """Bad sizes or dims that every rank sees: raised before any collective."""
+    """Bad sizes or dims that every rank sees: raised after the size check's small
+    all-gather (which carries a refused rank's error to the others), before any data
+    moves."""
     import torch.distributed as dist
 
     x = torch.zeros(4, [2, 3][dist.get_rank()])  # points along dim 1: concat_sizes [2, 3]
     args = {"split sum": ([2, 1], 0, [2, 3], 1), "length": ([1, 1, 2], 0, [2, 3], 1),
             "negative": ([5, -1], 0, [2, 3], 1), "same dim": ([2, 3], 1, [2, 3], 1),
             "dim range": ([2, 2], 2, [2, 3], 1)}[case]
-    all_to_all(x, *args, comm=CountingComm(forbid=EVERY))
+    all_to_all(x, *args, comm=CountingComm(forbid=DATA))
 
 
 A2A_LOCAL = {
@@ -241,7 +246,7 @@ A2A_LOCAL = {
 
 
 @pytest.mark.parametrize("case", sorted(A2A_LOCAL))
-def test_all_to_all_bad_sizes_raise_before_any_collective(case):
+def test_all_to_all_bad_sizes_raise_before_the_data_moves(case):
     expect_all_ranks_raise(2, _a2a_local, ValueError, A2A_LOCAL[case], case)
 
 
@@ -321,3 +326,147 @@ def test_unchecked_piece_raises_on_its_rank_before_any_collective():
     assert err.value.failures[0].message.startswith(
         "all_to_all: the tensor on rank 0 has 2 rows along concat_dim 1 but concat_sizes[0] is 3")
     assert err.value.results == {1: "ran"}
+
+
+# ---- one rank's mistake, dtypes, grad modes: every rank raises, or trains
+
+
+def _one_rank_wrong(kind):
+    """Rank 1 alone passes something wrong: every rank raises the same error after
+    the size check's all-gather and before the data moves. Returns (message, the
+    collectives that ran)."""
+    import torch.distributed as dist
+
+    bad, comm = dist.get_rank() == 1, CountingComm()
+    try:
+        if kind == "sum":
+            shard_tensor(torch.zeros(6 if bad else 5, 2), [2, 3], comm=comm)
+        elif kind == "length":
+            gather_tensor(torch.zeros(2, 2), [2, 2, 2] if bad else [2, 2], comm=comm)
+        elif kind == "dim":
+            gather_tensor(torch.zeros(2, 2), [2, 2], 5 if bad else 0, comm=comm)
+        elif kind == "dtype":  # an empty piece made without the others' dtype
+            gather_tensor(torch.zeros(0 if bad else 2, 2, dtype=torch.bfloat16 if not bad
+                                      else torch.float32), [2, 0], full_grad=FullGrad.PARTIAL,
+                          comm=comm)
+        elif kind == "full_grad":
+            shard_tensor(torch.zeros(4, 2), [2, 2], comm=comm,
+                         full_grad=FullGrad.PARTIAL if bad else FullGrad.REPLICATE)
+        else:  # rank 1 under no_grad: its backward would never run the all-gather
+            with torch.set_grad_enabled(not bad):
+                shard_tensor(torch.zeros(4, 2, requires_grad=True), [2, 2], comm=comm)
+    except (ValueError, RuntimeError) as e:
+        return str(e), comm.calls
+    return "no error", comm.calls
+
+
+ONE_RANK_WRONG = {
+    "sum": r"shard_tensor: the tensor has 6 rows along dim 0 but sum\(sizes\) is 5",
+    "length": r"gather_tensor: sizes=\[2, 2, 2\] must hold one int >= 0 per rank of the group "
+              r"\(2 ranks\)",
+    "dim": r"gather_tensor: dim=5 is out of range for a tensor of shape \(2, 2\)",
+    "dtype": r"gather_tensor: the tensors' dtypes differ across the ranks of the group \(rank 0: "
+             r"torch.bfloat16, rank 1: torch.float32\); pass one dtype on every rank",
+    "full_grad": r"shard_tensor: full_grad differs across the ranks of the group \(rank 0: "
+                 r"replicate, rank 1: partial\)",
+    "grad mode": r"shard_tensor: ranks \[1\] run it with gradients off \(torch.no_grad\) while "
+                 r"other ranks' tensors require grad",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ONE_RANK_WRONG))
+def test_one_ranks_mistake_raises_on_every_rank_before_the_data_moves(kind):
+    for rank, (message, calls) in enumerate(run_world(2, _one_rank_wrong, kind)):
+        assert re.search(ONE_RANK_WRONG[kind], message), (rank, message)
+        assert calls == ["all_gather"], (rank, calls)  # the check's, nothing after it
+
+
+def _empty_piece_without_grad():
+    """Rank 1 holds no rows and makes its piece without requires_grad, as
+    `torch.zeros(0, C)` does: its backward's reduce-scatter runs all the same."""
+    import torch.distributed as dist
+
+    rank, sizes = dist.get_rank(), (2, 0, 3)
+    whole, _, whole_w, _ = _data(sizes, 0, 3)
+    piece = whole.narrow(0, sum(sizes[:rank]), sizes[rank]).clone()
+    if rank != 1:
+        piece.requires_grad_()
+    out = gather_tensor(piece, sizes, full_grad=FullGrad.PARTIAL)
+    (out * whole_w[rank]).sum().backward()
+    return out.detach(), piece.grad
+
+
+def test_an_empty_piece_without_grad_trains_as_one_process():
+    got = run_world(3, _empty_piece_without_grad)
+    want = _reference("gather", (2, 0, 3), 0, FullGrad.PARTIAL, 3)
+    for rank in (0, 2):
+        torch.testing.assert_close(got[rank][0], want[rank][0])
+        torch.testing.assert_close(got[rank][1], want[rank][1])
+    assert got[1][1] is None and got[1][0].shape == (5, 4)
+
+
+def _in_place_on_outputs():
+    """Each collective's output modified in place (relu_, as nn.ReLU(inplace=True))
+    gives what the out-of-place relu gives, values and gradients."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(3)
+    whole, wide = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    piece = whole[[0, 2][rank]: [2, 5][rank]]
+    calls = {
+        "shard": (whole, lambda x: shard_tensor(x, [2, 3])),
+        "gather": (piece, lambda x: gather_tensor(x, [2, 3])),
+        "gather dim 1": (wide[:, [0, 1][rank]: [1, 4][rank]], lambda x: gather_tensor(x, [1, 3], 1)),
+        "reduce_scatter": (whole, lambda x: reduce_scatter_tensor(x, [2, 3])),
+        "all_reduce": (whole, lambda x: reduce_scatter_tensor(x, None)),
+        "all_to_all": (wide[:, [0, 1][rank]: [1, 4][rank]],
+                       lambda x: all_to_all(x, [2, 3], 0, [1, 3], 1)),
+    }
+    out = {}
+    for name, (data, fn) in calls.items():
+        results = []
+        for in_place in (True, False):
+            x = data.clone().requires_grad_()
+            y = fn(x * 1.0)
+            y = y.relu_() if in_place else y.relu()
+            (y * torch.arange(y.numel()).view(y.shape)).sum().backward()
+            results.append((y.detach(), x.grad))
+        out[name] = results
+    return out
+
+
+def test_outputs_can_be_modified_in_place():
+    for rank, per_call in enumerate(run_world(2, _in_place_on_outputs)):
+        for name, ((y, grad), (ref_y, ref_grad)) in per_call.items():
+            torch.testing.assert_close(y, ref_y, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(grad, ref_grad, msg=f"rank {rank} {name}")
+
+
+def _groups_as_users_pass_them():
+    """A 1-D DeviceMesh as the group, numpy sizes, and a process outside the group."""
+    import numpy as np
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("model",))
+    x = torch.full((rank + 1, 2), float(rank))
+    by_mesh = gather_tensor(x, np.array([1, 2, 3]), group=mesh)
+    pair = dist.new_group([0, 1])
+    try:
+        gather_tensor(torch.ones(2, 2), [2, 2], group=pair)
+        outside = None
+    except ValueError as e:
+        outside = str(e)
+    return by_mesh, gather_tensor(x, [1, 2, 3]), outside
+
+
+def test_a_mesh_numpy_sizes_and_a_process_outside_the_group():
+    for rank, (by_mesh, by_default, outside) in enumerate(run_world(3, _groups_as_users_pass_them)):
+        torch.testing.assert_close(by_mesh, by_default)
+        if rank == 2:
+            assert outside.startswith("gather_tensor: this process (rank 2 of the default group) "
+                                      "is not in the group given"), outside
+        else:
+            assert outside is None

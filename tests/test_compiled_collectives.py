@@ -113,3 +113,21 @@ def test_a_block_of_collectives_compiles_with_inductor_and_matches_eager():
         assert values and grads and ran >= 1
         if TRACES_COLLECTIVE_FUNCTIONS:  # before torch 2.13 each collective runs eagerly
             assert breaks == 0 and graphs == 1 and ran == 1
+
+
+def _compiled_wrong_piece():
+    """Every rank's piece a row short of its size: compiled, the piece check runs
+    while tracing (the cross-rank check is left out of graphs)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: C.gather_tensor(x * 2.0, [2, 2]), backend="aot_eager")
+    fn(torch.zeros(1, 3))
+
+
+def test_a_wrong_piece_is_refused_while_tracing():
+    from harness import expect_all_ranks_raise
+
+    expect_all_ranks_raise(2, _compiled_wrong_piece, ValueError,
+                           r"gather_tensor: the tensor on rank \d has 1 rows along dim 0 but "
+                           r"sizes\[\d\] is 2")

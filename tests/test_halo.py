@@ -151,11 +151,37 @@ def _rows_mismatch():
     halo_exchange(torch.zeros(3, 1), plan)
 
 
+def _one_rank_wrong(kind):
+    """Rank 1 alone passes wrong rows, feature width or group: every rank raises."""
+    bad = dist.get_rank() == 1
+    plan = HaloPlan.from_edges(torch.tensor([[0, 5, 2], [5, 0, 1]]), (2, 2, 2))
+    if kind == "rows":
+        halo_exchange(torch.zeros(3 if bad else 2, 4), plan)
+    elif kind == "width":
+        halo_exchange(torch.zeros(2, 5 if bad else 4), plan)
+    else:  # the plan of a group of two, used on the group of three
+        pair = dist.new_group([1, 2])
+        if dist.get_rank():
+            plan = HaloPlan.from_edges(torch.tensor([[0], [3]]), (2, 2), pair)
+        halo_exchange(torch.zeros(2, 4), plan)
+
+
 def test_bad_input_is_refused_on_every_rank_before_the_data_moves():
     expect_all_ranks_raise(WORLD, _disagreeing_sizes, ValueError,
                            r"HaloPlan\.from_edges: sizes differs across the ranks of the group")
     expect_all_ranks_raise(WORLD, _rows_mismatch, ValueError,
                            r"halo_exchange: x has 3 rows on rank \d but the plan gives it 2 nodes")
+    expect_all_ranks_raise(WORLD, _one_rank_wrong, ValueError,
+                           r"halo_exchange: x has 3 rows on rank 1 but the plan gives it 2 nodes",
+                           "rows")
+    expect_all_ranks_raise(WORLD, _one_rank_wrong, ValueError,
+                           r"halo_exchange: the tensors' shapes outside the sharded dims differ "
+                           r"across the ranks of the group \(ranks \[1\] differ from rank 0",
+                           "width")
+    expect_all_ranks_raise(WORLD, _one_rank_wrong, ValueError,
+                           r"halo_exchange: the plan was built for rank 0 of 2 ranks, and this is "
+                           r"rank 1 of the 3 of the group given; pass the group the plan was "
+                           r"built on", "group")
     with pytest.raises(ValueError, match=r"edge_index holds node ids outside 0\.\.3"):
         HaloPlan.from_edges(torch.tensor([[0], [4]]), (4,))
     with pytest.raises(ValueError, match=r"sizes=\[2, 2\] must hold one int >= 0 per rank"):
@@ -173,3 +199,36 @@ def test_one_process_has_no_halo():
     halo = halo_exchange(x, plan)
     assert halo.shape == (0, 3)
     assert fs.collectives.halo_exchange is halo_exchange
+
+
+def _second_derivatives_check(sizes: tuple, edges: list) -> bool:
+    """gradcheck of a function the same on every rank (the whole graph's features
+    in, every rank's rows with its halo out, gathered) and of its gradient along a
+    fixed direction: the exchange's second derivatives, as a gradient penalty
+    takes them (float64)."""
+    from flexshard.collectives import gather_tensor, shard_tensor
+
+    rank = dist.get_rank()
+    plan = HaloPlan.from_edges(torch.tensor(edges, dtype=torch.long).reshape(2, -1), sizes)
+    rows = [None] * WORLD
+    dist.all_gather_object(rows, sizes[rank] + sum(plan.recv_counts))
+
+    def fn(t):
+        x = shard_tensor(t, sizes, check_sizes=False)
+        out = halo_exchange(x, plan, include_local=True, check_sizes=False)
+        return gather_tensor(torch.sin(out) * (rank + 1), rows, check_sizes=False)
+
+    t = torch.randn(sum(sizes), 2, dtype=torch.float64, requires_grad=True,
+                    generator=torch.Generator().manual_seed(0))
+    direction = torch.randn(sum(rows), 2, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(1))
+
+    def grad_of_fn(t):
+        return torch.autograd.grad(fn(t), t, direction, create_graph=True)[0]
+
+    return torch.autograd.gradcheck(fn, (t,)) and torch.autograd.gradcheck(grad_of_fn, (t,))
+
+
+def test_second_derivatives():
+    edges = [0, 3, 5, 1, 2, 4, 3, 0, 1, 5, 4, 2]  # sources then targets, across every rank
+    assert run_world(WORLD, _second_derivatives_check, (2, 1, 3), edges) == [True] * WORLD

@@ -22,7 +22,8 @@ import torch
 from torch.profiler import record_function
 
 from ..runtime.comm import Comm
-from .uneven import _agree, _group, _Group, _offsets, traced_from_2_13
+from .uneven import (_Agreement, _checked, _group, _Group, _offsets, _sizes,
+                     traced_from_2_13)
 
 
 class HaloPlan(NamedTuple):
@@ -51,16 +52,20 @@ class HaloPlan(NamedTuple):
         remote source of an edge into one of its nodes. No collective, except
         the one check (skipped by `check=False`) that every rank has the same
         sizes and edges."""
-        g = _group(group, comm)
-        sizes = _check_sizes("HaloPlan.from_edges", sizes, g)
-        edges = _check_edges(edge_index, sum(sizes))
-        if check:
-            _agree("HaloPlan.from_edges", g, edges, {"sizes": sizes, "edges": (
-                edges.shape[1], hash(tuple(edges.flatten().tolist())))})
+        name = "HaloPlan.from_edges"
+        g = _group(name, group, comm)
+
+        def checked():
+            sizes_ = _sizes(name, sizes, g, what=": the nodes each rank owns")
+            edges = _check_edges(edge_index, sum(sizes_))
+            return (sizes_, edges), _Agreement({"sizes": sizes_, "edges": (
+                edges.shape[1], _checksum(edges))}, (1,))
+
+        (sizes, edges), _ = _checked(name, g, torch.empty(0, dtype=torch.long), checked, check)
         owner = torch.bucketize(edges, torch.tensor(_offsets(sizes)[1:]), right=True)
-        needs = [_needed(edges, owner, src, dst) for src in range(g.size) for dst in range(g.size)]
-        send = tuple(needs[g.rank * g.size + dst] - _offsets(sizes)[g.rank] for dst in range(g.size))
-        recv = tuple(needs[src * g.size + g.rank] for src in range(g.size))
+        start = _offsets(sizes)[g.rank]
+        send = tuple(_needed(edges, owner, g.rank, dst) - start for dst in range(g.size))
+        recv = tuple(_needed(edges, owner, src, g.rank) for src in range(g.size))
         return cls(g.rank, sizes, send, recv, torch.cat(send))
 
     @classmethod
@@ -69,11 +74,15 @@ class HaloPlan(NamedTuple):
         """The plan from explicit lists: `send_index[j]` are the local rows this
         rank sends to rank j (any order; it is kept). One small all-to-all tells
         each rank which global ids it receives, and checks the ranks agree."""
-        g = _group(group, comm)
-        sizes = _check_sizes("HaloPlan.from_send_index", sizes, g)
-        send = _check_send_index(send_index, sizes[g.rank], g.size)
-        if g.size > 1:
-            _agree("HaloPlan.from_send_index", g, torch.empty(0), {"sizes": sizes})
+        name = "HaloPlan.from_send_index"
+        g = _group(name, group, comm)
+
+        def checked():
+            sizes_ = _sizes(name, sizes, g, what=": the nodes each rank owns")
+            send_ = _check_send_index(send_index, sizes_[g.rank], g.size)
+            return (sizes_, send_), _Agreement({"sizes": sizes_})
+
+        (sizes, send), _ = _checked(name, g, torch.empty(0), checked, True)
         start = _offsets(sizes)[g.rank]
         recv = _exchange_ids([t + start for t in send], g)
         return cls(g.rank, sizes, send, tuple(recv), torch.cat(send))
@@ -98,32 +107,46 @@ class HaloPlan(NamedTuple):
 
 
 @traced_from_2_13
-def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *,
-                  comm: Optional[Comm] = None, include_local: bool = False) -> torch.Tensor:
+def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *, comm: Optional[Comm] = None,
+                  include_local: bool = False, check_sizes: bool = True) -> torch.Tensor:
     """The halo rows `plan` says this rank receives (rank by rank), from each
     sender's `x` (its own rows along dim 0); differentiable: the backward adds
-    each halo row's gradient at the row it was sent from. One all-to-all.
+    each halo row's gradient at the row it was sent from. One all-to-all, after
+    the ranks' agreement on the plan's sizes, x's other dims and dtype (one small
+    all-gather, as the other collectives' `check_sizes`; False skips it).
 
     `include_local=True` returns `torch.cat([x, halo])` (the rows `plan.local_index`
     numbers) built in one buffer: the halo is received in place, and the backward
     adds the halo's gradients into x's slice of the output's gradient instead of
     returning a second, mostly zero, gradient for x."""
+    name = "halo_exchange"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"halo_exchange: expected a tensor, got {type(x).__name__}")
     if not isinstance(plan, HaloPlan):
         raise TypeError(f"halo_exchange: plan must be a HaloPlan, got {type(plan).__name__}")
-    g = _group(group, comm)
-    if x.dim() == 0 or x.shape[0] != plan.sizes[g.rank]:
-        raise ValueError(f"halo_exchange: x has {x.shape[0] if x.dim() else 0} rows on rank "
-                         f"{g.rank} but the plan gives it {plan.sizes[g.rank]} nodes; pass "
-                         "this rank's own rows (dim 0) of the partition the plan was built on")
+    if not isinstance(check_sizes, bool):
+        raise TypeError(f"halo_exchange: check_sizes must be a bool, got {check_sizes!r}")
+    g = _group(name, group, comm)
+
+    def checked():
+        if plan.rank != g.rank or len(plan.sizes) != g.size:
+            raise ValueError(f"halo_exchange: the plan was built for rank {plan.rank} of "
+                             f"{len(plan.sizes)} ranks, and this is rank {g.rank} of the "
+                             f"{g.size} of the group given; pass the group the plan was built on")
+        if x.dim() == 0 or x.shape[0] != plan.sizes[g.rank]:
+            raise ValueError(f"halo_exchange: x has {x.shape[0] if x.dim() else 0} rows on rank "
+                             f"{g.rank} but the plan gives it {plan.sizes[g.rank]} nodes; pass "
+                             "this rank's own rows (dim 0) of the partition the plan was built on")
+        return None, _Agreement({"sizes": plan.sizes}, (0,))
+
+    _, x = _checked(name, g, x, checked, check_sizes)
     return _Halo.apply(x, plan, g, bool(include_local))
 
 
 class _Halo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: HaloPlan, g: _Group, include_local: bool):
-        ctx.plan, ctx.g, ctx.rows, ctx.include_local = plan, g, x.shape[0], include_local
+        ctx.args = (plan, g, x.shape[0], include_local)
         local = x.shape[0] if include_local else 0
         out = x.new_empty((local + sum(plan.recv_counts), *x.shape[1:]))
         if local:
@@ -134,13 +157,28 @@ class _Halo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        plan, g, rows = ctx.plan, ctx.g, ctx.rows
-        local = rows if ctx.include_local else 0
+        return _HaloGrad.apply(grad, *ctx.args), None, None, None
+
+
+class _HaloGrad(torch.autograd.Function):
+    """The exchange's adjoint: the halo rows' gradients sent back and added at
+    the rows they came from. Linear, so its own adjoint is the exchange: a
+    second backward (create_graph=True) runs `_Halo` again."""
+
+    @staticmethod
+    def forward(ctx, grad: torch.Tensor, plan: HaloPlan, g: _Group, rows: int,
+                include_local: bool):
+        ctx.args = (plan, g, include_local)
+        local = rows if include_local else 0
         back = grad.new_empty((sum(plan.send_counts), *grad.shape[1:]))
         _move(grad[local:].contiguous(), back, plan.recv_counts, plan.send_counts, g)
         index = plan.send_rows.to(grad.device)
-        out = grad[:rows].clone() if ctx.include_local else grad.new_zeros((rows, *grad.shape[1:]))
-        return out.index_add_(0, index, back), None, None, None
+        out = grad[:rows].clone() if include_local else grad.new_zeros((rows, *grad.shape[1:]))
+        return out.index_add_(0, index, back)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _Halo.apply(grad, *ctx.args), None, None, None, None
 
 
 def _move(rows: torch.Tensor, out: torch.Tensor, send: list, recv: list, g: _Group) -> None:
@@ -163,6 +201,14 @@ def _needed(edges: torch.Tensor, owner: torch.Tensor, src: int, dst: int) -> tor
     return torch.unique(edges[0][used])
 
 
+def _checksum(edges: torch.Tensor) -> int:
+    """An int that differs between different edge lists (the same in every
+    process, unlike hash() of their bytes)."""
+    flat = edges.flatten()
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.long) * 2654435761 % (1 << 31)
+    return int(((flat + 1) * weights).sum())
+
+
 def _exchange_ids(sent_ids: list, g: _Group) -> list:
     """What each rank receives: the ids every sender sends it (counts, then ids)."""
     if g.size == 1:
@@ -175,15 +221,6 @@ def _exchange_ids(sent_ids: list, g: _Group) -> list:
         g.comm.all_to_all(ids, torch.cat(sent_ids), recv_counts.tolist(), counts.tolist(),
                           g.group)
     return list(ids.split(recv_counts.tolist()))
-
-
-def _check_sizes(name: str, sizes, g: _Group) -> tuple:
-    sizes = tuple(sizes)
-    if len(sizes) != g.size or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                                   for s in sizes):
-        raise ValueError(f"{name}: sizes={list(sizes)} must hold one int >= 0 per rank of the "
-                         f"group ({g.size} ranks): the nodes each rank owns")
-    return sizes
 
 
 def _check_edges(edge_index, nodes: int) -> torch.Tensor:

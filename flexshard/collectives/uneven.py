@@ -22,15 +22,28 @@ gradient: the entry of a replicated tensor into computations that differ by
 rank. The README and design.md tabulate every pair.
 
 Each function checks its arguments on this rank before any collective. Then,
-unless `check_sizes=False`, one small all-gather of the sizes, dims and shape
-(a few int64s) makes every rank raise a ValueError when the ranks disagree,
-instead of hanging or mixing rows. Once a loop's sizes are known to be right,
+unless `check_sizes=False`, one small all-gather (four int64s) compares the
+ranks' sizes, dims, `full_grad`, tensor shapes outside the sharded dims and
+dtypes, and carries each rank's own check's result: every rank raises the same
+error when one rank's arguments were refused or the ranks disagree, instead of
+one rank raising while the others hang, or the data mixing rows or bytes (the
+details travel in a second, object all-gather, on that failure only). It also
+attaches the autograd node on a rank whose tensor does not require grad where
+another rank's does (an empty piece made by `torch.zeros(0, C)`), so that every
+rank runs the backward's collective. Once a loop's sizes are known to be right,
 `check_sizes=False` saves that collective (and, on GPUs, its host sync).
+
+Outputs are new tensors, never views, so in-place ops on them (`relu_`, `+=`)
+work, except `all_reduce_grad`'s: its identity forward returns a view of its
+input (clone it to modify it in place). Backwards are differentiable
+(`create_graph=True`: gradient penalties): each backward is the adjoint
+collective's autograd Function, whose own backward is the forward again.
 
 Under `torch.compile` every collective here traces into the graph (dynamo turns
 the c10d calls into functional collectives, and traces the autograd Functions),
-with no graph break: the local checks run while tracing, the cross-rank check is
-left out (it reads its result on the host). A user Comm's methods are traced
+with no graph break: the local checks (this rank's piece against its size
+included) run while tracing, the cross-rank check is left out (it reads its
+result on the host). A user Comm's methods are traced
 too; one doing what dynamo cannot trace breaks the graph there.
 
 gloo has no uneven all-gather: pieces travel padded to the largest one
@@ -42,10 +55,13 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import NamedTuple, Optional, Sequence
+import numbers
+import zlib
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from ..compat import TRACES_COLLECTIVE_FUNCTIONS
@@ -76,14 +92,40 @@ class _Group(NamedTuple):
     comm: Comm
 
 
-def _group(group, comm: Optional[Comm]) -> _Group:
+def _group(name: str, group, comm: Optional[Comm]) -> _Group:
     comm = comm or Comm()
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not "
+            raise ValueError(f"{name}: a process group was given but torch.distributed is not "
                              "initialized; call dist.init_process_group first")
         return _Group(None, 0, 1, comm)
-    return _Group(group, dist.get_rank(group), dist.get_world_size(group), comm)
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"{name}: group is a {group.ndim}-D DeviceMesh "
+                             f"{tuple(group.mesh_dim_names or ())}; pass one dim's group: "
+                             "mesh.get_group(\"name\") (or the 1-D mesh[\"name\"])")
+        group = group.get_group()
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{name}: this process (rank {dist.get_rank()} of the default group) is "
+                         "not in the group given; call it on the group's ranks only")
+    return _Group(group, rank, dist.get_world_size(group), comm)
+
+
+def _sizes(name: str, sizes, g: _Group, label: str = "sizes", what: str = "") -> tuple:
+    """`sizes` as a tuple of ints, one >= 0 per rank of the group (numpy ints
+    too), or ValueError naming it."""
+    sizes = tuple(sizes)
+    ok = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sizes)
+    if ok:
+        sizes = tuple(s if isinstance(s, int) else int(s) for s in sizes)
+    if not ok or len(sizes) != g.size or any(s < 0 for s in sizes):
+        kinds = "" if ok else (f"; it holds {sorted({type(s).__name__ for s in sizes})}: pass "
+                               "Python ints (a tensor's .tolist())")
+        raise ValueError(f"{name}: {label}={list(sizes)} must hold one int >= 0 per rank of "
+                         f"the group ({g.size} ranks){what}{kinds}; fs.shard_sizes(n) gives "
+                         "balanced sizes")
+    return sizes
 
 
 def _check_tensor(name: str, tensor) -> None:
@@ -100,79 +142,126 @@ def _check_dim(name: str, tensor: torch.Tensor, dim, label: str = "dim") -> int:
     return dim % tensor.dim()
 
 
-class _Piece(NamedTuple):
-    """A sharded dim: each rank must hold sizes[rank] rows along it."""
-
-    label: str  # the sizes argument's name
-    dim_label: str  # the dim argument's name
-    dim: int
-    sizes: tuple
-
-
-def _piece_error(name: str, piece: _Piece, rank: int, have: int) -> ValueError:
+def _piece_error(name: str, label: str, dim_label: str, dim: int, sizes: tuple, rank: int,
+                 have: int) -> ValueError:
     return ValueError(f"{name}: the tensor on rank {rank} has {have} rows along "
-                      f"{piece.dim_label} {piece.dim} but {piece.label}[{rank}] is "
-                      f"{piece.sizes[rank]}; pass sizes that match each rank's tensor")
+                      f"{dim_label} {dim} but {label}[{rank}] is {sizes[rank]}; pass sizes "
+                      "that match each rank's tensor")
 
 
 def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group, whole: bool,
-           label: str = "sizes", dim_label: str = "dim", defer_piece: bool = False) -> tuple:
-    """Validate before any collective; returns sizes as a tuple (or None) and dim.
-    `whole`: the tensor holds all sum(sizes) rows, else this rank's piece, whose
-    check `defer_piece` leaves to `_agree` (so every rank raises, not one)."""
-    _check_tensor(name, tensor)
+           label: str = "sizes", dim_label: str = "dim") -> tuple:
+    """Validate on this rank; returns sizes as a tuple (or None) and dim.
+    `whole`: the tensor holds all sum(sizes) rows, else this rank's piece."""
     dim = _check_dim(name, tensor, dim, dim_label)
     if sizes is None:
         return None, dim
-    sizes = tuple(sizes)
-    if len(sizes) != g.size or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                                   for s in sizes):
-        raise ValueError(f"{name}: {label}={list(sizes)} must hold one int >= 0 per rank of "
-                         f"the group ({g.size} ranks); fs.shard_sizes(n) gives balanced sizes")
+    sizes = _sizes(name, sizes, g, label)
     if whole and tensor.shape[dim] != sum(sizes):
         raise ValueError(f"{name}: the tensor has {tensor.shape[dim]} rows along {dim_label} "
                          f"{dim} but sum({label}) is {sum(sizes)}; pass sizes that sum to it")
-    if not whole and not defer_piece and tensor.shape[dim] != sizes[g.rank]:
-        raise _piece_error(name, _Piece(label, dim_label, dim, sizes), g.rank, tensor.shape[dim])
+    if not whole and tensor.shape[dim] != sizes[g.rank]:
+        raise _piece_error(name, label, dim_label, dim, sizes, g.rank, tensor.shape[dim])
     return sizes, dim
 
 
-def _agree(name: str, g: _Group, tensor: torch.Tensor, fields: dict, pieces=()) -> None:
-    """One small all-gather; every rank raises the same ValueError if the ranks
-    passed different `fields` (label -> tuple of ints, the same length on every
-    rank, as validated locally), tensors that differ outside the `pieces`' dims,
-    or a piece whose rows do not match its sizes on some rank."""
-    if g.size == 1 or torch.compiler.is_compiling():
-        return  # compiled: the check would read its result on the host mid-graph
-    # hash() of a tuple of ints is the same in every process (only str and
-    # bytes hashes are salted), so one int stands for the fixed dims.
-    shape = tuple(n for d, n in enumerate(tensor.shape) if d not in {p.dim for p in pieces})
-    mine = [v for value in fields.values() for v in value]
-    mine += [tensor.dim(), hash(shape)] + [tensor.shape[p.dim] for p in pieces]
+class _Agreement(NamedTuple):
+    """What every rank of the group must pass alike: label -> tuple of values,
+    and the dims along which the ranks' tensors may differ (their pieces)."""
+
+    fields: dict
+    piece_dims: tuple = ()
+
+
+def _checked(name: str, g: _Group, tensor: torch.Tensor, check: Callable, agree: bool) -> tuple:
+    """`check()` (this rank's validation: (result, _Agreement), or it raises)
+    and, when `agree`, the ranks' agreement (`_agree`). Returns (result,
+    tensor); the tensor made to require grad where another rank's does."""
+    if not agree or g.size == 1 or torch.compiler.is_compiling():
+        return check()[0], tensor  # compiled: the check would read its result on the host
+    try:
+        result, agreement = check()
+        error = None
+    except (TypeError, ValueError) as e:
+        result, agreement, error = None, None, e
+    return result, _agree(name, g, tensor, agreement, error)
+
+
+def _summary(tensor: torch.Tensor, agreement: _Agreement) -> dict:
+    shape = tuple(n for d, n in enumerate(tensor.shape) if d not in agreement.piece_dims)
+    return {**agreement.fields, "shape": (tensor.dim(), shape), "dtype": str(tensor.dtype)}
+
+
+@torch.compiler.disable(reason="the cross-rank check reads its result on the host; where a "
+                                "compiled function runs eagerly after a graph break it runs "
+                                "whole, never traced in pieces")
+def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agreement],
+           error: Optional[Exception]) -> torch.Tensor:
+    """One all-gather of four int64s per rank: whether its own check failed,
+    whether its tensor needs grad, its grad mode, and a checksum of what the
+    ranks must pass alike. Every rank raises when any check failed or the
+    checksums differ; a tensor that does not require grad where another rank's
+    does is returned as a leaf that does (its backward's collective must run)."""
+    summary = None if error is not None else _summary(tensor, agreement)
+    grad_mode = torch.is_grad_enabled()
+    digest = 0 if summary is None else zlib.crc32(repr(summary).encode())
+    mine = [error is not None, grad_mode and tensor.requires_grad, grad_mode, digest]
     vec = torch.tensor(mine, dtype=torch.int64, device=tensor.device)
     out = vec.new_empty(g.size * len(mine))
     with record_function("FlexShard::activation_size_check"):
         g.comm.all_gather(out, vec, g.group)
     rows = out.view(g.size, len(mine)).tolist()
-    start = 0
-    for label, value in fields.items():
-        per_rank = [row[start: start + len(value)] for row in rows]
-        start += len(value)
-        if any(v != per_rank[0] for v in per_rank):
-            have = ", ".join(f"rank {r}: {v if len(v) > 1 else v[0]}"
-                             for r, v in enumerate(per_rank))
-            raise ValueError(f"{name}: {label} differs across the ranks of the group ({have}); "
-                             "every rank must pass the same sizes and dims")
-    differ = [r for r, row in enumerate(rows) if row[start: start + 2] != rows[0][start: start + 2]]
-    if differ:
-        raise ValueError(f"{name}: the tensors' shapes outside the sharded dims differ across "
-                         f"the ranks of the group (ranks {differ} differ from rank 0; this rank "
-                         f"has shape {tuple(tensor.shape)}); every rank must pass a tensor of the "
-                         "same shape except along the sharded dims")
-    for i, piece in enumerate(pieces):
-        for r, row in enumerate(rows):
-            if row[start + 2 + i] != piece.sizes[r]:
-                raise _piece_error(name, piece, r, row[start + 2 + i])
+    if any(row[0] or row[3] != rows[0][3] for row in rows):
+        _raise_disagreement(name, g, error, summary, tuple(tensor.shape))
+    if any(row[1] for row in rows):
+        off = [r for r, row in enumerate(rows) if not row[2]]
+        if off:
+            raise RuntimeError(f"{name}: ranks {off} run it with gradients off (torch.no_grad) "
+                               "while other ranks' tensors require grad: their backward would "
+                               "wait for those ranks forever; run every rank in one grad mode")
+        if not tensor.requires_grad:
+            tensor = tensor.detach().requires_grad_()
+    return tensor
+
+
+def _raise_disagreement(name: str, g: _Group, error, summary, shape: tuple) -> None:
+    """The ranks' own errors and summaries (one object all-gather), and the
+    error every rank raises: the first refused rank's, or what differs."""
+    own = None if error is None else (type(error).__name__, str(error))
+    every = [None] * g.size
+    dist.all_gather_object(every, (own, summary), group=g.group)
+    for rank, (failed, _) in enumerate(every):
+        if failed is not None:  # the first refused rank's error, the same on every rank
+            if rank == g.rank:
+                raise error
+            kind = TypeError if failed[0] == "TypeError" else ValueError
+            raise kind(f"{failed[1]} (raised on rank {rank}; every rank of the group raises it)")
+    summaries = [s for _, s in every]
+    for label, value in summary.items():
+        have = [s[label] for s in summaries]
+        if all(v == have[0] for v in have):
+            continue
+        if label == "shape":
+            differ = [r for r, v in enumerate(have) if v != have[0]]
+            raise ValueError(f"{name}: the tensors' shapes outside the sharded dims differ across "
+                             f"the ranks of the group (ranks {differ} differ from rank 0; this "
+                             f"rank has shape {shape}); every rank must pass a tensor of the "
+                             "same shape except along the sharded dims")
+        listed = ", ".join(f"rank {r}: {_shown(v)}" for r, v in enumerate(have))
+        if label == "dtype":
+            raise ValueError(f"{name}: the tensors' dtypes differ across the ranks of the group "
+                             f"({listed}); pass one dtype on every rank, an empty piece's too "
+                             "(torch.zeros(0, ..., dtype=x.dtype))")
+        raise ValueError(f"{name}: {label} differs across the ranks of the group ({listed}); "
+                         "every rank must pass the same sizes, dims and full_grad")
+    raise AssertionError(f"{name}: the ranks' checksums differ but their arguments agree")
+
+
+def _shown(value):
+    """A field's value as messages show it: one value bare, several as a list."""
+    if isinstance(value, tuple):
+        return value[0] if len(value) == 1 else list(value)
+    return value
 
 
 def _offsets(sizes: Sequence[int]) -> list:
@@ -194,8 +283,8 @@ def _all_gather(piece: torch.Tensor, sizes, dim: int, g: _Group) -> torch.Tensor
     out = rows.new_empty((g.size * width, *rows.shape[1:]))
     with record_function("FlexShard::activation_all_gather"):
         g.comm.all_gather(out, send, g.group)
-    parts = [out[r * width: r * width + s] for r, s in enumerate(sizes)]
-    return torch.cat(parts).movedim(0, dim)
+    parts = [out[r * width: r * width + s].movedim(0, dim) for r, s in enumerate(sizes)]
+    return torch.cat(parts, dim)  # a new tensor, contiguous
 
 
 def _reduce_scatter(whole: torch.Tensor, sizes, dim: int, g: _Group) -> torch.Tensor:
@@ -210,7 +299,9 @@ def _reduce_scatter(whole: torch.Tensor, sizes, dim: int, g: _Group) -> torch.Te
     out = rows.new_empty((width, *rows.shape[1:]))
     with record_function("FlexShard::activation_reduce_scatter"):
         g.comm.reduce_scatter(out, send, g.group)
-    return out[: sizes[g.rank]].movedim(0, dim).contiguous()
+    if dim == 0 and sizes[g.rank] == width:
+        return out
+    return out[: sizes[g.rank]].movedim(0, dim).clone(memory_format=torch.contiguous_format)
 
 
 def _all_reduce(t: torch.Tensor, g: _Group) -> torch.Tensor:
@@ -243,7 +334,10 @@ def _all_to_all(piece: torch.Tensor, split_sizes, split_dim: int, concat_sizes,
         g.comm.all_to_all(out, rows.view(-1), recv, [s * row_numel for s in split_sizes],
                           g.group)
     blocks = [block.view(shape) for block, shape in zip(out.split(recv), shapes)]
-    return torch.cat(blocks, cat_dim).movedim(0, split_dim).contiguous()
+    joined = torch.cat(blocks, cat_dim)
+    if split_dim == 0:
+        return joined
+    return joined.movedim(0, split_dim).clone(memory_format=torch.contiguous_format)
 
 
 def _slice(whole: torch.Tensor, sizes, dim: int, rank: int) -> torch.Tensor:
@@ -258,17 +352,26 @@ def _pad(piece: torch.Tensor, sizes, dim: int, rank: int) -> torch.Tensor:
     return whole
 
 
+# Each backward is its adjoint's autograd Function, in pairs: shard and gather
+# under REPLICATE, gather under PARTIAL and reduce-scatter, the all-reduce under
+# REPLICATE and all_reduce_grad, the all-reduce under PARTIAL and the all-to-all
+# with themselves (shard under PARTIAL pads with torch ops). A backward run with
+# create_graph=True records the adjoint, and a second backward runs the forward
+# again: second derivatives keep the FullGrad conventions. In a plain backward
+# (grad mode off) `.apply` records nothing.
+
+
 class _Shard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, full, sizes, dim, g, full_grad):
         ctx.args = (sizes, dim, g, full_grad)
-        return _slice(full, sizes, dim, g.rank).contiguous()
+        return _slice(full, sizes, dim, g.rank).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, grad):
         sizes, dim, g, full_grad = ctx.args
         if full_grad is FullGrad.REPLICATE:
-            return _all_gather(grad.contiguous(), sizes, dim, g), None, None, None, None
+            return _Gather.apply(grad.contiguous(), sizes, dim, g, full_grad), None, None, None, None
         return _pad(grad, sizes, dim, g.rank), None, None, None, None
 
 
@@ -282,8 +385,8 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         sizes, dim, g, full_grad = ctx.args
         if full_grad is FullGrad.REPLICATE:
-            return _slice(grad, sizes, dim, g.rank).contiguous(), None, None, None, None
-        return _reduce_scatter(grad, sizes, dim, g), None, None, None, None
+            return _Shard.apply(grad, sizes, dim, g, full_grad), None, None, None, None
+        return _ReduceScatter.apply(grad, sizes, dim, g), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -295,7 +398,9 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         sizes, dim, g = ctx.args
-        return _all_gather(grad.contiguous(), sizes, dim, g), None, None, None
+        # each rank's whole got the same gradient; a second backward sums theirs
+        out = _Gather.apply(grad.contiguous(), sizes, dim, g, FullGrad.PARTIAL)
+        return out, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -307,8 +412,9 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, full_grad = ctx.args
-        out = grad if full_grad is FullGrad.REPLICATE else _all_reduce(grad, g)
-        return out, None, None
+        if full_grad is FullGrad.REPLICATE:
+            return _AllReduceGrad.apply(grad, g), None, None
+        return _AllReduce.apply(grad, g, full_grad), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -322,7 +428,8 @@ class _AllToAll(torch.autograd.Function):
         split_sizes, split_dim, concat_sizes, concat_dim, g = ctx.args
         # The forward only moves elements (a permutation across ranks), so its
         # adjoint moves them back: the reverse all-to-all, no FullGrad needed.
-        out = _all_to_all(grad.contiguous(), concat_sizes, concat_dim, split_sizes, split_dim, g)
+        out = _AllToAll.apply(grad.contiguous(), concat_sizes, concat_dim, split_sizes,
+                              split_dim, g)
         return out, None, None, None, None, None
 
 
@@ -334,7 +441,7 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.g), None
+        return _AllReduce.apply(grad, ctx.g, FullGrad.REPLICATE), None
 
 
 def _check_flag(name: str, value, label: str) -> None:
@@ -345,17 +452,22 @@ def _check_flag(name: str, value, label: str) -> None:
 def _prepare(name, tensor, sizes, dim, group, full_grad, comm, whole, check_sizes,
              replicated_collective=False) -> tuple:
     """Validate; with `check_sizes`, check the ranks agree when a collective will
-    run (sizes given, or `replicated_collective`: an all-reduce of the whole)."""
+    run (sizes given, or `replicated_collective`: an all-reduce of the whole).
+    Returns sizes, dim, the group and the tensor to run on (`_agree`)."""
+    _check_tensor(name, tensor)
     if not isinstance(full_grad, FullGrad):
         raise TypeError(f"{name}: full_grad must be a fs.collectives.FullGrad, got {full_grad!r}")
     _check_flag(name, check_sizes, "check_sizes")
-    g = _group(group, comm)
-    defer = check_sizes and g.size > 1
-    sizes, dim = _check(name, tensor, sizes, dim, g, whole, defer_piece=defer)
-    if defer and (sizes is not None or replicated_collective):
-        pieces = [] if whole or sizes is None else [_Piece("sizes", "dim", dim, sizes)]
-        _agree(name, g, tensor, {"sizes": sizes or (), "dim": (dim,)}, pieces)
-    return sizes, dim, g
+    g = _group(name, group, comm)
+
+    def check():
+        checked = _check(name, tensor, sizes, dim, g, whole)
+        fields = {"sizes": checked[0] or (), "dim": (checked[1],), "full_grad": (full_grad.value,)}
+        return checked, _Agreement(fields, () if whole else (checked[1],))
+
+    agree = check_sizes and (sizes is not None or replicated_collective)
+    (sizes, dim), tensor = _checked(name, g, tensor, check, agree)
+    return sizes, dim, g, tensor
 
 
 @traced_from_2_13
@@ -365,8 +477,8 @@ def shard_tensor(full: torch.Tensor, sizes: Optional[Sequence[int]], dim: int = 
     """This rank's piece (`sizes[rank]` rows along `dim`) of a whole tensor that
     every rank holds. No collective forward (but the size check, see the module
     docstring); backward all-gathers (REPLICATE) or pads with zeros (PARTIAL)."""
-    sizes, dim, g = _prepare("shard_tensor", full, sizes, dim, group, full_grad, comm, True,
-                             check_sizes)
+    sizes, dim, g, full = _prepare("shard_tensor", full, sizes, dim, group, full_grad, comm,
+                                   True, check_sizes)
     if sizes is None:
         return full
     return _Shard.apply(full, sizes, dim, g, full_grad)
@@ -379,8 +491,8 @@ def gather_tensor(piece: torch.Tensor, sizes: Optional[Sequence[int]], dim: int 
     """The whole tensor on every rank from each rank's piece (`sizes[r]` rows
     along `dim` on rank r): one padded all-gather. Backward keeps this rank's
     slice (REPLICATE) or reduce-scatters (PARTIAL)."""
-    sizes, dim, g = _prepare("gather_tensor", piece, sizes, dim, group, full_grad, comm, False,
-                             check_sizes)
+    sizes, dim, g, piece = _prepare("gather_tensor", piece, sizes, dim, group, full_grad, comm,
+                                    False, check_sizes)
     if sizes is None:
         return piece
     return _Gather.apply(piece, sizes, dim, g, full_grad)
@@ -394,8 +506,9 @@ def reduce_scatter_tensor(tensor: torch.Tensor, sizes: Optional[Sequence[int]], 
     rows along `dim`): one padded reduce-scatter; backward all-gathers.
     `sizes=None` keeps the whole sum (an all-reduce, the row-parallel layer's
     output); its backward is the identity (REPLICATE) or an all-reduce (PARTIAL)."""
-    sizes, dim, g = _prepare("reduce_scatter_tensor", tensor, sizes, dim, group, full_grad,
-                             comm, True, check_sizes, replicated_collective=True)
+    sizes, dim, g, tensor = _prepare("reduce_scatter_tensor", tensor, sizes, dim, group,
+                                     full_grad, comm, True, check_sizes,
+                                     replicated_collective=True)
     if sizes is None:
         return _AllReduce.apply(tensor, g, full_grad)
     return _ReduceScatter.apply(tensor, sizes, dim, g)
@@ -414,9 +527,8 @@ def all_reduce_grad(tensor: torch.Tensor, group=None, *, comm: Optional[Comm] = 
     name = "all_reduce_grad"
     _check_tensor(name, tensor)
     _check_flag(name, check_sizes, "check_sizes")
-    g = _group(group, comm)
-    if check_sizes:
-        _agree(name, g, tensor, {})
+    g = _group(name, group, comm)
+    _, tensor = _checked(name, g, tensor, lambda: (None, _Agreement({})), check_sizes)
     return _AllReduceGrad.apply(tensor, g)
 
 
@@ -435,19 +547,21 @@ def all_to_all(tensor: torch.Tensor, split_sizes: Sequence[int], split_dim: int,
     name = "all_to_all"
     _check_tensor(name, tensor)
     _check_flag(name, check_sizes, "check_sizes")
-    if _check_dim(name, tensor, split_dim, "split_dim") == _check_dim(name, tensor, concat_dim,
-                                                                        "concat_dim"):
-        raise ValueError(f"{name}: split_dim and concat_dim are both {split_dim % tensor.dim()}; "
-                         "an all-to-all moves the sharding to another dim (to re-split one "
-                         "dim, use gather_tensor then shard_tensor)")
-    g = _group(group, comm)
-    defer = check_sizes and g.size > 1
-    split_sizes, split_dim = _check(name, tensor, split_sizes, split_dim, g, True,
-                                    "split_sizes", "split_dim")
-    concat_sizes, concat_dim = _check(name, tensor, concat_sizes, concat_dim, g, False,
-                                      "concat_sizes", "concat_dim", defer_piece=defer)
-    if defer:
-        _agree(name, g, tensor, {"split_sizes": split_sizes, "concat_sizes": concat_sizes,
-                                 "split_dim": (split_dim,), "concat_dim": (concat_dim,)},
-               [_Piece("concat_sizes", "concat_dim", concat_dim, concat_sizes)])
+    g = _group(name, group, comm)
+
+    def check():
+        if _check_dim(name, tensor, split_dim, "split_dim") == _check_dim(name, tensor, concat_dim,
+                                                                            "concat_dim"):
+            raise ValueError(f"{name}: split_dim and concat_dim are both {split_dim % tensor.dim()}; "
+                             "an all-to-all moves the sharding to another dim (to re-split one "
+                             "dim, use gather_tensor then shard_tensor)")
+        split = _check(name, tensor, split_sizes, split_dim, g, True, "split_sizes", "split_dim")
+        concat = _check(name, tensor, concat_sizes, concat_dim, g, False, "concat_sizes",
+                        "concat_dim")
+        fields = {"split_sizes": split[0], "concat_sizes": concat[0], "split_dim": (split[1],),
+                  "concat_dim": (concat[1],)}
+        return split + concat, _Agreement(fields, (concat[1],))
+
+    (split_sizes, split_dim, concat_sizes, concat_dim), tensor = _checked(name, g, tensor, check,
+                                                                          check_sizes)
     return _AllToAll.apply(tensor, split_sizes, split_dim, concat_sizes, concat_dim, g)
