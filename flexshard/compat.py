@@ -294,6 +294,23 @@ def register_constant(cls: type) -> None:
             "to pass a TracedBucket to its non-strict traced gather")(cls)
 
 
+# fs.compile's reshard checkpoint recomputes only the gathers, so a block's Python side
+# effects (a KV cache update, `self.aux = ...`) belong to its one forward, as in eager. By
+# default dynamo refuses them inside a checkpoint (eager checkpointing would replay them)
+# and runs the block as an eager checkpoint that reruns its forward in backward.
+def side_effects_once_under_checkpoint():
+    """A context in which dynamo traces side effects in checkpointed regions and
+    applies them once, in forward; a null context where torch lacks the option."""
+    import contextlib
+
+    import torch._dynamo
+
+    option = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if not hasattr(torch._dynamo.config, option):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(**{option: True})
+
+
 # nn.Module.load_state_dict(assign=True) sets this key in the local_metadata
 # its load_state_dict pre-hooks receive.
 ASSIGN_METADATA_KEY = "assign_to_params_buffers"

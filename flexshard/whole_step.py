@@ -14,11 +14,13 @@ the optimizer, clip and the dry run see the same model.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from .compat import COMPILED_CALL_IMPL, side_effects_once_under_checkpoint
 from .runtime.hooks import ModuleHooks, _cast_floating
 from .runtime.sharded_grad import wrap_grads
 from .runtime.state import get_state
@@ -49,6 +51,8 @@ class TracedForward:
         self.names = [[[".".join(filter(None, ("module", names[id(m)], attr))) for m, attr in slot]
                        for slot in (w.aliases for w in b.wiring)] for b in hooks.buckets]
         self.body, self.mp = _Body(module), hooks.mp
+        # what inspect.signature(module.forward) says (HF Trainer picks its columns by it)
+        self.__signature__ = inspect.signature(module.forward)
         # A module holding other running modules keeps its params to backward, as
         # FSDP2's root does: its backward starts right after its forward ends.
         self.reshard = not nested and any(b.gather.reshard_after_forward for b in hooks.buckets)
@@ -98,7 +102,16 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     state.hooks, state.whole_step = [], True
     _wrap_grads_when_accumulated(state)
     model.compile(fullgraph=fullgraph, **_compile_kwargs(compile_kwargs, cudagraphs))
+    compiled = getattr(model, COMPILED_CALL_IMPL)
+    setattr(model, COMPILED_CALL_IMPL, functools.partial(_side_effects_once, compiled))
     return model
+
+
+def _side_effects_once(compiled, *args, **kwargs):
+    """The compiled model's call, traced with each block's Python side effects
+    applied once (compat.side_effects_once_under_checkpoint)."""
+    with side_effects_once_under_checkpoint():
+        return compiled(*args, **kwargs)
 
 
 def _compile_kwargs(compile_kwargs: dict, cudagraphs: bool) -> dict:
