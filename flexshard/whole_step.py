@@ -96,22 +96,31 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     _check_compile_args(model, state, cudagraphs, compile_kwargs)
     runners = {id(h.module) for h in state.hooks}
     forwards = [TracedForward(h, _holds_runner(h.module, runners)) for h in state.hooks]
-    _detach_hooks(state)
+    stray = _detach_hooks(state)
     for hooks, forward in zip(state.hooks, forwards):
         hooks.module.forward = forward
     state.hooks, state.whole_step = [], True
     _wrap_grads_when_accumulated(state)
     model.compile(fullgraph=fullgraph, **_compile_kwargs(compile_kwargs, cudagraphs))
     compiled = getattr(model, COMPILED_CALL_IMPL)
-    setattr(model, COMPILED_CALL_IMPL, functools.partial(_side_effects_once, compiled))
+    setattr(model, COMPILED_CALL_IMPL, functools.partial(_compiled_call, compiled, stray))
     return model
 
 
-def _side_effects_once(compiled, *args, **kwargs):
+def _compiled_call(compiled, stray, *args, **kwargs):
     """The compiled model's call, traced with each block's Python side effects
-    applied once (compat.side_effects_once_under_checkpoint)."""
-    with side_effects_once_under_checkpoint():
-        return compiled(*args, **kwargs)
+    applied once (compat.side_effects_once_under_checkpoint). The root's checks
+    that its bucket's modules (an embedding, an output head) run inside its
+    forward (`StrayCallHooks`) are off during the call, on between calls, as
+    eager's root hooks arm them."""
+    if stray is not None:
+        stray.disarm()
+    try:
+        with side_effects_once_under_checkpoint():
+            return compiled(*args, **kwargs)
+    finally:
+        if stray is not None:
+            stray.arm()
 
 
 def _compile_kwargs(compile_kwargs: dict, cudagraphs: bool) -> dict:
@@ -171,8 +180,9 @@ def _check_compile_args(model, state, cudagraphs: bool, compile_kwargs: dict) ->
                            "model.reshard() first")
 
 
-def _detach_hooks(state) -> None:
-    """flexshard's eager hooks off the modules: the compiled graph gathers and reduces."""
+def _detach_hooks(state):
+    """flexshard's eager hooks off the modules: the compiled graph gathers and
+    reduces. Returns the root's stray-call checks (disarmed), or None."""
     for hooks in state.hooks:
         for handle in hooks.handles:
             handle.remove()
@@ -181,7 +191,9 @@ def _detach_hooks(state) -> None:
     if root is not None:
         for handle in root.handles:
             handle.remove()
-        if root.stray is not None:
-            root.stray.disarm()
-            root.stray = None
+        stray, root.stray = root.stray, None
+        if stray is not None:
+            stray.disarm()
         state.root_hooks = None
+        return stray
+    return None

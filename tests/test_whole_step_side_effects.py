@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 import flexshard as fs
 from compile_check import compiled_graph_calls, counting_backend
-from harness import run_world
+from harness import expect_all_ranks_raise, run_world
 
 WORLD, STEPS, LR = 2, 3, 0.5
 
@@ -127,3 +127,19 @@ def test_a_hf_model_with_its_kv_cache_on_trains_as_one_process():
 def test_a_blocks_side_effects_happen_once_per_forward():
     for result in check("blocks"):
         assert result[3] == [STEPS, STEPS]  # self.calls += 1 ran once per step, not twice
+
+
+def _head_called_outside():
+    """A loss that applies the model's head itself, after a compiled step."""
+    rank = dist.get_rank()
+    model = fs.flex_shard(llama())
+    fs.compile(model, backend=counting_backend([]))
+    model(input_ids=ids(0, rank), labels=ids(0, rank)).loss.backward()
+    hidden = model.model(input_ids=ids(1, rank)).last_hidden_state
+    model.lm_head(hidden)
+
+
+def test_the_roots_modules_called_outside_its_forward_are_refused():
+    expect_all_ranks_raise(WORLD, _head_called_outside, RuntimeError,
+                           r"module 'model.embed_tokens' ran outside the model's forward, which "
+                           r"gathers its bucket 'root'")

@@ -19,6 +19,7 @@ import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..runtime.comm import Comm
@@ -61,7 +62,8 @@ class HaloPlan(NamedTuple):
             return (sizes_, edges), _Agreement({"sizes": sizes_, "edges": (
                 edges.shape[1], _checksum(edges))}, (1,))
 
-        (sizes, edges), _ = _checked(name, g, torch.empty(0, dtype=torch.long), checked, check)
+        (sizes, edges), _ = _checked(name, g, torch.empty(0, dtype=torch.long,
+                                                      device=_control_device(g)), checked, check)
         owner = torch.bucketize(edges, torch.tensor(_offsets(sizes)[1:]), right=True)
         start = _offsets(sizes)[g.rank]
         send = tuple(_needed(edges, owner, g.rank, dst) - start for dst in range(g.size))
@@ -82,7 +84,8 @@ class HaloPlan(NamedTuple):
             send_ = _check_send_index(send_index, sizes_[g.rank], g.size)
             return (sizes_, send_), _Agreement({"sizes": sizes_})
 
-        (sizes, send), _ = _checked(name, g, torch.empty(0), checked, True)
+        (sizes, send), _ = _checked(name, g, torch.empty(0, device=_control_device(g)), checked,
+                                    True)
         start = _offsets(sizes)[g.rank]
         recv = _exchange_ids([t + start for t in send], g)
         return cls(g.rank, sizes, send, tuple(recv), torch.cat(send))
@@ -213,14 +216,23 @@ def _exchange_ids(sent_ids: list, g: _Group) -> list:
     """What each rank receives: the ids every sender sends it (counts, then ids)."""
     if g.size == 1:
         return [torch.empty(0, dtype=torch.long)]
-    counts = torch.tensor([t.numel() for t in sent_ids], dtype=torch.long)
+    device = _control_device(g)
+    counts = torch.tensor([t.numel() for t in sent_ids], dtype=torch.long, device=device)
     recv_counts = torch.empty_like(counts)
     with record_function("FlexShard::halo_plan"):
         g.comm.all_to_all(recv_counts, counts, [1] * g.size, [1] * g.size, g.group)
-        ids = torch.empty(int(recv_counts.sum()), dtype=torch.long)
-        g.comm.all_to_all(ids, torch.cat(sent_ids), recv_counts.tolist(), counts.tolist(),
-                          g.group)
-    return list(ids.split(recv_counts.tolist()))
+        recv = recv_counts.tolist()
+        ids = torch.empty(sum(recv), dtype=torch.long, device=device)
+        g.comm.all_to_all(ids, torch.cat(sent_ids).to(device), recv, counts.tolist(), g.group)
+    return list(ids.cpu().split(recv))
+
+
+def _control_device(g: _Group) -> torch.device:
+    """Where a plan's small tensors travel: the host, except on NCCL, which
+    moves only the current CUDA device's tensors."""
+    if dist.is_initialized() and dist.get_backend(g.group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _check_edges(edge_index, nodes: int) -> torch.Tensor:
