@@ -303,12 +303,11 @@ def side_effects_once_under_checkpoint():
     applies them once, in forward; a null context where torch lacks the option."""
     import contextlib
 
-    import torch._dynamo
-
+    config = importlib.import_module("torch._dynamo.config")
     option = "skip_fwd_side_effects_in_bwd_under_checkpoint"
-    if not hasattr(torch._dynamo.config, option):
+    if not hasattr(config, option):
         return contextlib.nullcontext()
-    return torch._dynamo.config.patch(**{option: True})
+    return config.patch(**{option: True})
 
 
 # nn.Module.load_state_dict(assign=True) sets this key in the local_metadata

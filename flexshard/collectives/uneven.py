@@ -54,6 +54,7 @@ The all-to-all is one uneven `all_to_all_single` of flat buffers.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 import zlib
@@ -184,7 +185,15 @@ def _checked(name: str, g: _Group, tensor: torch.Tensor, check: Callable, agree:
         error = None
     except (TypeError, ValueError) as e:
         result, agreement, error = None, None, e
-    return result, _agree(name, g, tensor, agreement, error)
+    return result, _never_traced(_agree)(name, g, tensor, agreement, error)
+
+
+@functools.lru_cache(maxsize=None)
+def _never_traced(fn: Callable) -> Callable:
+    """`fn`, run whole and eagerly where a compiled function calls it after a graph
+    break (the cross-rank check reads its result on the host). Made at first use:
+    torch.compiler.disable imports dynamo, which importing flexshard must not."""
+    return torch.compiler.disable(fn, reason="the cross-rank check reads its result on the host")
 
 
 def _summary(tensor: torch.Tensor, agreement: _Agreement) -> dict:
@@ -192,9 +201,6 @@ def _summary(tensor: torch.Tensor, agreement: _Agreement) -> dict:
     return {**agreement.fields, "shape": (tensor.dim(), shape), "dtype": str(tensor.dtype)}
 
 
-@torch.compiler.disable(reason="the cross-rank check reads its result on the host; where a "
-                                "compiled function runs eagerly after a graph break it runs "
-                                "whole, never traced in pieces")
 def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agreement],
            error: Optional[Exception]) -> torch.Tensor:
     """One all-gather of four int64s per rank: whether its own check failed,
