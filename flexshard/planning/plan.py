@@ -93,7 +93,7 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     # Per bucket, per slot: [(module, attr, module FQN)] of every registration.
     aliases = [[registered[id(named[s.fqn])] for s in bucket] for bucket in slots]
     owners = [[fqn for a in bucket for _, _, fqn in a] for bucket in aliases]
-    runners = [running_module(module, fqns) for fqns in owners]
+    runners = [running_module(module, fqns, spec.patterns) for fqns, spec in zip(owners, specs)]
     for spec, bucket, bucket_aliases, runner in zip(specs, slots, aliases, runners):
         _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
     mps = [spec.mp_policy or mp_policy for spec in specs]
