@@ -5,13 +5,15 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch.nn as nn
 
+from ..compat import CHECKPOINT_WRAPPED_MODULE, COMPILED_ORIG_MOD
 from ..config import BucketSpec
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+WRAPPER_ATTRS = (CHECKPOINT_WRAPPED_MODULE, COMPILED_ORIG_MOD)
 
 
 def default_buckets(module: nn.Module) -> list:
@@ -138,20 +140,43 @@ def claimed_elsewhere(aliases: Sequence[tuple], specs: Sequence[BucketSpec], own
     return out
 
 
-def running_module(root: nn.Module, owner_fqns: Sequence[str]) -> nn.Module:
-    """The smallest module whose forward runs all `owner_fqns`: their deepest
-    common ancestor, moved up past containers that have no forward."""
+def running_module(root: nn.Module, owner_fqns: Sequence[str], patterns: Sequence[str] = ()
+                   ) -> nn.Module:
+    """The module whose forward gathers a bucket: the one its patterns name when
+    each is `"X.*"` for one module X holding every owner (as FSDP2's
+    `fully_shard(X)`: X's own code may read its children's params), else the
+    smallest module whose forward runs all `owner_fqns`: their deepest common
+    ancestor, moved up past containers that have no forward."""
     parts = [f.split(".") if f else [] for f in owner_fqns]
     common: list = []
     for level in zip(*parts):
         if any(x != level[0] for x in level):
             break
         common.append(level[0])
+    named = _named_module(patterns)
+    if named is not None and common[:len(named)] == named:
+        # past the wrappers' attributes: a checkpoint_wrapper or torch.compile wrapper
+        # runs its inner module's forward, which holds the params (and is recomputed)
+        while len(named) < len(common) and common[len(named)] in WRAPPER_ATTRS:
+            named = common[:len(named) + 1]
+        mod = root.get_submodule(".".join(named))
+        if not isinstance(mod, CONTAINERS):
+            return mod
     while True:
         mod = root.get_submodule(".".join(common))
         if not common or not isinstance(mod, CONTAINERS):
             return mod
         common.pop()
+
+
+def _named_module(patterns: Sequence[str]) -> Optional[list]:
+    """X's path when the patterns are one `"X.*"` without other wildcards, else None."""
+    if len(set(patterns)) != 1:
+        return None
+    (pattern,) = set(patterns)
+    if not pattern.endswith(".*") or any(c in pattern[:-2] for c in "*?["):
+        return None
+    return pattern[:-2].split(".")
 
 
 def _within(fqn: str, ancestor: str) -> bool:

@@ -63,7 +63,9 @@ def saves_kept_elsewhere() -> bool:
 def recomputes_without_hooks(module) -> bool:
     """Whether `module` checkpoints its own forward inside its call (transformers'
     layers after `model.gradient_checkpointing_enable()`): backward then runs that
-    forward again without the module's hooks, with whatever params the modules hold."""
+    forward again without the module's hooks, with whatever params the modules hold.
+    A module gathering above its params' module (`Bucket.above_owners`) may do the
+    same through a child (a wrapper whose forward checkpoints the block)."""
     return getattr(module, "gradient_checkpointing", False) is True and module.training
 
 
@@ -136,8 +138,10 @@ class ModuleHooks:
         # under an activation checkpoint or save_on_cpu, which keep none of them.
         refill_in_backward = handled and not saves_kept_elsewhere()
         self._forwards = []
-        # its params go back on the modules for its backward (_Refill.install)
-        self._recomputed = handled and recomputes_without_hooks(module)
+        # its params go back on the modules for its backward (_Refill.install): the
+        # module may rerun their forward in backward without this module's hooks
+        self._recomputed = handled and (recomputes_without_hooks(module)
+                                        or any(b.above_owners for b in self.buckets))
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
