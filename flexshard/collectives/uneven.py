@@ -143,13 +143,6 @@ def _check_dim(name: str, tensor: torch.Tensor, dim, label: str = "dim") -> int:
     return dim % tensor.dim()
 
 
-def _piece_error(name: str, label: str, dim_label: str, dim: int, sizes: tuple, rank: int,
-                 have: int) -> ValueError:
-    return ValueError(f"{name}: the tensor on rank {rank} has {have} rows along "
-                      f"{dim_label} {dim} but {label}[{rank}] is {sizes[rank]}; pass sizes "
-                      "that match each rank's tensor")
-
-
 def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group, whole: bool,
            label: str = "sizes", dim_label: str = "dim") -> tuple:
     """Validate on this rank; returns sizes as a tuple (or None) and dim.
@@ -162,7 +155,9 @@ def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group, whole: b
         raise ValueError(f"{name}: the tensor has {tensor.shape[dim]} rows along {dim_label} "
                          f"{dim} but sum({label}) is {sum(sizes)}; pass sizes that sum to it")
     if not whole and tensor.shape[dim] != sizes[g.rank]:
-        raise _piece_error(name, label, dim_label, dim, sizes, g.rank, tensor.shape[dim])
+        raise ValueError(f"{name}: the tensor on rank {g.rank} has {tensor.shape[dim]} rows "
+                         f"along {dim_label} {dim} but {label}[{g.rank}] is {sizes[g.rank]}; "
+                         "pass sizes that match each rank's tensor")
     return sizes, dim
 
 
