@@ -118,9 +118,29 @@ def _compiled_call(compiled, stray, *args, **kwargs):
     try:
         with side_effects_once_under_checkpoint():
             return compiled(*args, **kwargs)
+    except Exception as err:
+        if _nested_checkpoint_side_effect(err):
+            raise RuntimeError(
+                "fs.compile: dynamo failed on a block's Python side effect inside an "
+                "activation checkpoint nested in the one that reshards it after forward (a "
+                "torch bug of dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint). A block "
+                "under your own activation checkpoint (checkpoint_wrapper, "
+                "torch.utils.checkpoint) that sets a module attribute in forward (self.aux = "
+                "..., a counter, a cache) cannot be compiled whole while its bucket reshards "
+                "after forward: give it reshard_after_forward=False (flex_shard or its "
+                "BucketSpec), compile the blocks instead (block.compile()), or return the "
+                "value from forward") from err
+        raise
     finally:
         if stray is not None:
             stray.arm()
+
+
+def _nested_checkpoint_side_effect(err: Exception) -> bool:
+    """Whether `err` is dynamo's internal error for a side effect under nested
+    checkpoints (torch 2.13: the output node names a node of another graph)."""
+    return (type(err).__name__ == "InternalTorchDynamoError"
+            and "does not belong to this Graph" in str(err))
 
 
 def _compile_kwargs(compile_kwargs: dict, cudagraphs: bool) -> dict:

@@ -2,7 +2,9 @@
 cache (on by default, also while training), a counter, an auxiliary loss stored on
 the module (troubleshooting.md's pattern). The reshard checkpoint recomputes only
 the gathers, so each side effect happens once per forward, as in eager: the whole
-step compiles with fullgraph=True and trains as one process does (SGD)."""
+step compiles with fullgraph=True and trains as one process does (SGD). Under the
+user's own activation checkpoint too, without reshard after forward; with it, torch's
+dynamo fails on the nested checkpoints and fs.compile says so on every rank."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch._dynamo
 import torch.distributed as dist
 import torch.nn as nn
 import transformers
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch._dynamo.utils import counters
 
 import flexshard as fs
@@ -48,6 +51,11 @@ def blocks() -> nn.Sequential:
     return nn.Sequential(Block(), Block())
 
 
+def checkpointed() -> nn.Sequential:
+    """blocks() under the user's activation checkpoint (torchtitan's wrapper)."""
+    return nn.Sequential(*(checkpoint_wrapper(b) for b in blocks()))
+
+
 def ids(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
 
@@ -64,10 +72,11 @@ def blocks_loss(model, x):
     return model(x).square().mean() + 0.01 * sum(b.aux for b in model)
 
 
-CASES = {"llama": (llama, llama_loss, ids), "blocks": (blocks, blocks_loss, features)}
+CASES = {"llama": (llama, llama_loss, ids), "blocks": (blocks, blocks_loss, features),
+         "checkpointed": (checkpointed, blocks_loss, features)}
 
 
-def train(case: str, rank: int = 0, world: int = 1) -> tuple:
+def train(case: str, rank: int = 0, world: int = 1, reshard: bool = True) -> tuple:
     """STEPS SGD steps: (losses, first grads, final params, block calls, graph calls,
     graph breaks, forward's signature); one process on every rank's batch when
     world is 1, else fs.compile'd flex_shard on this rank's."""
@@ -78,7 +87,7 @@ def train(case: str, rank: int = 0, world: int = 1) -> tuple:
     signature = None
     if world > 1:
         specs = None if case == "llama" else [fs.BucketSpec(f"{i}.*") for i in range(2)]
-        model = fs.flex_shard(model, buckets=specs)
+        model = fs.flex_shard(model, buckets=specs, reshard_after_forward=reshard)
         plain = inspect.signature(model.forward)
         graphs = []
         fs.compile(model, fullgraph=True, backend=counting_backend(graphs))
@@ -92,23 +101,24 @@ def train(case: str, rank: int = 0, world: int = 1) -> tuple:
         loss.backward()
         if first is None:
             first = fs.full_grads(model) if world > 1 else {
-                k: p.grad.clone() for k, p in model.named_parameters()}
+                k.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                for k, p in model.named_parameters()}  # the names fs.full_grads gives
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     params = fs.full_state_dict(model) if world > 1 else dict(model.state_dict())
-    calls = [b.calls for b in model] if case == "blocks" else []
+    calls = [b.calls for b in model] if case != "llama" else []
     breaks = sum(counters["graph_break"].values())
     return losses, first, params, calls, ran, breaks, signature
 
 
-def _rank(case: str) -> tuple:
-    return train(case, dist.get_rank(), dist.get_world_size())
+def _rank(case: str, reshard: bool = True) -> tuple:
+    return train(case, dist.get_rank(), dist.get_world_size(), reshard)
 
 
-def check(case: str) -> list:
+def check(case: str, reshard: bool = True) -> list:
     ref_losses, ref_grads, ref_params, _, _, _, _ = train(case)
-    results = run_world(WORLD, _rank, case, timeout=400)
+    results = run_world(WORLD, _rank, case, reshard, timeout=400)
     mean = torch.stack([torch.stack(r[0]) for r in results]).mean(0)
     torch.testing.assert_close(mean, torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
     for losses, grads, params, calls, ran, breaks, signature in results:
@@ -127,6 +137,18 @@ def test_a_hf_model_with_its_kv_cache_on_trains_as_one_process():
 def test_a_blocks_side_effects_happen_once_per_forward():
     for result in check("blocks"):
         assert result[3] == [STEPS, STEPS]  # self.calls += 1 ran once per step, not twice
+
+
+def test_side_effects_under_the_users_activation_checkpoint():
+    """Without reshard after forward the user's checkpoint is the only one: trains
+    as one process, the side effects once per forward. With it, dynamo's internal
+    error becomes fs.compile's, naming the way out, on every rank."""
+    for result in check("checkpointed", reshard=False):
+        assert result[3] == [STEPS, STEPS]
+    expect_all_ranks_raise(WORLD, _rank, RuntimeError,
+                           r"fs.compile: dynamo failed on a block's Python side effect inside an "
+                           r"activation checkpoint nested .* reshard_after_forward=False",
+                           "checkpointed", timeout=400)
 
 
 def _head_called_outside():
