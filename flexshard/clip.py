@@ -90,6 +90,8 @@ def _global_norm(grads: dict, norm_type: float, device, state) -> torch.Tensor:
 
 
 def _local_part(grads: list, norm_type: float, device) -> torch.Tensor:
+    if math.isinf(norm_type):  # an empty piece adds nothing (and has no inf-norm)
+        grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros(1, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)

@@ -259,3 +259,49 @@ def test_clipping_each_optimizers_params_of_a_muon_split():
     for rank, got in enumerate(run_world(world, muon_lists_body)):
         for name, value in want.items():
             assert got[name] == pytest.approx(value, rel=1e-5), f"{name} on rank {rank}"
+
+
+# A param with fewer rows than ranks leaves some rank an empty piece, whose inf-norm
+# torch refuses (max of nothing): that rank adds nothing (0; inf for -inf) and the
+# others must not wait for it in the all-reduce.
+
+EMPTY_WORLD = 3
+INF_NORMS = {
+    "fs.clip_grad_norm_": lambda m: fs.clip_grad_norm_(m, 1e9, math.inf),
+    "clip_grad_norm_": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9, math.inf),
+    "get_total_norm foreach": lambda m: torch.nn.utils.get_total_norm(
+        [p.grad for p in m.parameters()], math.inf, foreach=True),
+    "vector_norm(bias, inf)": lambda m: torch.linalg.vector_norm(m[2].bias.grad, math.inf),
+    "linalg.norm(bias, -inf)": lambda m: torch.linalg.norm(m[2].bias.grad, -math.inf),
+}
+
+
+def small_head() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 21), torch.nn.Tanh(), torch.nn.Linear(21, 2))
+
+
+def head_batch(rank: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+
+
+def inf_norms(model, wrapped: bool = True) -> dict:
+    return {name: float(f(model)) for name, f in INF_NORMS.items()
+            if wrapped or not name.startswith("fs.")}
+
+
+def inf_norms_body(placement) -> dict:
+    model = fs.flex_shard(small_head(), placement=placement)
+    model(head_batch(torch.distributed.get_rank())).square().mean().backward()
+    return inf_norms(model)
+
+
+@pytest.mark.parametrize("placement", [fs.Shard(0), fs.Owned(), fs.RaggedShard(units=(0, 1, 1))],
+                         ids=["shard", "owned", "ragged"])
+def test_inf_norms_with_an_empty_piece_are_global(placement):
+    model = small_head()
+    model(torch.cat([head_batch(r) for r in range(EMPTY_WORLD)])).square().mean().backward()
+    want = inf_norms(model, wrapped=False)
+    want["fs.clip_grad_norm_"] = want["clip_grad_norm_"]
+    for rank, got in enumerate(run_world(EMPTY_WORLD, inf_norms_body, placement, timeout=60)):
+        assert got == pytest.approx(want, rel=1e-6), f"rank {rank}"

@@ -125,14 +125,29 @@ def _full_reduction(func, args, kwargs) -> bool:
 
 
 def _norm(func, args, kwargs) -> torch.Tensor:
-    local = func(*args, **kwargs)
     ord_ = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2))
+    if args[0].numel() == 0 and ord_ != "fro" and math.isinf(ord_):
+        local = _empty_piece_norm(args[0], ord_, kwargs.get("dtype"))
+    else:
+        local = func(*args, **kwargs)
     return complete_norms([local], [_spec_of(args[0])], 2.0 if ord_ == "fro" else float(ord_))[0]
 
 
 def _foreach_norm(tensors, ord=2, dtype=None) -> list:
-    local = foreach_norm(tensors, ord, dtype=dtype)
-    return complete_norms(list(local), [_spec_of(t) for t in tensors], float(ord))
+    full = [i for i, t in enumerate(tensors) if t.numel() or not math.isinf(ord)]
+    local = [_empty_piece_norm(t, ord, dtype) for t in tensors]
+    if full:
+        for i, norm in zip(full, foreach_norm([tensors[i] for i in full], ord, dtype=dtype)):
+            local[i] = norm
+    return complete_norms(local, [_spec_of(t) for t in tensors], float(ord))
+
+
+def _empty_piece_norm(piece: torch.Tensor, ord_, dtype) -> torch.Tensor:
+    """What an empty piece adds to a norm: torch has no inf-norm of an empty tensor
+    (max of nothing), where the rank's share of the full norm is 0 (inf for -inf)."""
+    dtype = dtype or (piece.dtype if piece.is_floating_point() else torch.get_default_dtype())
+    fill = math.inf if isinstance(ord_, (int, float)) and ord_ == -math.inf else 0.0
+    return torch.full((), fill, dtype=dtype, device=piece.device)
 
 
 def _arg(args, kwargs, i: int, name: str, default):
@@ -146,10 +161,14 @@ def _linalg_norm(func, args, kwargs) -> torch.Tensor:
     """torch.linalg.norm / matrix_norm of a sharded grad: over every element
     (Frobenius; a vector norm of a 1-D piece) completed, other matrix norms
     refused; along dims (rows, a batch of matrices) this rank's, as Tensor.norm."""
-    local = func(*args, **kwargs)  # torch checks the arguments first
     x, spec = args[0], _spec_of(args[0])
     matrix = func is torch.linalg.matrix_norm
     ord_ = _arg(args, kwargs, 1, "ord", "fro" if matrix else None)
+    if (x.ndim == 1 and x.numel() == 0 and isinstance(ord_, (int, float)) and math.isinf(ord_)
+            and spec is not None and kwargs.get("out") is None):
+        local = _empty_piece_norm(x, ord_, kwargs.get("dtype"))
+    else:
+        local = func(*args, **kwargs)  # torch checks the arguments first
     dim = _arg(args, kwargs, 2, "dim", (-2, -1) if matrix else None)
     every = (x.ndim == 2 and sorted(d % 2 for d in dim) == [0, 1]) if matrix else dim is None
     if spec is None or not every or kwargs.get("out") is not None:
