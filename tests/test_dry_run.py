@@ -48,7 +48,7 @@ PLACEMENTS = {"shard": fs.Shard(0), "owned": fs.Owned(), "ragged": fs.RaggedShar
 
 class Case(NamedTuple):
     placement: str
-    reshard: bool
+    reshard: object  # bool, or int N: backward regathers within groups of N ranks
     bf16: bool = False
     frozen: bool = False  # `pos` frozen, in a bucket of its own
     tied: bool = False  # the LM head shares the embedding's weight
@@ -71,7 +71,7 @@ class Case(NamedTuple):
 
 CASES = ([Case(p, r) for p in PLACEMENTS for r in (True, False)]
          + [Case("mixed", True, bf16=True), Case("shard", True, frozen=True),
-            Case("ragged", True, tied=True)])
+            Case("ragged", True, tied=True), Case("shard", 2), Case("mixed", 2)])
 
 
 def _bytes(tensors) -> int:

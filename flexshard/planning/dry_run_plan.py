@@ -81,4 +81,4 @@ def _row(planned, names: dict):
     return bucket_plan(planned.spec.label, planned.slots, layouts, planned.trainable,
                        planned.reshard_after_forward,
                        names[id(planned.runner)] if hooked else None,
-                       hooked and planned.reshard_after_forward, mesh_shape)
+                       hooked and bool(planned.reshard_after_forward), mesh_shape)

@@ -128,7 +128,7 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
     storage, reduce, wire = layouts.storage, layouts.reduce, layouts.wire
     gather = layouts.gather_for(reshard)
     hooked, grads = module_name is not None, any(trainable)
-    gathers = (1 + regather) if hooked and shards > 1 else 0
+    gathers = (1 + bool(regather)) if hooked and shards > 1 else 0
     regather_ranks = 0 if gathers < 2 else (shards if isinstance(reshard, bool) else reshard)
     reduces = 1 if hooked and shards > 1 and grads else 0
     all_reduces = 1 if hooked and replicas > 1 and grads else 0
