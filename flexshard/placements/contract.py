@@ -13,7 +13,9 @@ parts. A cast (`placements/wire.py`, `Cast`) is the default; quantized gathers
 are other formats, not other code paths (FSDP2's `fsdp_pre_all_gather` /
 `fsdp_post_all_gather`, over any placement and several dtypes in one buffer).
 
-Pieces are always taken in rank order. A rank may hold an empty piece.
+Pieces are always taken in rank order. A rank may hold an empty piece. The
+pieces partition the tensor: each element lies in exactly one rank's piece
+(planning/placement_check.py checks a user's placement at wrap time).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from .assign import (
     used_in_nested_runner,
 )
 from .options import resolve_reshard
+from .placement_check import check_contract
 from .owners import balance_owners
 
 
@@ -134,6 +135,10 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
     the model-wide owner pass may move); `load` (bytes per rank of the buckets
     before, updated) lets them balance over the whole model."""
     choice = spec.placement if spec.placement is not None else default
+    if isinstance(choice, type):
+        raise TypeError(f"the placement of bucket {spec.label!r} is the class {choice.__name__}, "
+                        f"not a placement: pass an instance, such as {choice.__name__}() or "
+                        "fs.Shard(0)")
     entries = []
     for fqn in names:
         param = named[fqn]
@@ -153,6 +158,8 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
                             for r in range(world_size)),
                       subclass_gather(fqn, named[fqn]))
              for fqn, pl in zip(names, bound)]
+    for slot in slots:
+        check_contract(slot.fqn, spec.label, slot.placement, slot.shape, slot.local_shapes)
     return slots, [isinstance(p, Owned) and p.rank is None for _, _, p in entries]
 
 
