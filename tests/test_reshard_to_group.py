@@ -145,6 +145,11 @@ def _not_a_divisor():
     fs.flex_shard(make_model(), _mesh((4,)), reshard_after_forward=3, comm=NoCollectives())
 
 
+def _root_only_not_a_divisor():  # the root's bucket never reshards; its int is still checked
+    fs.flex_shard(torch.nn.Linear(8, 8), _mesh((4,)), reshard_after_forward=3,
+                  comm=NoCollectives())
+
+
 def _setter_not_a_divisor():
     model = fs.flex_shard(make_model(), _mesh((2, 2)))
     model.set_reshard_after_forward(4)
@@ -154,6 +159,9 @@ def test_bad_input():
     expect_all_ranks_raise(WORLD, _not_a_divisor, ValueError,
                            r"bucket 'layers.0': reshard_after_forward=3 does not divide its shard "
                            r"group of 4 rank\(s\); pass a divisor of 4")
+    expect_all_ranks_raise(WORLD, _root_only_not_a_divisor, ValueError,
+                           r"bucket 'root': reshard_after_forward=3 does not divide its shard "
+                           r"group of 4 rank\(s\)")
     expect_all_ranks_raise(WORLD, _setter_not_a_divisor, ValueError,
                            r"reshard_after_forward=4 does not divide its shard group of 2 "
                            r"rank\(s\); pass a divisor of 2")

@@ -113,8 +113,8 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
             trainable=tuple(named[s.fqn].requires_grad for s in bucket),
             aliases=tuple(tuple((m, attr) for m, attr, _ in a) for a in bucket_aliases),
             runner=runner, mp_policy=mp,
-            reshard_after_forward=resolve_reshard(
-                _reshard(spec, reshard_after_forward, runner is module), shape[1], spec.label),
+            reshard_after_forward=_reshard(spec, reshard_after_forward, runner is module,
+                                           shape[1]),
             needs_hooks=needs, used_in_nested_runner=nest, mesh_shape=shape, offload_policy=off,
             above_owners=up)
         for spec, bucket, bucket_aliases, runner, mp, needs, nest, shape, off, up
@@ -175,12 +175,14 @@ def _balanced_owners(slots: list, free: list, sizes: list) -> list:
     return out
 
 
-def _reshard(spec: BucketSpec, default, on_root: bool):
-    """The spec's reshard_after_forward, else flex_shard's; by default never for
+def _reshard(spec: BucketSpec, default, on_root: bool, shard_size: int):
+    """The spec's reshard_after_forward, else flex_shard's (an int checked on the
+    root's bucket too), resolved on the bucket's shard group; by default never for
     the bucket the root module runs: backward needs its params at once."""
     if spec.reshard_after_forward is not None:
-        return spec.reshard_after_forward
-    return False if on_root else default
+        return resolve_reshard(spec.reshard_after_forward, shard_size, spec.label)
+    value = resolve_reshard(default, shard_size, spec.label)
+    return False if on_root else value
 
 
 def _bucket_mesh_note(shape: tuple) -> str:
