@@ -40,6 +40,16 @@ from .wrap.teardown import destroy_gloo_group_at_exit
 class FlexShardModule:
     """Mixin a wrapped module becomes an instance of (like FSDP2's FSDPModule)."""
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """nn.Module's, except that while `unshard()` holds buckets their sharded
+        params stand under their names (the optimizer's, whose .grad backward
+        fills: clipping, logging, freezing and in-place writes reach them), not the
+        unsharded tensors the modules hold for forward."""
+        held = _held_params(find_state(self))
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield name, held.get(id(param), param)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """When False, backward accumulates unreduced gradients and issues no
         gradient collective; the next synced backward reduces the sum."""
@@ -162,6 +172,16 @@ class FlexShardModule:
         reshard_explicitly(state.buckets)
         for hooks in state.hooks:
             hooks.reshard_kept()
+
+
+def _held_params(state: Optional[FlexShardState]) -> dict:
+    """id of each unsharded tensor a held bucket installed -> its sharded param."""
+    if state is None:
+        return {}
+    return {id(module._parameters[attr]): param
+            for bucket in state.buckets if bucket.held is not None
+            for param, wiring in zip(bucket.params, bucket.wiring)
+            for module, attr in wiring.aliases if module._parameters.get(attr) is not None}
 
 
 def _eager_state(module: nn.Module, method: str) -> FlexShardState:

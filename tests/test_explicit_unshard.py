@@ -46,6 +46,49 @@ def test_explicit_unshard_parity_and_one_gather_per_bucket(async_op):
     assert calls == {"all_gather": 3 * STEPS, "reduce_scatter": 3 * STEPS, "all_reduce": 0}
 
 
+MAX_NORM = 0.05  # below TinyGPT's grad norms: every step clips
+
+
+def clip_while_held(norms: list, same: list):
+    """A step function: unshard, forward + backward, then torch's clip over
+    model.parameters() while the params are still held (FSDP2's order), reshard."""
+    def step(model, i, x, y):
+        if hasattr(model, "unshard"):
+            originals = dict(model.named_parameters())
+            model.unshard()
+            held = dict(model.named_parameters())
+            same.append(held.keys() == originals.keys()
+                        and all(held[k] is p for k, p in originals.items()))
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if hasattr(model, "reshard"):
+            model.reshard()
+        return loss
+    return step
+
+
+def train_clipping_while_held() -> tuple:
+    model = fs.flex_shard(make_model())
+    norms, same = [], []
+    losses = train(model, STEPS, clip_while_held(norms, same))
+    return losses, fs.full_state_dict(model), norms, same
+
+
+def test_torchs_clip_over_held_params_sees_the_sharded_grads():
+    """While held, model.parameters() are the sharded params the optimizer steps
+    (not the unsharded tensors the modules hold), so torch's clip sees their
+    grads: before, it found no grad, returned 0 and clipped nothing."""
+    results = run_world(2, train_clipping_while_held)
+    ref_norms = []
+    check_against_reference(results[0][0], results[0][1], 2, STEPS,
+                            step_fn=clip_while_held(ref_norms, []))
+    assert all(n > MAX_NORM for n in ref_norms)
+    for _, _, norms, same in results:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        assert same == [True] * STEPS
+
+
 def shapes_while_held() -> dict:
     """Rank body: what modules hold before, during and after an explicit unshard."""
     model = fs.flex_shard(make_model())
