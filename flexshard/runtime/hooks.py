@@ -109,6 +109,8 @@ class ModuleHooks:
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
         self.mp = self.buckets[0].mp
+        # gathers above its params' module: a wrapper that may checkpoint it
+        self.above_owners = any(b.above_owners for b in self.buckets)
         self._post_ran = True  # post_forward ran since the last pre_forward
         self._forwards: list = []  # (bucket, unsharded.Forward) of this forward, for backward
         self.eager_compiled = eager_compiled  # says once when a .compile()d block ran eagerly
@@ -140,8 +142,7 @@ class ModuleHooks:
         self._forwards = []
         # its params go back on the modules for its backward (_Refill.install): the
         # module may rerun their forward in backward without this module's hooks
-        self._recomputed = handled and (recomputes_without_hooks(module)
-                                        or any(b.above_owners for b in self.buckets))
+        self._recomputed = handled and (self.above_owners or recomputes_without_hooks(module))
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()

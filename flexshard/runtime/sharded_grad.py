@@ -134,11 +134,11 @@ def _norm(func, args, kwargs) -> torch.Tensor:
 
 
 def _foreach_norm(tensors, ord=2, dtype=None) -> list:
-    full = [i for i, t in enumerate(tensors) if t.numel() or not math.isinf(ord)]
-    local = [_empty_piece_norm(t, ord, dtype) for t in tensors]
-    if full:
-        for i, norm in zip(full, foreach_norm([tensors[i] for i in full], ord, dtype=dtype)):
-            local[i] = norm
+    has_norm = [t.numel() > 0 or not math.isinf(ord) for t in tensors]
+    kept = [t for t, has in zip(tensors, has_norm) if has]
+    norms = iter(foreach_norm(kept, ord, dtype=dtype) if kept else ())
+    local = [next(norms) if has else _empty_piece_norm(t, ord, dtype)
+             for t, has in zip(tensors, has_norm)]
     return complete_norms(local, [_spec_of(t) for t in tensors], float(ord))
 
 
