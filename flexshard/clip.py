@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
-from .runtime.sharded_grad import plain
+from .runtime.sharded_grad import piece_norm, plain
 from .runtime.state import get_state
 
 
@@ -90,12 +90,9 @@ def _global_norm(grads: dict, norm_type: float, device, state) -> torch.Tensor:
 
 
 def _local_part(grads: list, norm_type: float, device) -> torch.Tensor:
-    if math.isinf(norm_type):  # an empty piece adds nothing (and has no inf-norm)
-        grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros(1, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
-                         for g in grads])
+    norms = torch.stack([piece_norm(g, norm_type, torch.float32).to(device) for g in grads])
     return norms.max().reshape(1) if math.isinf(norm_type) else norms.pow(norm_type).sum().reshape(1)
 
 

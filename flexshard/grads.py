@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from .runtime.sharded_grad import complete_norms, plain
+from .runtime.sharded_grad import complete_norms, piece_norm, plain
 from .runtime.state import get_state
 from .wrap.names import state_dict_name
 
@@ -54,18 +54,12 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict:
             if grad is None:
                 continue
             fqns.append(key)
-            local.append(_local_norm(plain(grad), float(norm_type)))
+            local.append(piece_norm(plain(grad), float(norm_type), torch.float32))
             spec = bucket.wiring[i].norms
             specs.append(None if spec is None else spec._replace(refusal=None))
     with record_function("FlexShard::grad_norms"):
         out.update(zip(fqns, complete_norms(local, specs, float(norm_type))))
     return out
-
-
-def _local_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
-    if grad.numel() == 0:  # an empty piece: nothing to add (max of nothing is 0)
-        return torch.zeros((), dtype=torch.float32, device=grad.device)
-    return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
 
 
 def _agreed_grads(bucket, what: str) -> list:

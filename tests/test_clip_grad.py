@@ -273,6 +273,7 @@ INF_NORMS = {
         [p.grad for p in m.parameters()], math.inf, foreach=True),
     "vector_norm(bias, inf)": lambda m: torch.linalg.vector_norm(m[2].bias.grad, math.inf),
     "linalg.norm(bias, -inf)": lambda m: torch.linalg.norm(m[2].bias.grad, -math.inf),
+    "fs.grad_norms(bias, -inf)": lambda m: fs.grad_norms(m, -math.inf)["2.bias"],
 }
 
 
@@ -303,5 +304,6 @@ def test_inf_norms_with_an_empty_piece_are_global(placement):
     model(torch.cat([head_batch(r) for r in range(EMPTY_WORLD)])).square().mean().backward()
     want = inf_norms(model, wrapped=False)
     want["fs.clip_grad_norm_"] = want["clip_grad_norm_"]
+    want["fs.grad_norms(bias, -inf)"] = want["linalg.norm(bias, -inf)"]
     for rank, got in enumerate(run_world(EMPTY_WORLD, inf_norms_body, placement, timeout=60)):
         assert got == pytest.approx(want, rel=1e-6), f"rank {rank}"

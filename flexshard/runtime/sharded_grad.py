@@ -142,6 +142,13 @@ def _foreach_norm(tensors, ord=2, dtype=None) -> list:
     return complete_norms(local, [_spec_of(t) for t in tensors], float(ord))
 
 
+def piece_norm(piece: torch.Tensor, ord_: float, dtype=None) -> torch.Tensor:
+    """The vector norm of this rank's piece, as its share of the full tensor's."""
+    if piece.numel() == 0 and math.isinf(ord_):
+        return _empty_piece_norm(piece, ord_, dtype)
+    return torch.linalg.vector_norm(piece, ord_, dtype=dtype)
+
+
 def _empty_piece_norm(piece: torch.Tensor, ord_, dtype) -> torch.Tensor:
     """What an empty piece adds to a norm: torch has no inf-norm of an empty tensor
     (max of nothing), where the rank's share of the full norm is 0 (inf for -inf)."""
