@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .compat import DDP_IGNORED_NAMES
 from .checkpoint.materialize import apply_to_buckets, init_parameters
 from .checkpoint.state_dict import StateDictHooks
 from .checkpoint.unset_buffers import UnsetBuffers, meta_buffers
@@ -262,6 +263,23 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)
     state.registration = RegistrationGuard(module, state.buckets)
+
+
+def _refuse_ddp(module) -> None:
+    """DistributedDataParallel reads this (DDP_IGNORED_NAMES) first thing on
+    every rank: it would broadcast rank 0's shards over every rank's and mix the
+    shards' grads, which trains silently wrong."""
+    raise TypeError(
+        f"a flex_shard model ({type(module).__name__}) was handed to torch's "
+        "DistributedDataParallel (directly, or by Hugging Face's Trainer / accelerate or "
+        "Lightning's DDP strategy when launched on several processes): DDP would copy "
+        "rank 0's shards over every rank's and average different shards' gradients. "
+        "flex_shard already averages the gradients over its ranks: train the model as it "
+        "is, in your own loop or torchtitan's; for replicas across nodes give flex_shard "
+        "a 2-D (replicate, shard) mesh (HSDP)")
+
+
+setattr(FlexShardModule, DDP_IGNORED_NAMES, property(_refuse_ddp))
 
 
 @functools.cache  # one class per original class, as FSDP2 does, not one per call

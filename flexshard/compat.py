@@ -310,6 +310,10 @@ def side_effects_once_under_checkpoint():
     return config.patch(**{option: True})
 
 
+# DistributedDataParallel.__init__ reads this attribute of the module it wraps
+# (hasattr, then the names it lists are left alone), before any collective.
+DDP_IGNORED_NAMES = "_ddp_params_and_buffers_to_ignore"
+
 # nn.Module.load_state_dict(assign=True) sets this key in the local_metadata
 # its load_state_dict pre-hooks receive.
 ASSIGN_METADATA_KEY = "assign_to_params_buffers"

@@ -4,6 +4,7 @@ behaves as flexshard expects; nothing else in flexshard names a private torch AP
 from __future__ import annotations
 
 import ast
+import inspect
 import math
 import pathlib
 
@@ -481,3 +482,12 @@ def test_wrapper_attributes_that_state_dicts_leave_out():
     assert compat.is_compiled_wrapper(model[1]) and not compat.is_compiled_wrapper(model[0])
     assert list(get_model_state_dict(model)) == ["0.weight", "0.bias", "1.weight", "1.bias"]
     assert list(model[0].state_dict()) == ["weight", "bias"]
+
+
+def test_ddp_reads_the_ignored_names_attribute_of_the_module_first():
+    """api._refuse_ddp rides on it: a flex_shard model refuses DDP before DDP's
+    first collective (tests/test_training_mistakes.py runs it at 2 ranks)."""
+    source = inspect.getsource(torch.nn.parallel.DistributedDataParallel.__init__)
+    read = source.index(f"hasattr(module, \"{compat.DDP_IGNORED_NAMES}\")")
+    assert read < source.index("_verify_param_shape_across_processes")
+    assert read < source.index("_sync_module_states")

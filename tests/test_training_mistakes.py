@@ -670,3 +670,30 @@ def in_place_writes():
 
 def test_in_place_writes_to_params_train():
     assert_matches_reference(run_world(WORLD, in_place_writes)[0], step_fn=write_in_place)
+
+
+# Torch's DistributedDataParallel around a flex_shard model (Hugging Face's Trainer and
+# accelerate wrap one in DDP when launched on several processes) would broadcast rank
+# 0's shards over every rank's and average different shards' grads: refused on every
+# rank before DDP's first collective, and the model trains on untouched.
+
+
+def ddp_refused():
+    model = fs.flex_shard(make_model())
+    messages = []
+    for wrapped in (model, torch.compile(model)):
+        try:
+            nn.parallel.DistributedDataParallel(wrapped)
+        except TypeError as e:
+            messages.append(str(e))
+    return messages, (sgd_train(model, sgd(model.parameters())), fs.full_state_dict(model))
+
+
+def test_distributed_data_parallel_around_the_model_is_refused():
+    for messages, result in run_world(WORLD, ddp_refused):
+        assert len(messages) == 2
+        for message in messages:
+            assert re.search(r"flex_shard model \(FlexShardTinyGPT\) was handed to torch's "
+                             r"DistributedDataParallel.*Hugging Face's Trainer.*train the "
+                             r"model as it is", message), message
+        assert_matches_reference(result)
