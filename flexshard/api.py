@@ -431,7 +431,6 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.adopt([originals[slot.fqn] for slot in planned.slots])
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
-        bucket.above_owners = planned.above_owners
         bucket.needs_hooks = planned.needs_hooks
         tps = slot_specs(planned.slots, tp_specs) or (None,) * len(planned.slots)
         bucket.wire([SlotWiring(aliases, tp, norm_groups(bucket, i, tp, state.mesh_group)

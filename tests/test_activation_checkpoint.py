@@ -88,6 +88,45 @@ def test_user_checkpointing_composes(kind):
         assert rank_live == ["root"]
 
 
+# A checkpoint of part of a block (its MLP's linears) or of a module of the root's
+# bucket (the head) recomputes that module in backward without any hooks of its own:
+# it must read the params its forward used, as under FSDP2's pre-backward unshard.
+
+
+class HeadCheckpointedGPT(TinyGPT):
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return checkpoint(self.head, self.norm(x), use_reentrant=False)
+
+
+def parts_model(kind: str):
+    """kind 'wrapper': checkpoint_wrapper around each block's up/down and the head;
+    'fn': checkpoint(self.head, ...) in forward and a wrapper around each block's up."""
+    torch.manual_seed(0)
+    model = TinyGPT() if kind == "wrapper" else HeadCheckpointedGPT()
+    for layer in model.layers:
+        layer.up = checkpoint_wrapper(layer.up)
+        if kind == "wrapper":
+            layer.down = checkpoint_wrapper(layer.down)
+    if kind == "wrapper":
+        model.head = checkpoint_wrapper(model.head)
+    return model
+
+
+def parts_training(kind: str, reshard: bool) -> tuple:
+    model = fs.flex_shard(parts_model(kind), reshard_after_forward=reshard)
+    return train(model, STEPS), fs.full_state_dict(model)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+@pytest.mark.parametrize("kind", ["wrapper", "fn"])
+def test_checkpointing_part_of_a_block_or_a_root_module_trains(kind, reshard):
+    for losses, full in run_world(2, parts_training, kind, reshard):
+        check_against_reference(losses, full, 2, STEPS, model=parts_model(kind))
+
+
 # transformers' gradient checkpointing checkpoints each layer's forward inside its call,
 # so backward recomputes it without the module's hooks, with the params the modules hold.
 

@@ -100,7 +100,6 @@ class Bucket:
         self.held: Optional[list] = None  # unsharded params held by module.unshard()
         self._installed_for_backward = False  # see install_for_backward
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
-        self.above_owners = False  # its runner is above the module running all its params
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         # False at world size 1 without a cast or offload when every piece has the full
@@ -280,12 +279,16 @@ class Bucket:
 
     def install_for_backward(self, tensors: Sequence[torch.Tensor]) -> None:
         """The params a forward computed with (refilled, or a non-resharding bucket's
-        new tensors) on the modules while the block's backward runs, for a forward
-        recomputed without the hooks (hooks.recomputes_without_hooks); the sharded
-        ones return when backward is done with them (backward_done)."""
+        tensors) on the modules while the block's backward runs, for a forward
+        recomputed there without the hooks (hooks._Refill); the sharded ones return
+        when backward is done with them (backward_done)."""
         if self.held is None and self.state is BucketState.SHARDED:
             self.install(tensors)
             self._installed_for_backward = True
+
+    @property
+    def installed_for_backward(self) -> bool:
+        return self._installed_for_backward
 
     def new_anchor(self) -> None:
         """Start a new route for this bucket's grads into autograd (at the

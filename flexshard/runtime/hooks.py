@@ -60,15 +60,6 @@ def saves_kept_elsewhere() -> bool:
     return name.startswith(("_checkpoint_hook.", "save_on_cpu."))
 
 
-def recomputes_without_hooks(module) -> bool:
-    """Whether `module` checkpoints its own forward inside its call (transformers'
-    layers after `model.gradient_checkpointing_enable()`): backward then runs that
-    forward again without the module's hooks, with whatever params the modules hold.
-    A module gathering above its params' module (`Bucket.above_owners`) may do the
-    same through a child (a wrapper whose forward checkpoints the block)."""
-    return getattr(module, "gradient_checkpointing", False) is True and module.training
-
-
 def module_compiled(module) -> bool:
     """Whether `module.compile()` was called on `module`."""
     return getattr(module, COMPILED_CALL_IMPL, None) is not None
@@ -109,8 +100,6 @@ class ModuleHooks:
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
         self.mp = self.buckets[0].mp
-        # gathers above its params' module: a wrapper that may checkpoint it
-        self.above_owners = any(b.above_owners for b in self.buckets)
         self._post_ran = True  # post_forward ran since the last pre_forward
         self._forwards: list = []  # (bucket, unsharded.Forward) of this forward, for backward
         self.eager_compiled = eager_compiled  # says once when a .compile()d block ran eagerly
@@ -140,9 +129,6 @@ class ModuleHooks:
         # under an activation checkpoint or save_on_cpu, which keep none of them.
         refill_in_backward = handled and not saves_kept_elsewhere()
         self._forwards = []
-        # its params go back on the modules for its backward (_Refill.install): the
-        # module may rerun their forward in backward without this module's hooks
-        self._recomputed = handled and (self.above_owners or recomputes_without_hooks(module))
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
@@ -153,8 +139,9 @@ class ModuleHooks:
             # activation checkpoint, whose recompute then gathers within the N ranks).
             bucket.gather.keep_post_forward_shard(handled and bool(bucket.gather.reshard_after_forward))
             forward = bucket.gather.take_opened()
-            # what its backward refills (the params made once, unsharded.py), or reinstalls
-            if forward is not None or self._recomputed:
+            # what its backward refills (the params made once, unsharded.py) and puts
+            # back on the modules
+            if forward is not None or handled:
                 self._forwards.append((bucket, forward, outs))
             self.prefetcher.unsharded(bucket)
         if handled:
@@ -195,8 +182,7 @@ class ModuleHooks:
                 bucket.free_unsharded()
         forwards, self._forwards = self._forwards, []
         if keep and forwards:
-            _refill_before_backward(output, _Refill(self.prefetcher, self.queue, forwards,
-                                                    install=self._recomputed))
+            _refill_before_backward(output, _Refill(self.prefetcher, self.queue, forwards))
         if keep and not self._compile_checked and module_compiled(module):
             self._compile_checked = self.eager_compiled.check(
                 [b.name for b in self.buckets], (args, kwargs), output)
@@ -240,13 +226,15 @@ class _Refill:
     with the values that forward used (Bucket.refill), and the
     next buckets' gathers are prefetched. The reductions the blocks after it
     deferred go first (their backward is over: see _launch_after_backward).
-    `install`: the block recomputes its forward without hooks (recomputes_without_hooks),
-    so its modules hold the params it computed with until its backward is done
-    (refilled, or a non-resharding bucket's new tensors, kept alive here)."""
+    The modules then hold the params the forward computed with (refilled, or a
+    non-resharding bucket's tensors) until the block's backward is done, as after
+    FSDP2's pre-backward unshard: a checkpoint's recompute in backward (of a child
+    module, of the block under a wrapper, of transformers' layers, of a module of
+    the root's bucket) runs without the block's hooks and reads what they hold."""
 
-    def __init__(self, prefetcher: Prefetcher, queue, forwards: list, install: bool) -> None:
+    def __init__(self, prefetcher: Prefetcher, queue, forwards: list) -> None:
         self.prefetcher, self.queue, self.forwards = prefetcher, queue, forwards
-        self.install, self.task = install, None
+        self.task = None
 
     def __call__(self, grad):
         task = current_graph_task_id()  # once per backward pass (retain_graph: each pass)
@@ -256,8 +244,13 @@ class _Refill:
             for bucket, forward, outs in self.forwards:
                 if forward is not None and bucket.refill(forward):
                     self.prefetcher.unsharded(bucket)
-                if self.install:
+                if outs is not None:
                     bucket.install_for_backward(outs)
+            # A bucket that keeps no params made once (it does not reshard after
+            # forward): the modules hold its tensors until the pass ends, and nothing
+            # here outlives that pass (the graph's nodes keep this hook while the loss lives).
+            self.forwards = [(b, f, outs if f is not None else None)
+                             for b, f, outs in self.forwards]
         return None
 
 
@@ -340,7 +333,8 @@ class StrayCallHooks:
 
 
 def _check_gathered(bucket: Bucket, name: str, tied: bool, module, args) -> None:
-    if bucket.state is not BucketState.SHARDED or bucket.held is not None:
+    if bucket.state is not BucketState.SHARDED or bucket.held is not None \
+            or bucket.installed_for_backward:
         return
     fix = (f"give it a bucket of its own (fs.BucketSpec('{name}.*') in flex_shard's buckets: "
            "it then gathers by itself), or call model.unshard() first" if not tied else
