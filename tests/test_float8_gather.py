@@ -480,3 +480,77 @@ def test_fp8_weights_are_renewed_in_params_made_once():
     # over the gather output, each later one renews its scale (parity: the FSDP2 test above)
     for flags in run_world(2, _made_once):
         assert len(flags) == 2 and all(made and same for made, same in flags), flags
+
+
+# A weight placed Shard(1), or split unevenly by RaggedShard, is no view of the gather
+# output: its fp8 data comes out through its copy plan, into a buffer made once that the
+# float8 weight holds, so each refill's new scale meets the new bytes.
+
+def _matrices_shard1(fqn: str, param: torch.Tensor):
+    return fs.Shard(1) if param.dim() > 1 else fs.Shard(0)
+
+
+_RESHARDING_PLACEMENTS = {"Shard(1)": _matrices_shard1,
+                          "RaggedShard(units=(1, 3))": fs.RaggedShard(units=(1, 3))}
+
+
+def _one_process_steps(steps: int, world: int) -> tuple:
+    """The reference: the same float8 model in one process, each rank's batch in turn,
+    the grads averaged; (mean loss per step, params after the last step)."""
+    model = float8_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for rank in range(world):
+            x, y = data(step, rank)
+            loss = (model(x) - y).square().mean() / world
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _placed_steps(placement, steps: int) -> tuple:
+    """Rank body's part: SGD steps with both blocks' buckets (which reshard after forward)
+    in `placement`; (mean loss per step, full params)."""
+    import torch.distributed as dist
+
+    buckets = [fs.BucketSpec("layers.0.*", placement=placement),
+               fs.BucketSpec("layers.1.*", placement=placement),
+               fs.BucketSpec(["norm.*", "head.*"], name="root")]
+    model = fs.flex_shard(float8_model(), buckets=buckets)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        x, y = data(step, dist.get_rank())
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses, fs.full_state_dict(model)
+
+
+def _placed_vs_one_process(steps: int) -> dict:
+    """Rank body: {placement name or "reference": (losses, params)}."""
+    out = {name: _placed_steps(p, steps) for name, p in _RESHARDING_PLACEMENTS.items()}
+    out["reference"] = _one_process_steps(steps, torch.distributed.get_world_size())
+    return out
+
+
+def test_fp8_weights_that_view_no_gather_output_train_as_one_process():
+    # 4 steps: from step 1 on a stale refill would pair step 0's fp8 bytes with the new scale
+    for results in run_world(2, _placed_vs_one_process, 4):
+        ref_losses, ref_params = results.pop("reference")
+        for name, (losses, params) in results.items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                       rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+            assert params.keys() == ref_params.keys()
+            for k, v in ref_params.items():
+                torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name, k=k: f"{n} {k}: {m}")

@@ -104,7 +104,9 @@ class WireFormat(abc.ABC):
         refilled each gather), the one decode returns for `fulls` and `meta`. By
         default decode again and copy into `out` (nothing when decode handed back a
         view of `out`'s storage); a format whose decode returns a tensor subclass
-        renews it in place instead (subclass.py: fsdp_post_all_gather(out=))."""
+        renews it in place instead (subclass.py: fsdp_post_all_gather(out=)). `fulls`
+        are the same tensors at every refill, those the first decode got, with this
+        gather's bytes in them (runtime/unsharded.py)."""
         new = self.decode(fulls, meta)
         if new.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
             out.copy_(new)

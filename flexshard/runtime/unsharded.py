@@ -29,11 +29,13 @@ the version a forward needs or refuses a stale one, and the storages are freed
 once no forward awaiting backward needs them.
 
 Any other format's param is made by its first decode and renewed by each later
-one (`WireFormat.refill`): a tensor subclass's (torchao's float8 weight) over the
-gather output through FSDP2's fsdp_post_all_gather(out=), any other decoded anew
-and copied into the first one's tensor. So every resharding bucket refills params
-made once; a bucket that keeps its params until backward gathers new tensors,
-which autograd frees once unneeded (runtime/gather.py, in_place).
+one (`WireFormat.refill`) from its parts' tensors made once (views of the gather
+output or of a column, else buffers its copy plan writes): a tensor subclass's
+(torchao's float8 weight) through FSDP2's fsdp_post_all_gather(out=), which renews
+the scale only, any other decoded anew and copied into the first one's tensor. So
+every resharding bucket refills params made once; a bucket that keeps its params
+until backward gathers new tensors, which autograd frees once unneeded
+(runtime/gather.py, in_place).
 
 `PostForwardShard`: under an int reshard_after_forward N (FSDP2's "reshard to a
 smaller group"), what a rank keeps of a bucket's forward gather for backward.
@@ -128,12 +130,14 @@ class UnshardedParams:
         self.params = [None if i in decoded or i in own or i in self._refilled else
                        column_full(columns[w.region], w.copies[0].shape) if w.region in columns
                        else w.copies[0].full(self.gathered) for i, w in enumerate(plans.wires)]
-        # a tensor of its own per such param, refilled by its copy plan
+        # a tensor of its own per such param (and per part of a refilled param that is
+        # no view: _made_fulls), refilled by its copy plan
         copied = [plans.wires[i].copies[0] for i in own]
         self._own = [(plan, torch.empty(plan.shape, dtype=plan.dtype, device=device))
                      for plan in copied]
         for i, (_, out) in zip(own, self._own):
             self.params[i] = out
+        self._fulls = {i: self._made_fulls(plans.wires[i], device) for i in self._refilled}
         # each decoding batch's buffer, its params views of it (refilled by its decode)
         self._wires, self._decodes = plans.wires, []
         for batch in {id(b): b for b in decoded.values()}.values():
@@ -145,8 +149,10 @@ class UnshardedParams:
         self.copied_bytes = sum(t.numel() * t.element_size() for t in
                                 list(columns.values()) + outs)
         # the gather output stays only while a param views it
-        self.views_gathered = any(w.region not in columns for i, w in enumerate(plans.wires)
-                                  if i not in decoded and i not in own)
+        self.views_gathered = any(
+            c.region not in columns and (i not in self._refilled or c.span is not None)
+            for i, w in enumerate(plans.wires) if i not in decoded and i not in own
+            for c in w.copies)
         flats = [copy.chunks[0] for copy in self._copies] + outs
         self._versioned = tuple([self.gathered] + flats)
         self._storages = [(t.untyped_storage(), t.untyped_storage().nbytes())
@@ -187,13 +193,33 @@ class UnshardedParams:
         self.version = version
         return list(self.params)
 
+    def _made_fulls(self, wire: "ParamWire", device: torch.device) -> list:
+        """Each part's full tensor for a refilled param, made once: a view of the
+        gather output or of its column, else (an index or runs plan: Shard(d>0), an
+        uneven RaggedShard) a buffer of its own that the copy-out writes through its
+        copy plan (`_own`). The param its first decode makes holds these tensors, and
+        a later refill may renew only its metadata: torchao's fsdp_post_all_gather(out=)
+        sets the scale and leaves the fp8 data where the first gather put it, as FSDP2
+        writes each gather into the same buffer. A buffer here costs no copy a new
+        tensor per gather would not (CopyPlan.full_into is the copy full makes)."""
+        fulls = []
+        for plan in wire.copies:
+            if plan.region in self._columns:
+                fulls.append(column_full(self._columns[plan.region], plan.shape))
+            elif plan.span is not None:
+                fulls.append(plan.full(self.gathered))
+            else:
+                self._own.append((plan, torch.empty(plan.shape, dtype=plan.dtype, device=device)))
+                fulls.append(self._own[-1][1])
+        return fulls
+
     def _refill(self) -> None:
-        """The other formats' params: made by the first decode, renewed after. A
-        param over a storage of its own (not the gather output's, not a column's)
-        joins the storages freed on reshard and reallocated before each refill."""
+        """The other formats' params: made by the first decode, renewed after, from
+        their parts' tensors made once (_made_fulls). A param over a storage of its own
+        (not the gather output's, not a column's) joins the storages freed on reshard
+        and reallocated before each refill."""
         for i in self._refilled:
-            wire = self._wires[i]
-            fulls = wire.fulls(self.gathered, self._columns)
+            wire, fulls = self._wires[i], self._fulls[i]
             if self.params[i] is not None:
                 wire.format.refill(fulls, wire.meta, self.params[i])
                 continue
