@@ -442,7 +442,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     reduce_queue.listeners += [bucket.backward_ended for bucket in state.buckets]
     eager_compiled = EagerCompiledBlocks()  # one warning per model
     for runner, buckets in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
+        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled,
+                                       is_root=runner is module))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
     if id(module) in by_runner:

@@ -286,10 +286,6 @@ class Bucket:
             self.install(tensors)
             self._installed_for_backward = True
 
-    @property
-    def installed_for_backward(self) -> bool:
-        return self._installed_for_backward
-
     def new_anchor(self) -> None:
         """Start a new route for this bucket's grads into autograd (at the
         start of each forward; see grad_reduce.py)."""

@@ -95,8 +95,12 @@ class ModuleHooks:
     """Unshard `buckets` before `module`'s forward and reshard them after."""
 
     def __init__(self, module: nn.Module, buckets: Sequence[Bucket],
-                 prefetcher: Prefetcher, eager_compiled: EagerCompiledBlocks) -> None:
+                 prefetcher: Prefetcher, eager_compiled: EagerCompiledBlocks,
+                 is_root: bool = False) -> None:
         self.module, self.buckets = module, list(buckets)
+        # The root's buckets keep nothing for a recompute in backward (its embedding's
+        # unsharded weight goes right after its use): StrayCallHooks gathers them again.
+        self.is_root = is_root
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
         self.mp = self.buckets[0].mp
@@ -141,7 +145,7 @@ class ModuleHooks:
             forward = bucket.gather.take_opened()
             # what its backward refills (the params made once, unsharded.py) and puts
             # back on the modules
-            if forward is not None or handled:
+            if forward is not None or (handled and not self.is_root):
                 self._forwards.append((bucket, forward, outs))
             self.prefetcher.unsharded(bucket)
         if handled:
@@ -229,8 +233,9 @@ class _Refill:
     The modules then hold the params the forward computed with (refilled, or a
     non-resharding bucket's tensors) until the block's backward is done, as after
     FSDP2's pre-backward unshard: a checkpoint's recompute in backward (of a child
-    module, of the block under a wrapper, of transformers' layers, of a module of
-    the root's bucket) runs without the block's hooks and reads what they hold."""
+    module, of the block under a wrapper, of transformers' layers) runs without the
+    block's hooks and reads what they hold. Not the root's buckets: StrayCallHooks
+    gathers them again for a recompute."""
 
     def __init__(self, prefetcher: Prefetcher, queue, forwards: list) -> None:
         self.prefetcher, self.queue, self.forwards = prefetcher, queue, forwards
@@ -333,8 +338,11 @@ class StrayCallHooks:
 
 
 def _check_gathered(bucket: Bucket, name: str, tied: bool, module, args) -> None:
-    if bucket.state is not BucketState.SHARDED or bucket.held is not None \
-            or bucket.installed_for_backward:
+    if bucket.state is not BucketState.SHARDED or bucket.held is not None:
+        return
+    if in_backward():  # an activation checkpoint recomputes the module: gather again
+        bucket.reduce_queue.watch_backward()  # the pass's end reshards it (reshard_kept)
+        bucket.install(bucket.unshard())
         return
     fix = (f"give it a bucket of its own (fs.BucketSpec('{name}.*') in flex_shard's buckets: "
            "it then gathers by itself), or call model.unshard() first" if not tied else
