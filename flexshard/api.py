@@ -297,8 +297,18 @@ def _check_args(module, mesh, placement, mp_policy, reshard_after_forward, offlo
         if name and find_state(sub) is not None:
             raise ValueError(f"submodule {name!r} is already wrapped by flex_shard; "
                              "wrap only the root module, with one BucketSpec per group")
+    inside = RegistrationGuard.name_in_wrapped_model(module)
+    if inside is not None:
+        raise ValueError(f"{type(module).__name__} is module {inside!r} of a model already "
+                         "wrapped by flex_shard (its params are shards); call flex_shard once, "
+                         "on the root module, with a BucketSpec for this module's params")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh is not None and mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in flex_shard's mesh of ranks "
+                         f"{mesh.mesh.flatten().tolist()}: build the mesh from every rank that "
+                         "trains this model (init_device_mesh over the world), and do not call "
+                         "flex_shard on ranks outside it")
     if mesh is not None and mesh.ndim not in (1, 2):
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (HSDP: replicate, shard), got a "
                          f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass a slice such "

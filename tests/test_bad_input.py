@@ -44,6 +44,11 @@ def _submodule_first(comm):
     fs.flex_shard(model, comm=comm)
 
 
+def _child_of_a_wrapped_model(comm):
+    model = fs.flex_shard(_model())  # a valid first wrap, with its collectives
+    fs.flex_shard(model.layers[0], comm=comm)
+
+
 def _two_devices(comm):
     model = _model()
     model.head.to("meta")
@@ -106,6 +111,9 @@ WRAP_CASES = {
                                              r"flex_shard once"),
     "submodule wrapped first": (_submodule_first, ValueError,
                                 r"submodule 'layers\.0' is already wrapped by flex_shard"),
+    "child of a wrapped model": (_child_of_a_wrapped_model, ValueError,
+                                 r"Block is module 'layers\.0' of a model already wrapped by "
+                                 r"flex_shard \(its params are shards\); call flex_shard once"),
     "not a Module": (lambda comm: fs.flex_shard(lambda x: x, comm=comm), TypeError,
                      r"flex_shard expects an nn\.Module, got function"),
     "no parameters": (lambda comm: fs.flex_shard(nn.ReLU(), comm=comm), ValueError,
@@ -200,6 +208,25 @@ def _dtensor_param():
 
 
 @pytest.mark.world
+def _mesh_without_this_rank():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [0])  # every rank builds it; rank 1 is outside it
+    try:
+        fs.flex_shard(_model(), mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_mesh_without_this_rank_is_refused_there():
+    """The ranks inside the mesh cannot know; the one outside says so, not IndexError."""
+    inside, outside = run_world(2, _mesh_without_this_rank)
+    assert inside is None
+    assert re.search(r"this rank \(1\) is not in flex_shard's mesh of ranks \[0\]: build the "
+                     r"mesh from every rank", outside), outside
+
+
 def test_mesh_neither_one_nor_two_dimensional():
     expect_all_ranks_raise(2, _three_dim_mesh, ValueError,
                            r"mesh must be 1-D \(shard\) or 2-D \(HSDP: replicate, shard\), got a "

@@ -50,6 +50,12 @@ class RegistrationGuard:
         finally:
             self.paused -= 1
 
+    @staticmethod
+    def name_in_wrapped_model(module: nn.Module):
+        """`module`'s FQN in a model flex_shard wrapped ('' for its root), else None."""
+        guard = module.__dict__.get(_TAG)
+        return None if guard is None else guard.names.get(id(module), "?.").rstrip(".")
+
     def _sharded(self) -> set:
         return {id(p) for b in self.buckets for p in b.params}
 
