@@ -44,12 +44,18 @@ def split_for_muon(module: nn.Module, is_matrix: Optional[MatrixFilter] = None) 
     pick = is_matrix or _is_2d
     matrices, others = [], []
     for bucket in get_state(module).buckets:
-        for slot, param in zip(bucket.slots, bucket.params):
+        for slot, param, wiring in zip(bucket.slots, bucket.params, bucket.wiring):
             if not param.requires_grad:
                 continue
             if not pick(slot.fqn, slot.shape):
                 others.append(param)
                 continue
+            if wiring.tp is not None and wiring.tp.sharded_over_tp:
+                raise ValueError(
+                    f"parameter {slot.fqn!r} in bucket {bucket.name!r} is picked for Muon but "
+                    "tensor parallelism splits it across ranks (each holds a TP block, whatever "
+                    "its flex_shard placement); Muon needs whole matrices: leave it out with "
+                    "is_matrix, or keep it out of the TP plan")
             if not whole_on_one_rank(slot):
                 raise ValueError(
                     f"parameter {slot.fqn!r} in bucket {bucket.name!r} is picked for Muon but "
@@ -104,14 +110,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer, sharded: list) -> None:
         return  # elementwise: every piece steps as its part of the whole would
     for bucket, slot, tp in sharded:
         if tp or not whole_on_one_rank(slot):
-            how = "tensor parallel" if tp else slot.placement
+            fix = ("leave the TP-split params out of its param groups (no flex_shard placement "
+                   "makes a TP block whole)" if tp else
+                   "give the params it updates placement fs.Owned() (each whole on one rank; "
+                   "fs.optim.split_for_muon picks Muon's matrices)")
             raise ValueError(
                 f"torch.optim.{kind.__name__} {why}, but parameter {slot.fqn!r} in bucket "
-                f"{bucket.name!r} is split across ranks ({how}): "
-                "each rank would step its piece as if it were the whole tensor. Give the "
-                "params it updates placement fs.Owned() (each whole on one rank; "
-                "fs.optim.split_for_muon picks Muon's matrices), or use an elementwise "
-                "optimizer (AdamW) for them")
+                f"{bucket.name!r} is split across ranks "
+                f"({'tensor parallel' if tp else slot.placement}): each rank would step its "
+                f"piece as if it were the whole tensor. {fix[0].upper() + fix[1:]}, or use an "
+                "elementwise optimizer (AdamW) for them")
         if kind.__name__ == "Adafactor" and not math.prod(slot.local_shapes[bucket.rank]):
             raise ValueError(
                 f"torch.optim.Adafactor divides by each param's numel, and parameter "

@@ -375,6 +375,10 @@ def _no_mesh():
     fs.flex_shard(tensor_parallel(make_llama(), dp_tp_mesh()["tp"]))
 
 
+def _muon_over_tp_matrices():
+    fs.optim.split_for_muon(tp_model(dp_tp_mesh(), "owned"))
+
+
 def test_bad_input():
     expect_all_ranks_raise(WORLD, _whole_mesh, ValueError,
                            r"flex_shard's mesh \(2, 2\) \('dp', 'tp'\) includes mesh dim 'tp', on "
@@ -391,6 +395,11 @@ def test_bad_input():
     expect_all_ranks_raise(WORLD, _one_dp_rank, NotImplementedError,
                            r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor and flex_shard's "
                            r"mesh shards over 1 rank")
+    # Owned cannot make a TP block whole: split_for_muon says so, not Muon's first step
+    expect_all_ranks_raise(WORLD, _muon_over_tp_matrices, ValueError,
+                           r"parameter 'layers\.0\.attn\.wq\.weight' in bucket .* is picked for "
+                           r"Muon but tensor parallelism splits it across ranks .* leave it out "
+                           r"with is_matrix")
     expect_all_ranks_raise(WORLD, _no_mesh, ValueError,
                            r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor \(tensor "
                            r"parallel\); pass flex_shard the data-parallel slice of its mesh")
