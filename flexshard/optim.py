@@ -109,17 +109,21 @@ def check_optimizer(optimizer: torch.optim.Optimizer, sharded: list) -> None:
     if why is None:
         return  # elementwise: every piece steps as its part of the whole would
     for bucket, slot, tp in sharded:
-        if tp or not whole_on_one_rank(slot):
-            fix = ("leave the TP-split params out of its param groups (no flex_shard placement "
-                   "makes a TP block whole)" if tp else
-                   "give the params it updates placement fs.Owned() (each whole on one rank; "
-                   "fs.optim.split_for_muon picks Muon's matrices)")
+        if tp:
             raise ValueError(
                 f"torch.optim.{kind.__name__} {why}, but parameter {slot.fqn!r} in bucket "
-                f"{bucket.name!r} is split across ranks "
-                f"({'tensor parallel' if tp else slot.placement}): each rank would step its "
-                f"piece as if it were the whole tensor. {fix[0].upper() + fix[1:]}, or use an "
-                "elementwise optimizer (AdamW) for them")
+                f"{bucket.name!r} is split across ranks by tensor parallelism: each rank would "
+                "step its TP block as if it were the whole tensor. Leave the TP-split params "
+                "out of its param groups (no flex_shard placement makes a TP block whole), or "
+                "use an elementwise optimizer (AdamW) for them")
+        if not whole_on_one_rank(slot):
+            raise ValueError(
+                f"torch.optim.{kind.__name__} {why}, but parameter {slot.fqn!r} in bucket "
+                f"{bucket.name!r} is split across ranks ({slot.placement}): "
+                "each rank would step its piece as if it were the whole tensor. Give the "
+                "params it updates placement fs.Owned() (each whole on one rank; "
+                "fs.optim.split_for_muon picks Muon's matrices), or use an elementwise "
+                "optimizer (AdamW) for them")
         if kind.__name__ == "Adafactor" and not math.prod(slot.local_shapes[bucket.rank]):
             raise ValueError(
                 f"torch.optim.Adafactor divides by each param's numel, and parameter "
