@@ -379,6 +379,12 @@ def _muon_over_tp_matrices():
     fs.optim.split_for_muon(tp_model(dp_tp_mesh(), "owned"))
 
 
+def _muon_step_on_tp_matrices():
+    model = tp_model(dp_tp_mesh(), "owned")
+    matrices = [p for name, p in model.named_parameters() if name.endswith("attn.wq.weight")]
+    train_steps(model, 0, torch.optim.Muon(matrices, lr=LR), 1)
+
+
 def test_bad_input():
     expect_all_ranks_raise(WORLD, _whole_mesh, ValueError,
                            r"flex_shard's mesh \(2, 2\) \('dp', 'tp'\) includes mesh dim 'tp', on "
@@ -400,6 +406,10 @@ def test_bad_input():
                            r"parameter 'layers\.0\.attn\.wq\.weight' in bucket .* is picked for "
                            r"Muon but tensor parallelism splits it across ranks .* leave it out "
                            r"with is_matrix")
+    expect_all_ranks_raise(WORLD, _muon_step_on_tp_matrices, ValueError,
+                           r"torch\.optim\.Muon orthogonalizes each matrix as a whole, but "
+                           r"parameter 'layers\.0\.attn\.wq\.weight' .* split across ranks by "
+                           r"tensor parallelism.*Leave the TP-split params out of its param groups")
     expect_all_ranks_raise(WORLD, _no_mesh, ValueError,
                            r"parameter 'layers\.0\.attn\.wq\.weight' is a DTensor \(tensor "
                            r"parallel\); pass flex_shard the data-parallel slice of its mesh")
