@@ -75,3 +75,19 @@ def test_fsdp_symm_mem_is_refused():
     with pytest.raises(NotImplementedError, match=r"tensor, expert and pipeline parallelism "
                        r"only; drop --parallelism.enable_fsdp_symm_mem"):
         _parallelize(dims, parallelism)
+
+
+def test_tensor_parallel_without_a_dp_shard_dim_is_refused_before_the_model_is_touched():
+    """flex_shard needs 2+ ranks to shard TP blocks over: said in torchtitan's flags,
+    before torchtitan's TP plan converts the params (dp_replicate too: HSDP of 1)."""
+    for replicate in (1, 2):
+        dims = ParallelDims(dp_replicate=replicate, dp_shard=1, cp=1, tp=2, pp=1, ep=1,
+                            world_size=2 * replicate, spmd_backend="partial_dtensor")
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(NotImplementedError, match=r"--parallelism.tensor_parallel_degree 2 "
+                           r"with --parallelism.data_parallel_shard_degree 1: .* give dp_shard 2 "
+                           r"or more ranks"):
+            parallelize_decoder(model, parallel_dims=dims, training=TrainingConfig(),
+                                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                                compile_config=CompileConfig(), ac_config=None, dump_folder="",
+                                flex_shard=FlexShardConfig())

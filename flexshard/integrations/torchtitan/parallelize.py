@@ -85,6 +85,13 @@ def check_job(parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> No
             "'Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have "
             "a sharding strategy registered' (and the math SDPA backend does not finish). Set "
             "--parallelism.context_parallel_degree 1 and give those ranks to dp_shard")
+    if parallel_dims.tp > 1 and parallel_dims.dp_shard == 1:
+        raise NotImplementedError(
+            f"--parallelism.tensor_parallel_degree {parallel_dims.tp} with "
+            "--parallelism.data_parallel_shard_degree 1: flex_shard shards the TP blocks over "
+            "the fsdp mesh, which then holds 1 rank; give dp_shard 2 or more ranks (fewer to "
+            "tensor_parallel_degree or data_parallel_replicate_degree), or train this layout "
+            "with torchtitan's own FSDP2")
     unsupported = _unsupported(parallel_dims, parallelism)
     if unsupported:
         raise NotImplementedError(
