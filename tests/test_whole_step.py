@@ -35,7 +35,7 @@ def _saved_numels(model, x) -> set:
     """numel of every tensor autograd saves in one forward of `model`, less the
     sharded params themselves (what a checkpoint keeps to regather from; an Owned
     param's owner holds it whole) and int64 ones: index plans' positions (Shard(1)),
-    constants of the graph, never a weight or a gather output."""
+    inputs of the graph, never a weight or a gather output."""
     seen, shards = set(), {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
@@ -197,6 +197,22 @@ def test_whole_step_uneven_world_mixed_placements_and_inductor():
     way, inductor: the same training."""
     config = {"placement": mixed}
     check_whole(3, config, backend="inductor")
+
+
+def _shard1_beside_owned(fqn: str, param) -> fs.Placement:
+    """Shard(1) matrices (index plans) in a bucket with Owned ones and Shard(0) vectors."""
+    if ".up." in fqn:
+        return fs.Owned()
+    return fs.Shard(1) if param.dim() > 1 else fs.Shard(0)
+
+
+def test_whole_step_shard1_under_inductor():
+    """Shard(1) matrices beside Owned and Shard(0) params in each bucket, inductor at
+    world 2 (one block: inductor compiles slowly): the reference's training, one
+    compiled graph each step. Their index plans' positions are inputs of the graph:
+    held as constants, inductor's fake tensor pass refused them."""
+    check_whole(2, {"placement": _shard1_beside_owned}, backend="inductor",
+                model_kw={"layers": 1})
 
 
 def test_whole_step_ragged_with_uneven_groups_gathers_the_padded_layout():

@@ -91,20 +91,25 @@ class CopyPlan:
             for run in self.runs:
                 _flat_rows(flat, run).copy_(_strided(typed, run))
 
-    def traced_full(self, typed: torch.Tensor, base: int = 0) -> torch.Tensor:
+    def traced_full(self, typed: torch.Tensor, base: int = 0,
+                    index: Optional[tuple] = None) -> torch.Tensor:
         """The full tensor from `typed` (the rank-major buffer, or the part of it
         from element `base` on: a gather group's output; typed as the plan's dtype)
         by out-of-place ops only, for a traced graph (runtime/traced.py): a view
-        when the plan is one, else a new tensor (an index plan's positions made
-        beforehand: `index(device, base)`)."""
+        when the plan is one, else a new tensor. An index plan reads `index`,
+        its `index(device, base)` made beforehand, the positions a tensor of the
+        graph (an input: a tensor of the plan's own would be a constant of the
+        graph, which inductor's fake tensor pass refuses)."""
         if self.span is not None:
             start = self.span[0] // self.dtype.itemsize - base
             if start == 0 and typed.numel() == self.numel:  # its own gather group, whole:
                 return typed.view(self.shape)  # no slice, whose backward would copy
             return typed[start:start + self.numel].view(self.shape)
         if self.runs is None:
+            if index is None:
+                raise AssertionError("a traced index plan reads positions passed in, not its own")
             # as_strided from the tensor's own offset: dynamo cannot trace storage_offset()
-            block, index = self.index(typed.device, base)
+            block, index = index
             blocks = typed.as_strided((typed.numel() // block, block), (block, 1))
             return blocks[index].view(self.shape)
         # runs fill the flat tensor in order (flat_start ascending, no gaps)

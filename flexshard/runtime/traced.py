@@ -262,7 +262,12 @@ class TracedBucket:
                        else bucket.storage.buffer.device)
         self.span_groups = [span_group(members, [c.shape for c in self.grad_copies])
                             for members in self._plan_spans(reduce, size)]
-        self.positions = tuple(p for group in self.span_groups for p in group.positions)
+        # the graph's index positions, all passed in (unsharded below): the gather's
+        # (Shard(d > 0) params out of their group's output), then the grads' (Spans)
+        gather_indices = self._index_plans()
+        self.gather_blocks = tuple(block for block, _ in gather_indices)
+        self.positions = tuple(p for _, p in gather_indices) + \
+            tuple(p for group in self.span_groups for p in group.positions)
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
         # a user-defined format's encode and decode: one op each (opaque_format.py)
@@ -275,7 +280,6 @@ class TracedBucket:
         self.offload = bucket.offload  # its compute device read at trace time (to() moves it)
         self.tp = [w.tp for w in bucket.wiring]
         self.traced = _traced_gather()
-        self._index_plans()
 
     # a pytree constant (unsharded() below) needs its own __eq__ and __hash__: identity
     def __eq__(self, other) -> bool:
@@ -284,14 +288,28 @@ class TracedBucket:
     def __hash__(self) -> int:
         return id(self)
 
-    def _index_plans(self) -> None:
-        """Make the gather's index plans' positions (Shard(d > 0): CopyPlan.index) in
-        their group's output now, on the compute device: made while tracing, their
-        data-dependent ops would fail (the grads': _plan_spans)."""
+    def _index_plans(self) -> list:
+        """(block, positions) of each of the gather's index plans (Shard(d > 0):
+        CopyPlan.index) in its group's output, in the order _decode reads them,
+        made now on the compute device: made while tracing, their data-dependent
+        ops would fail (the grads': _plan_spans).
+
+        The positions go into the graph as inputs, as the grads' do: held by this
+        constant TracedBucket they would be constants of the graph, real tensors
+        that inductor's fake tensor pass refuses. Of the ways to a Shard(d) param
+        that the graph accepts, the index is one gather (one copy, as eager's, and
+        the same plan) for any placement, a user's included, in one op whatever the
+        world size; a cat of the ranks' piece views is a copy too, but one input
+        per rank (inductor copies each on its own past its max_pointwise_cat_inputs,
+        8), and a permute of a strided view covers only an even Shard(d). Made in
+        the graph from static shapes instead, they would be remade every step."""
+        out = []
         for plan in (c for w in self.wires.params for c in w.copies):
             if plan.kind == "index":
                 group = self.layout.regions[plan.region].group
-                plan.index(self.device, self.world * self.starts[0][group] // plan.dtype.itemsize)
+                out.append(plan.index(self.device,
+                                      self.world * self.starts[0][group] // plan.dtype.itemsize))
+        return out
 
     def _on_device(self, pieces: Sequence[torch.Tensor]) -> list:
         """`pieces` on the compute device: an offloaded bucket's copied from host memory
@@ -365,8 +383,8 @@ class TracedBucket:
                   positions: Sequence[torch.Tensor]) -> list:
         """The unsharded params (one per slot, a TP slot's a DTensor again), made
         inside the graph that calls this; `cast8` is cast_float8's, `positions`
-        this bucket's `positions` (the grads' index positions: passed in, they are
-        tensors of the graph)."""
+        this bucket's `positions` (the gather's and the grads' index positions:
+        passed in, they are tensors of the graph)."""
         sharded = self._on_device(sharded)  # under reshard, recomputed in backward
         send, metas = self.send(sharded, cast8)
         size = send.element_size()
@@ -381,9 +399,11 @@ class TracedBucket:
         stand_ins, gathered = outs[:len(self.reduces)], outs[len(self.reduces):]
         if self.levels is not None:
             gathered = _RankOrdered(gathered, *self.levels[1::2])
-        fulls = [self._decode(i, wire, gathered, metas.get(i))
+        gather_at = len(self.gather_blocks)
+        indices = iter(zip(self.gather_blocks, positions[:gather_at]))
+        fulls = [self._decode(i, wire, gathered, metas.get(i), indices)
                  for i, wire in enumerate(self.wires.params)]
-        for k, value in self._spanned(stand_ins, fulls, positions):
+        for k, value in self._spanned(stand_ins, fulls, positions[gather_at:]):
             i = self.trainable[k]
             if type(fulls[i]) is not torch.Tensor:  # a subclass: cast its plain, not its grad
                 value = _ValueFrom.apply(value.to(fulls[i].dtype), fulls[i])
@@ -405,10 +425,14 @@ class TracedBucket:
                 out += zip(group.trainable, Spans.apply(stand_in, group, *values, *mine))
         return out
 
-    def _decode(self, slot: int, wire, gathered, meta) -> torch.Tensor:
-        fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True)
+    def _decode(self, slot: int, wire, gathered, meta, indices) -> torch.Tensor:
+        """`slot`'s unsharded param; `indices`: the gather's (block, positions),
+        each index plan taking the next."""
+        fulls = [_full(plan, gathered, self.layout, self.starts[0], self.world, bytes_=True,
+                       index=next(indices) if plan.kind == "index" else None)
                  if self.levels is None else
-                 _full_regrouped(plan, gathered, self.layout, self.starts[0], self.world)
+                 _full_regrouped(plan, gathered, self.layout, self.starts[0], self.world,
+                                 next(indices) if plan.kind == "index" else None)
                  for plan in wire.copies]
         fmt = wire.format
         if isinstance(fmt, BlockQuantized):
@@ -485,26 +509,29 @@ class _RankOrdered:
 
 
 def _full_regrouped(plan, outputs: _RankOrdered, layout, starts: Sequence[int],
-                    world: int) -> torch.Tensor:
+                    world: int, index=None) -> torch.Tensor:
     """`plan`'s full tensor out of an int reshard's gather outputs: read from the
-    position-major order where the plan can, else from the rank-ordered copy."""
+    position-major order where the plan can, else from the rank-ordered copy
+    (an index plan's, by `index`)."""
     group, size = layout.regions[plan.region].group, plan.dtype.itemsize
     full = plan.traced_full_regrouped(_typed(outputs.regrouped[group], plan.dtype),
                                       world * starts[group] // size,
                                       layout.stride(plan.region) // size, outputs.size)
-    return full if full is not None else _full(plan, outputs, layout, starts, world, bytes_=True)
+    return full if full is not None else _full(plan, outputs, layout, starts, world, bytes_=True,
+                                               index=index)
 
 
 def _full(plan, outputs: Sequence[torch.Tensor], layout, starts: Sequence[int], world: int,
-          bytes_: bool = False) -> torch.Tensor:
+          bytes_: bool = False, index=None) -> torch.Tensor:
     """`plan`'s full tensor out of the gather groups' `outputs` (rank-major each;
     `starts`: where each group starts in a rank's segment; if `bytes_`, in bytes
     and the outputs typed as the plan's, else in elements of outputs as they are):
-    out of its own group's output, a view where the plan is one."""
+    out of its own group's output, a view where the plan is one (an index plan's
+    by `index`: its (block, positions))."""
     group = layout.regions[plan.region].group
     size = plan.dtype.itemsize if bytes_ else 1
     typed = outputs[group] if not bytes_ else _typed(outputs[group], plan.dtype)
-    return plan.traced_full(typed, world * starts[group] // size)
+    return plan.traced_full(typed, world * starts[group] // size, index)
 
 
 def _gather_unsharded(bucket: TracedBucket, sharded: Sequence[torch.Tensor], cast8: dict,
@@ -524,5 +551,6 @@ def _traced_gather():
 def unsharded(bucket: TracedBucket, sharded: Sequence[torch.Tensor], cast8: dict) -> list:
     """`bucket`'s unsharded params in a graph dynamo captures: one non-strict
     traced call (AOTAutograd traces its ops; dynamo does not interpret the
-    planning Python around them), its positions passed as tensors of the graph."""
+    planning Python around them), its index positions passed as tensors of the
+    graph."""
     return bucket.traced(bucket, sharded, cast8, bucket.positions)

@@ -417,11 +417,6 @@ class ParamWire:
             return out, 0  # the format handed back a view
         return out, math.prod(out.shape) * out.element_size()
 
-    def traced(self, gathered: torch.Tensor) -> torch.Tensor:
-        """decode for a traced region (no views, no counts)."""
-        return self.format.decode([plan.traced_full(gathered) for plan in self.copies],
-                                  self.meta)
-
 
 def plan_param_wires(layout, wire: WirePlan, rank: int) -> "BucketWires":
     """A ParamWire per slot of `wire` over `layout`, batched where their
