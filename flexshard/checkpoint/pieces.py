@@ -199,7 +199,10 @@ class ShardedPieces(torch.Tensor):
             f"{func} on a ShardedPieces (one rank's pieces of a {tuple(args[0].shape)} tensor "
             "for torch.distributed.checkpoint); for full tensors call fs.full_state_dict(model) "
             "on every rank (to export a Hugging Face model, pass it as "
-            "save_pretrained(..., state_dict=full) on rank 0: docs/checkpoints.md)")
+            "save_pretrained(..., state_dict=full) on rank 0: docs/checkpoints.md). A "
+            "state_dict hook that reshapes or splits a param (torchtitan's fused QKV "
+            "attention splits wqkv) needs that param placed fs.Shard(0), whose values are "
+            "DTensors")
 
     # torch.distributed.checkpoint's protocol.
 
@@ -233,6 +236,11 @@ class LivePieces(ShardedPieces):
 
     def __reduce_ex__(self, protocol):
         raise not_picklable(self.shape)
+
+    def untyped_storage(self):
+        """The sharded parameter's: each state_dict() call's LivePieces of one param
+        share it (torchtitan's ModelWrapper checks so before copying into its cache)."""
+        return self._local.untyped_storage()
 
 
 class LiveDTensor(DTensor):
