@@ -49,6 +49,11 @@ def _child_of_a_wrapped_model(comm):
     fs.flex_shard(model.layers[0], comm=comm)
 
 
+class _JunkFormat(fs.WirePolicy):
+    def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
+        return "int8"
+
+
 def _two_devices(comm):
     model = _model()
     model.head.to("meta")
@@ -114,6 +119,10 @@ WRAP_CASES = {
     "child of a wrapped model": (_child_of_a_wrapped_model, ValueError,
                                  r"Block is module 'layers\.0' of a model already wrapped by "
                                  r"flex_shard \(its params are shards\); call flex_shard once"),
+    "gather_format returns no WireFormat": (
+        _wrap(mp_policy=fs.MixedPrecisionPolicy(gather_format=_JunkFormat())), TypeError,
+        r"the gather_format .*_JunkFormat.* returned 'int8' for parameter '[\w.]+'; its format\(\) "
+        r"must return a fs\.WireFormat"),
     "not a Module": (lambda comm: fs.flex_shard(lambda x: x, comm=comm), TypeError,
                      r"flex_shard expects an nn\.Module, got function"),
     "no parameters": (lambda comm: fs.flex_shard(nn.ReLU(), comm=comm), ValueError,

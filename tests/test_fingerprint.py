@@ -101,6 +101,20 @@ def _different_policy():
     _wrap_checked(TinyGPT(), mp_policy=fs.MixedPrecisionPolicy(param_dtype=dtype))
 
 
+class _RankDependentFormat(fs.WirePolicy):
+    """A policy whose repr is the same on every rank, its choice not."""
+
+    def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
+        if dist.get_rank() == 0 and fqn == "layers.0.up.weight":
+            return fs.BlockQuantized(torch.int8, gather_dtype, 1)
+        return None
+
+
+def _rank_dependent_wire_format():
+    torch.manual_seed(0)
+    _wrap_checked(TinyGPT(), mp_policy=fs.MixedPrecisionPolicy(gather_format=_RankDependentFormat()))
+
+
 def _frozen_on_one_rank():
     torch.manual_seed(0)
     model = TinyGPT()
@@ -144,6 +158,9 @@ def test_world_size_one_issues_no_collective():
     (_rank_dependent_units, r"bucket 2 \('root' on rank \d\): field 'placements' differs: rank \d has "
                             r"'head\.weight: RaggedShard\(dims=\(0,\), units=\((1, 2|2, 1)\)\)'"),
     (_different_policy, r"bucket 0 .*: field 'mp_policy' differs: .*param_dtype=torch\.(bfloat16|float32)"),
+    (_rank_dependent_wire_format, r"bucket 0 \('layers\.0' on rank \d\): field 'wire_formats' "
+                                  r"differs: rank \d has 'layers\.0\.up\.weight: "
+                                  r"(BlockQuantized|Cast)"),
     (_frozen_on_one_rank, r"bucket 1 \('layers\.1' on rank \d\): field 'trainable' differs: rank \d "
                           r"has 'layers\.1\.proj\.bias: (True|False)'"),
     (_extra_bucket_on_one_rank, r"bucket 3 \(('extra' on|absent on) rank \d\): "

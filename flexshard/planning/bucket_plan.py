@@ -11,7 +11,7 @@ import torch
 
 from ..config import MixedPrecisionPolicy
 from ..placements.subclass import with_gather_dtype
-from ..placements.wire import Cast
+from ..placements.wire import Cast, WireFormat
 from .layout import BucketLayout, SlotPlan, plan_layout
 from .wire_plan import WirePlan, plan_wire
 
@@ -90,6 +90,10 @@ def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size
             continue
         chosen = None if mp.gather_format is None else \
             mp.gather_format.format(s.fqn, s.shape, s.dtype, dtype, s.placement, world_size)
+        if chosen is not None and not isinstance(chosen, WireFormat):
+            raise TypeError(f"the gather_format {mp.gather_format!r} returned {chosen!r} for "
+                            f"parameter {s.fqn!r}; its format() must return a fs.WireFormat "
+                            "(fs.BlockQuantized(...), a subclass of your own) or None (a cast)")
         out.append(Cast(dtype) if chosen is None else chosen)
     return tuple(out)
 

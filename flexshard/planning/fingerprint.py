@@ -23,6 +23,8 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from .bucket_plan import wire_formats
+
 _WORDS = 2  # 62-bit words per digest
 _ABSENT = -1  # digest of a bucket a rank does not have
 _TEXT_BYTES = 4096  # bytes of a field's text sent to explain a mismatch
@@ -41,6 +43,7 @@ class BucketFingerprint(NamedTuple):
     local_shapes: tuple
     reshard_after_forward: tuple
     mp_policy: tuple
+    wire_formats: tuple  # each param's, as its policy chose it on this rank
     mesh_shape: tuple  # (replicas, shard size) of the bucket's mesh
 
 
@@ -70,6 +73,7 @@ def bucket_fingerprint(name: str, slots: Sequence, trainable: Sequence[bool],
         local_shapes=per_param([tuple(x) for x in s.local_shapes] for s in slots),
         reshard_after_forward=(_text(reshard_after_forward),),
         mp_policy=(_text(mp_policy),),
+        wire_formats=per_param(wire_formats(slots, mp_policy, mesh_shape[1])),
         mesh_shape=(_text(tuple(mesh_shape)),),
     )
 
