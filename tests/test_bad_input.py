@@ -54,6 +54,22 @@ class _JunkFormat(fs.WirePolicy):
         return "int8"
 
 
+class _BlocksOf(fs.WirePolicy):
+    """BlockQuantized for the head, whatever its placement cuts."""
+
+    def __init__(self, block_rows: int = 1, out_dtype=torch.float32) -> None:
+        self.block_rows, self.out_dtype = block_rows, out_dtype
+
+    def format(self, fqn, shape, dtype, gather_dtype, placement, world_size):
+        if fqn == "head.weight":
+            return fs.BlockQuantized(torch.int8, self.out_dtype, self.block_rows)
+        return None
+
+
+def _blocks(policy, **kwargs):
+    return _wrap(mp_policy=fs.MixedPrecisionPolicy(gather_format=policy), **kwargs)
+
+
 def _two_devices(comm):
     model = _model()
     model.head.to("meta")
@@ -123,6 +139,19 @@ WRAP_CASES = {
         _wrap(mp_policy=fs.MixedPrecisionPolicy(gather_format=_JunkFormat())), TypeError,
         r"the gather_format .*_JunkFormat.* returned 'int8' for parameter '[\w.]+'; its format\(\) "
         r"must return a fs\.WireFormat"),
+    # head.weight is (37, 30): 37 rows do not fall in blocks of 2, columns are not rows
+    "BlockQuantized rows not in blocks": (
+        _blocks(_BlocksOf(block_rows=2)), ValueError,
+        r"parameter 'head\.weight': BlockQuantized\(.*block_rows=2\) scales blocks of 2 whole "
+        r"row\(s\), but Shard\(dim=0\) over \d rank\(s\) does not cut the \(37, 30\) tensor"),
+    "BlockQuantized on columns": (
+        _blocks(_BlocksOf(), placement=lambda fqn, p: fs.Shard(1) if fqn == "head.weight"
+                else fs.Shard(0)), ValueError,
+        r"parameter 'head\.weight': .* but Shard\(dim=1\) over \d rank\(s\) does not cut"),
+    "BlockQuantized decoding to another dtype": (
+        _blocks(_BlocksOf(out_dtype=torch.bfloat16)), ValueError,
+        r"returned BlockQuantized\(.*\) for parameter 'head\.weight', whose gathers decode to "
+        r"torch\.float32: give it out_dtype=torch\.float32"),
     "not a Module": (lambda comm: fs.flex_shard(lambda x: x, comm=comm), TypeError,
                      r"flex_shard expects an nn\.Module, got function"),
     "no parameters": (lambda comm: fs.flex_shard(nn.ReLU(), comm=comm), ValueError,

@@ -87,6 +87,13 @@ class BlockQuantized(WireFormat):
     decodes_into = True
 
     def parts(self, shape: torch.Size, placement: Placement, world_size: int) -> tuple:
+        if not _row_cuts(shape, placement, world_size, self.block_rows):
+            raise ValueError(
+                f"{self} scales blocks of {self.block_rows} whole row(s), but {placement} over "
+                f"{world_size} rank(s) does not cut the {tuple(shape)} tensor into pieces of "
+                "whole rows, in rank order, each a multiple of block_rows: return None (a cast) "
+                "for it from your gather_format, or use fs.QuantizedGather, which quantizes "
+                "only the params that fit")
         rows = [placement.local_shape(shape, r, world_size)[0] for r in range(world_size)]
         units = tuple(n // self.block_rows for n in rows)
         scales = torch.Size([shape[0] // self.block_rows])

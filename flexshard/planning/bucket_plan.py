@@ -11,6 +11,7 @@ import torch
 
 from ..config import MixedPrecisionPolicy
 from ..placements.subclass import with_gather_dtype
+from ..placements.quantized import BlockQuantized
 from ..placements.wire import Cast, WireFormat
 from .layout import BucketLayout, SlotPlan, plan_layout
 from .wire_plan import WirePlan, plan_wire
@@ -90,12 +91,25 @@ def wire_formats(slots: Sequence[SlotPlan], mp: MixedPrecisionPolicy, world_size
             continue
         chosen = None if mp.gather_format is None else \
             mp.gather_format.format(s.fqn, s.shape, s.dtype, dtype, s.placement, world_size)
-        if chosen is not None and not isinstance(chosen, WireFormat):
-            raise TypeError(f"the gather_format {mp.gather_format!r} returned {chosen!r} for "
-                            f"parameter {s.fqn!r}; its format() must return a fs.WireFormat "
-                            "(fs.BlockQuantized(...), a subclass of your own) or None (a cast)")
+        if chosen is not None:
+            _check_chosen(chosen, s, dtype, mp.gather_format, world_size)
         out.append(Cast(dtype) if chosen is None else chosen)
     return tuple(out)
+
+
+def _check_chosen(chosen, s: SlotPlan, dtype: torch.dtype, policy, world_size: int) -> None:
+    """A policy's choice for slot `s`, checked at wrap time on every rank: what
+    would fail at the first gather (on some ranks) fails here, naming the param."""
+    said = f"the gather_format {policy!r} returned {chosen!r} for parameter {s.fqn!r}"
+    if not isinstance(chosen, WireFormat):
+        raise TypeError(f"{said}; its format() must return a fs.WireFormat "
+                        "(fs.BlockQuantized(...), a subclass of your own) or None (a cast)")
+    if isinstance(chosen, BlockQuantized) and chosen.out_dtype != dtype:
+        raise ValueError(f"{said}, whose gathers decode to {dtype}: give it out_dtype={dtype}")
+    try:
+        chosen.parts(s.shape, s.placement, world_size)
+    except ValueError as e:
+        raise ValueError(f"parameter {s.fqn!r}: {e}") from e
 
 
 def _reshards_whole(reshard_after_forward) -> bool:
