@@ -21,7 +21,7 @@ from .placements.shard import Shard
 from .planning.assign import alias_names, assign_params, default_buckets
 from .planning.fingerprint import check_ranks_agree
 from .planning.options import check_options, check_params, check_specs, resolve_reshard
-from .planning.plan import WrapPlan, plan_wrap
+from .planning.plan import WrapPlan, plan_wrap, shard_dim_note
 from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,
                                        to_local_params)
 from .runtime.bucket import Bucket, BucketState, SlotWiring
@@ -250,7 +250,7 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
     named = local.named
     _, world_size = _rank_and_world(mesh)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
-                     world_size, replicas=_replicas(mesh), note=_shard_dim_note(mesh),
+                     world_size, replicas=_replicas(mesh), note=shard_dim_note(() if mesh is None else tuple(mesh.shape)),
                      offload_policy=offload_policy, dtensors=frozenset(local.specs))
     device = _param_device(named)
     mesh = mesh if mesh is not None else _default_mesh(device, world_size)
@@ -392,13 +392,6 @@ def _default_mesh(device: torch.device, world_size: int) -> Optional[DeviceMesh]
     if device_type == "meta":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, (world_size,))
-
-
-def _shard_dim_note(mesh) -> str:
-    if mesh is None or mesh.ndim == 1:
-        return ""
-    return (f" (under HSDP placements split over the shard group, dim 1 of the "
-            f"{tuple(mesh.shape)} mesh: {mesh.size(1)} rank(s))")
 
 
 def _new_state(groups: MeshGroups, comm: Comm) -> FlexShardState:

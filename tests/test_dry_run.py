@@ -314,6 +314,11 @@ def test_bad_options_raise_clear_errors():
         fs.describe(model)
     with pytest.raises(TypeError, match="describe expects an nn.Module, got str"):
         fs.describe("model", mesh_shape=(1, 2))
+    # as flex_shard's on a (2, 2) mesh: the placements split over the shard group
+    with pytest.raises(ValueError, match=r"Owned\(rank=3\) is outside the world of 2 rank\(s\).* "
+                                         r"\(under HSDP placements split over the shard group, dim 1 "
+                                         r"of the \(2, 2\) mesh: 2 rank\(s\)\)"):
+        fs.describe(model, mesh_shape=(2, 2), placement=fs.Owned(rank=3))
 
 
 def test_bad_flex_shard_options_raise_as_flex_shard_does():

@@ -18,7 +18,7 @@ from ..placements.shard import Shard
 from .bucket_plan import plan_bucket_layouts
 from .assign import default_buckets
 from .options import check_options, check_params, check_specs
-from .plan import plan_wrap
+from .plan import plan_wrap, shard_dim_note
 from .report import ShardingPlan, bucket_plan
 
 # flex_shard's keyword arguments a dry run takes, with flex_shard's defaults.
@@ -65,7 +65,8 @@ def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Sha
     named = dict(module.named_parameters())
     check_params(named)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
-                     shards, replicas=replicas, offload_policy=offload_policy)
+                     shards, replicas=replicas, offload_policy=offload_policy,
+                     note=shard_dim_note(mesh_shape if replicas > 1 else ()))
     names = {id(m): n for n, m in module.named_modules()}
     rows = tuple(_row(b, names) for b in plan.buckets)
     return ShardingPlan(replicas * shards, rows, mesh_shape)

@@ -62,6 +62,14 @@ class WrapPlan(NamedTuple):
     buckets: tuple  # PlannedBucket
 
 
+def shard_dim_note(mesh_shape: tuple) -> str:
+    """What ends a placement error on a 2-D (HSDP) mesh: the group it splits over."""
+    if len(mesh_shape) != 2:
+        return ""
+    return (f" (under HSDP placements split over the shard group, dim 1 of the "
+            f"{tuple(mesh_shape)} mesh: {mesh_shape[1]} rank(s))")
+
+
 def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], placement,
               mp_policy: MixedPrecisionPolicy, reshard_after_forward,
               world_size: int, *, replicas: int = 1, note: str = "",
