@@ -434,6 +434,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.adopt([originals[slot.fqn] for slot in planned.slots])
         bucket.reduce_queue = reduce_queue
         bucket.used_in_nested_runner = planned.used_in_nested_runner
+        bucket.above_owners = planned.above_owners
         bucket.needs_hooks = planned.needs_hooks
         tps = slot_specs(planned.slots, tp_specs) or (None,) * len(planned.slots)
         bucket.wire([SlotWiring(aliases, tp, norm_groups(bucket, i, tp, state.mesh_group)
@@ -445,8 +446,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     reduce_queue.listeners += [bucket.backward_ended for bucket in state.buckets]
     eager_compiled = EagerCompiledBlocks()  # one warning per model
     for runner, buckets in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled,
-                                       is_root=runner is module))
+        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
     if id(module) in by_runner:

@@ -115,15 +115,14 @@ def parts_model(kind: str):
     return model
 
 
-def parts_training(kind: str, reshard: bool) -> tuple:
-    model = fs.flex_shard(parts_model(kind), reshard_after_forward=reshard)
+def parts_training(kind: str) -> tuple:
+    model = fs.flex_shard(parts_model(kind))
     return train(model, STEPS), fs.full_state_dict(model)
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 @pytest.mark.parametrize("kind", ["wrapper", "fn"])
-def test_checkpointing_part_of_a_block_or_a_root_module_trains(kind, reshard):
-    for losses, full in run_world(2, parts_training, kind, reshard):
+def test_checkpointing_part_of_a_block_or_a_root_module_trains(kind):
+    for losses, full in run_world(2, parts_training, kind):
         check_against_reference(losses, full, 2, STEPS, model=parts_model(kind))
 
 

@@ -48,6 +48,7 @@ class PlannedBucket(NamedTuple):
     used_in_nested_runner: bool  # a param is used inside another hooked bucket's runner
     mesh_shape: tuple  # (replicas, shard size) of the bucket's mesh (its own or flex_shard's)
     offload_policy: Optional[OffloadPolicy] = None  # the spec's, else flex_shard's; None: no offload
+    above_owners: bool = False  # the runner is an ancestor of the module running every param
     #                             (its `"X.*"` pattern): a forward of X may checkpoint that module
 
 
@@ -104,6 +105,7 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
     aliases = [[registered[id(named[s.fqn])] for s in bucket] for bucket in slots]
     owners = [[fqn for a in bucket for _, _, fqn in a] for bucket in aliases]
     runners = [running_module(module, fqns, spec.patterns) for fqns, spec in zip(owners, specs)]
+    above = [r is not running_module(module, fqns) for r, fqns in zip(runners, owners)]
     for spec, bucket, bucket_aliases, runner in zip(specs, slots, aliases, runners):
         _warn_split_aliases(module, runner, spec, specs, bucket, bucket_aliases)
     mps = [spec.mp_policy or mp_policy for spec in specs]
@@ -121,9 +123,10 @@ def plan_wrap(module: nn.Module, named: dict, specs: Sequence[BucketSpec], place
             runner=runner, mp_policy=mp,
             reshard_after_forward=_reshard(spec, reshard_after_forward, runner is module,
                                            shape[1]),
-            needs_hooks=needs, used_in_nested_runner=nest, mesh_shape=shape, offload_policy=off)
-        for spec, bucket, bucket_aliases, runner, mp, needs, nest, shape, off
-        in zip(specs, slots, aliases, runners, mps, hooked, nested, shapes, offloads)))
+            needs_hooks=needs, used_in_nested_runner=nest, mesh_shape=shape, offload_policy=off,
+            above_owners=up)
+        for spec, bucket, bucket_aliases, runner, mp, needs, nest, shape, off, up
+        in zip(specs, slots, aliases, runners, mps, hooked, nested, shapes, offloads, above)))
 
 
 def _offload(spec: BucketSpec, default: Optional[OffloadPolicy]) -> Optional[OffloadPolicy]:

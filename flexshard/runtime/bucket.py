@@ -100,6 +100,7 @@ class Bucket:
         self.held: Optional[list] = None  # unsharded params held by module.unshard()
         self._installed_for_backward = False  # see install_for_backward
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
+        self.above_owners = False  # its runner is above the module running all its params
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
         self.grad_route = GradRoute()  # where this forward's reduced grads enter autograd
         # False at world size 1 without a cast or offload when every piece has the full

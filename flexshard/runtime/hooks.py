@@ -60,6 +60,15 @@ def saves_kept_elsewhere() -> bool:
     return name.startswith(("_checkpoint_hook.", "save_on_cpu."))
 
 
+def recomputes_without_hooks(module) -> bool:
+    """Whether `module` checkpoints its own forward inside its call (transformers'
+    layers after `model.gradient_checkpointing_enable()`): backward then runs that
+    forward again without the module's hooks, with whatever params the modules hold.
+    A module gathering above its params' module (`Bucket.above_owners`) may do the
+    same through a child (a wrapper whose forward checkpoints the block)."""
+    return getattr(module, "gradient_checkpointing", False) is True and module.training
+
+
 def module_compiled(module) -> bool:
     """Whether `module.compile()` was called on `module`."""
     return getattr(module, COMPILED_CALL_IMPL, None) is not None
@@ -95,12 +104,10 @@ class ModuleHooks:
     """Unshard `buckets` before `module`'s forward and reshard them after."""
 
     def __init__(self, module: nn.Module, buckets: Sequence[Bucket],
-                 prefetcher: Prefetcher, eager_compiled: EagerCompiledBlocks,
-                 is_root: bool = False) -> None:
+                 prefetcher: Prefetcher, eager_compiled: EagerCompiledBlocks) -> None:
         self.module, self.buckets = module, list(buckets)
-        # The root's buckets keep nothing for a recompute in backward (its embedding's
-        # unsharded weight goes right after its use): StrayCallHooks gathers them again.
-        self.is_root = is_root
+        # gathers above its params' module: a wrapper that may checkpoint it
+        self.above_owners = any(b.above_owners for b in self.buckets)
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
         self.queue.listeners.append(self.reshard_kept)  # runs when each backward pass ends
         self.mp = self.buckets[0].mp
@@ -133,6 +140,9 @@ class ModuleHooks:
         # under an activation checkpoint or save_on_cpu, which keep none of them.
         refill_in_backward = handled and not saves_kept_elsewhere()
         self._forwards = []
+        # A non-resharding bucket's tensors are kept for its backward only where the
+        # module may rerun its forward there without this module's hooks
+        self._recomputed = handled and (self.above_owners or recomputes_without_hooks(module))
         for bucket in self.buckets:
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
@@ -145,7 +155,7 @@ class ModuleHooks:
             forward = bucket.gather.take_opened()
             # what its backward refills (the params made once, unsharded.py) and puts
             # back on the modules
-            if forward is not None or (handled and not self.is_root):
+            if forward is not None or self._recomputed:
                 self._forwards.append((bucket, forward, outs))
             self.prefetcher.unsharded(bucket)
         if handled:
@@ -230,12 +240,13 @@ class _Refill:
     with the values that forward used (Bucket.refill), and the
     next buckets' gathers are prefetched. The reductions the blocks after it
     deferred go first (their backward is over: see _launch_after_backward).
-    The modules then hold the params the forward computed with (refilled, or a
-    non-resharding bucket's tensors) until the block's backward is done, as after
-    FSDP2's pre-backward unshard: a checkpoint's recompute in backward (of a child
-    module, of the block under a wrapper, of transformers' layers) runs without the
-    block's hooks and reads what they hold. Not the root's buckets: StrayCallHooks
-    gathers them again for a recompute."""
+    The modules then hold the params the forward computed with until the block's
+    backward is done, as after FSDP2's pre-backward unshard: a checkpoint's recompute
+    in backward (of a child module, of the block under a wrapper, of transformers'
+    layers) runs without the block's hooks and reads what they hold. A resharding
+    bucket's (refilled) always; a non-resharding bucket's tensors, which this hook
+    keeps, only under a wrapper or transformers' layers (ModuleHooks._recomputed).
+    The root's buckets: StrayCallHooks gathers them again for a recompute."""
 
     def __init__(self, prefetcher: Prefetcher, queue, forwards: list) -> None:
         self.prefetcher, self.queue, self.forwards = prefetcher, queue, forwards
@@ -249,13 +260,7 @@ class _Refill:
             for bucket, forward, outs in self.forwards:
                 if forward is not None and bucket.refill(forward):
                     self.prefetcher.unsharded(bucket)
-                if outs is not None:
-                    bucket.install_for_backward(outs)
-            # A bucket that keeps no params made once (it does not reshard after
-            # forward): the modules hold its tensors until the pass ends, and nothing
-            # here outlives that pass (the graph's nodes keep this hook while the loss lives).
-            self.forwards = [(b, f, outs if f is not None else None)
-                             for b, f, outs in self.forwards]
+                bucket.install_for_backward(outs)
         return None
 
 
