@@ -202,16 +202,11 @@ class UnshardedParams:
         sets the scale and leaves the fp8 data where the first gather put it, as FSDP2
         writes each gather into the same buffer. A buffer here costs no copy a new
         tensor per gather would not (CopyPlan.full_into is the copy full makes)."""
-        fulls = []
-        for plan in wire.copies:
-            if plan.region in self._columns:
-                fulls.append(column_full(self._columns[plan.region], plan.shape))
-            elif plan.span is not None:
-                fulls.append(plan.full(self.gathered))
-            else:
-                self._own.append((plan, torch.empty(plan.shape, dtype=plan.dtype, device=device)))
-                fulls.append(self._own[-1][1])
-        return fulls
+        def own(plan) -> torch.Tensor:
+            self._own.append((plan, torch.empty(plan.shape, dtype=plan.dtype, device=device)))
+            return self._own[-1][1]
+
+        return wire.fulls(self.gathered, self._columns, own)
 
     def _refill(self) -> None:
         """The other formats' params: made by the first decode, renewed after, from
@@ -399,13 +394,15 @@ class ParamWire:
         fulls = self.fulls(gathered, columns)
         return self.counted(self.format.decode(fulls, self.meta), fulls, gathered)
 
-    def fulls(self, gathered: torch.Tensor, columns: Optional[dict] = None) -> list:
+    def fulls(self, gathered: torch.Tensor, columns: Optional[dict] = None, own=None) -> list:
         """Each part's full tensor out of `gathered` (views where they can be),
         or out of its column where the bucket's fused copy-out made one
-        (copy_out_columns: {region: column})."""
+        (copy_out_columns: {region: column}); a part that is no view is a new
+        tensor, or `own(plan)`, a buffer the caller makes once and refills."""
         columns = columns or {}
         return [column_full(columns[plan.region], plan.shape) if plan.region in columns
-                else plan.full(gathered) for plan in self.copies]
+                else plan.full(gathered) if own is None or plan.span is not None
+                else own(plan) for plan in self.copies]
 
     def counted(self, out: torch.Tensor, fulls: Sequence[torch.Tensor],
                 gathered: torch.Tensor) -> tuple:
