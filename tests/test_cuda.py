@@ -79,32 +79,34 @@ def cuda_batch(step: int, device) -> tuple:
     return x.to(device), y.to(device)
 
 
-def reference(device, steps: int, param_dtype=None, offloaded=None) -> tuple:
+def reference(device, steps: int, param_dtype=None, offloaded=None, compiled=False) -> tuple:
     """One process, no flexshard: fp32 master weights; with `param_dtype`, each
     step's forward and backward run on a `param_dtype` copy and the grads are
     cast to fp32, as flexshard's bf16 gather and fp32 reduce do. The params whose
     name `offloaded(name)` accepts keep their master weights, grads and AdamW step in
     host memory, as an offloaded bucket does (AdamW's CPU kernels round otherwise
     than its CUDA ones); forward and backward run on `device` from a copy.
-    (losses, step-0 grads, final params)."""
+    `compiled`: the copy's forward and backward compiled by inductor, as fs.compile's
+    are. (losses, step-0 grads, final params)."""
     model = make_model(device)
     names = [k for k, _ in model.named_parameters()]
     masters = [torch.nn.Parameter(p.detach().to("cpu" if offloaded and offloaded(k) else
                                                  device, copy=True))
                for k, p in model.named_parameters()]
     opt = torch.optim.AdamW(masters, lr=LR)  # over the same devices as flexshard's params
+    low = model.to(param_dtype) if param_dtype else model  # the compute copy
+    run = torch.compile(low) if compiled else low
     losses, first = [], None
     for step in range(steps):
         with torch.no_grad():
-            for p, m in zip(model.parameters(), masters):
-                p.copy_(m)  # the gather: host or device master -> device compute weights
+            for q, m in zip(low.parameters(), masters):
+                q.copy_(m)  # the gather: host or device master -> device compute weights
         x, y = cuda_batch(step, device)
-        low = copy.deepcopy(model).to(param_dtype) if param_dtype else model
-        loss = loss_fn(low(x), y)
+        loss = loss_fn(run(x), y)
         loss.backward()
         for m, q in zip(masters, low.parameters()):
             m.grad = q.grad.float().to(m.device)
-        model.zero_grad(set_to_none=True)
+        low.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step == 0:
             first = {k: m.grad.clone() for k, m in zip(names, masters)}
@@ -178,9 +180,12 @@ def test_whole_step_bf16_parity(nccl, mode):
 
     from compile_check import compiled_graph_calls
 
+    offloaded = (lambda name: True) if mode == "offload" else None
+    ref_losses, ref_grads, _ = reference(nccl, STEPS, torch.bfloat16, offloaded)
+    torch._dynamo.reset()
+    _, _, inductor_params = reference(nccl, STEPS, torch.bfloat16, offloaded, compiled=True)
     torch._dynamo.reset()
     counters.clear()
-    ref_losses, ref_grads, ref_params = reference(nccl, STEPS, torch.bfloat16)
     offload = {"offload_policy": OFF} if mode == "offload" else {}
     mp = BF16
     if mode == "user-format":
@@ -200,7 +205,7 @@ def test_whole_step_bf16_parity(nccl, mode):
         if step == 0:
             first = {k: p.grad.clone() for k, p in model.named_parameters()}
             where = {(p.device.type, p.grad.device.type) for p in model.parameters()}
-            assert where == ({("cpu", "cpu")} if offload else {("cuda", "cuda")}), where
+            assert where == ({("cpu", "cpu")} if offload else {(nccl.type, nccl.type)}), where
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
@@ -209,8 +214,12 @@ def test_whole_step_bf16_parity(nccl, mode):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2 ** -6, atol=0)
     for k, g in ref_grads.items():
         assert_rel_close(first[k].to(g.device), g, 2 ** -6, f"grad of {k}")
+    # The params after 5 AdamW steps against the plain model compiled by the same inductor:
+    # AdamW turns each fusion's rounding of a near-zero grad into a whole step, so plain
+    # torch.compile is itself 1.9% (CPU) from the eager reference on `pos` here, past the
+    # bound (the H200 showed fs.compile 3.9% there, every mode); fs.compile is 0.14% from it.
     full = fs.full_state_dict(model)
-    for k, v in ref_params.items():
+    for k, v in inductor_params.items():
         assert_rel_close(full[k].to(v.device), v, 2 ** -6, k)
 
 
