@@ -27,8 +27,10 @@ SHAPES = [(64, 80), (48, 16), (8, 2048), (6, 5000)]
 
 
 def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch.dtype,
-          block_rows: int = 1, shared: bool = False) -> None:
-    """Raise AssertionError unless the fused path writes what the eager one does."""
+          block_rows: int = 1, shared: bool = False, cache=None) -> None:
+    """Raise AssertionError unless the fused path writes what the eager one does.
+    `cache`: the kernels' tables kept from a call with the tensors elsewhere."""
+    cache = {} if cache is None else cache
     gen = torch.Generator().manual_seed(0)
     pieces = [(torch.randn(s, generator=gen) * 3).to(device=device, dtype=dtype) for s in SHAPES]
     pieces[1][:block_rows].zero_()
@@ -44,7 +46,7 @@ def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch
         send = torch.full((split + 4 * _room(scales_),), 3, dtype=torch.uint8, device=device)
         outs = list(zip(_carved(datas, send[:split].view(qdtype)),
                         _carved(scales_, send[split:].view(torch.float32))))
-    assert fmt.encode_batch_into(formats, pieces, outs, None, {}) is not None, \
+    assert fmt.encode_batch_into(formats, pieces, outs, None, cache) is not None, \
         "the fused encode did not run"
     fused_data = torch.cat([d.reshape(-1).view(torch.uint8) for d, _ in outs])
     assert torch.equal(fused_data, data.view(torch.uint8)), \
@@ -52,7 +54,7 @@ def check(device: str, qdtype: torch.dtype, dtype: torch.dtype, out_dtype: torch
     assert torch.equal(torch.cat([s for _, s in outs]), scales), f"{qdtype} scales differ"
     fulls = [list(parts) for parts in outs]
     fused = fmt._decode_fused(formats, fulls, quantized._DecodePlan(formats, SHAPES),
-                              fmt.batch_out(formats, SHAPES, torch.device(device))[0], {})
+                              fmt.batch_out(formats, SHAPES, torch.device(device))[0], cache)
     eager = _eager_decode(fmt, formats, fulls)
     for got, want in zip(fused, eager):
         assert got.dtype == want.dtype == out_dtype and got.shape == want.shape
@@ -123,9 +125,16 @@ def _eager_decode(fmt, formats, fulls) -> list:
 if __name__ == "__main__":  # the interpreter run on CPU: the kernels take CPU tensors
     quantized.fused_kernels = lambda tensors: True
     for block_rows in (1, 2):
-        for shared in (False, True):
-            check("cpu", torch.int8, torch.float32, torch.float32, block_rows, shared)
-    print("fused int8 encode/decode: bit-equal to eager (Triton interpreter, CPU)")
+        cache: dict = {}  # one bucket's: its tensors elsewhere at each call
+        check("cpu", torch.int8, torch.float32, torch.float32, block_rows, False, cache)
+        layouts = {name: kept[1] for name, kept in cache.items()}
+        for shared in (True, False):
+            check("cpu", torch.int8, torch.float32, torch.float32, block_rows, shared, cache)
+        assert sorted(map(str, layouts)) == ["('dequantize',)", "('quantize', torch.float32)"]
+        assert all(cache[name][1] is table for name, table in layouts.items()), \
+            "a fused kernel's table was made again for tensors that moved"
+    print("fused int8 encode/decode: bit-equal to eager (Triton interpreter, CPU), "
+          "tables made once per layout")
     for shared in (False, True):
         check_float8("cpu", torch.float32, torch.float32, shared)
     print("fused float8 cast: each weight at its place and scale (Triton interpreter, CPU)")

@@ -51,20 +51,23 @@ def test_the_fused_kernels_compile_for_a_gpu_with_vector_loads(kernel):
     if kernel == "quantize":
         fn, warps = qk._quantize, 8
         signature = {"data": "*i8", "scales": "*fp32", "src": "*fp32", "table": "*i64",
+                     "starts": "*i64",
                      "qmax": "fp32", "inv_qmax": "fp32", "eps": "fp32", "INT8": "constexpr",
                      "ALIGN": "constexpr", "BLOCK": "constexpr"}
         constexprs = {"INT8": True, "ALIGN": 16, "BLOCK": qk._BLOCK}
     elif kernel == "cast":
         fn, warps = qk._scale_and_cast, 4
         signature = {"out": "*fp8e4nv", "scales": "*fp32", "src": "*bf16", "table": "*i64",
+                     "starts": "*i64",
                      "top": "fp32", "ALIGN": "constexpr", "BLOCK": "constexpr"}
         constexprs = {"ALIGN": 16, "BLOCK": qk._BLOCK}
     else:
         fn, warps = qk._dequantize, 4
         signature = {"data": "*i8", "scales": "*fp32", "out": "*bf16", "table": "*i64",
+                     "starts": "*i64",
                      "ALIGN": "constexpr", "BLOCK": "constexpr"}
         constexprs = {"ALIGN": 16, "BLOCK": qk._BLOCK}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # as Triton specializes them
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # as Triton specializes them
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                                         attrs=aligned),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})

@@ -7,7 +7,8 @@ of 8 that was +24% step time against bf16 gathers. Here a bucket's weights are o
 launch (a program per block of rows of any of them, which reads it once and writes
 its wire parts, or its decoded rows, once). One launch per weight was 224 a step at
 that shape, and the host, not the GPU, set the step's pace. A table made once per
-bucket layout says where each block lies (`_table`):
+bucket layout says where each block lies within its tensor, and a few numbers per
+call where each tensor lies (`_table`): the gather buffers move between calls.
 
 - `quantize_rows`: per block of rows, amax over the block, scale = max(amax, eps)
   times 1/qmax, then every element divided by the scale (IEEE division, `div_rn`),
@@ -61,10 +62,10 @@ def quantize_rows(srcs: Sequence[torch.Tensor], datas: Sequence[torch.Tensor],
     for dtype, members in _by_dtype(srcs).items():
         roles = ([datas[i] for i in members], [scales[i] for i in members],
                  [srcs[i] for i in members])
-        table, bases, align = _table(cache, ("quantize", dtype), roles,
-                                     [widths[i] for i in members])
+        table, starts, bases, align = _table(cache, ("quantize", dtype), roles,
+                                             [widths[i] for i in members])
         if table.shape[0]:
-            _quantize[(table.shape[0],)](*bases, table, qmax, inv_qmax, eps, INT8=int8,
+            _quantize[(table.shape[0],)](*bases, table, starts, qmax, inv_qmax, eps, INT8=int8,
                                          ALIGN=align, BLOCK=_BLOCK, num_warps=8)
 
 
@@ -72,9 +73,10 @@ def dequantize_rows(datas: Sequence[torch.Tensor], scales: Sequence[torch.Tensor
                     outs: Sequence[torch.Tensor], widths: Sequence[int], cache: dict) -> None:
     """Each `outs[i]` = `datas[i]` times its blocks' `scales[i]` (blocks of `widths[i]`
     elements), in float32, rounded once to out's dtype: one launch, a program per block."""
-    table, bases, align = _table(cache, ("dequantize",), (datas, scales, outs), widths)
+    table, starts, bases, align = _table(cache, ("dequantize",), (datas, scales, outs), widths)
     if table.shape[0]:
-        _dequantize[(table.shape[0],)](*bases, table, ALIGN=align, BLOCK=_BLOCK, num_warps=4)
+        _dequantize[(table.shape[0],)](*bases, table, starts, ALIGN=align, BLOCK=_BLOCK,
+                                       num_warps=4)
 
 
 def scale_and_cast(srcs: Sequence[torch.Tensor], scales: torch.Tensor,
@@ -85,11 +87,11 @@ def scale_and_cast(srcs: Sequence[torch.Tensor], scales: torch.Tensor,
     for dtype, members in _by_dtype(srcs).items():
         roles = ([outs[i] for i in members], [scales[i:i + 1] for i in members],
                  [srcs[i] for i in members])
-        table, bases, align = _table(cache, ("cast", dtype), roles, [_BLOCK] * len(members),
-                                     scale_step=0)
+        table, starts, bases, align = _table(cache, ("cast", dtype), roles,
+                                             [_BLOCK] * len(members), scale_step=0)
         if table.shape[0]:
-            _scale_and_cast[(table.shape[0],)](*bases, table, top, ALIGN=align, BLOCK=_BLOCK,
-                                               num_warps=4)
+            _scale_and_cast[(table.shape[0],)](*bases, table, starts, top, ALIGN=align,
+                                               BLOCK=_BLOCK, num_warps=4)
 
 
 def _by_dtype(srcs: Sequence[torch.Tensor]) -> dict:
@@ -102,35 +104,63 @@ def _by_dtype(srcs: Sequence[torch.Tensor]) -> dict:
 
 def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int],
            scale_step: int = 1) -> tuple:
-    """(table, bases, align) of one launch over every block of the tensors of `roles`:
-    (first, scales, second), the first and the second of one numel each, in blocks of
-    `width` elements (the last one short if need be), each block's scale `scale_step`
-    after the block before's (0: one scale a tensor). A table row per block: where its
-    first, its scale and its second start, and its length, in elements from each
-    role's base (the start of the role's storage lowest in memory, so that one launch
-    reaches tensors wherever they lie on the device); `align`, the largest power of
-    two (at most 16) dividing every offset and length of the first and second, for
-    the kernels' vector accesses. Made on first use, kept per `name` while the tensors
-    keep their places relative to each other (a bucket's storage, its gather buffers)."""
+    """(table, starts, bases, align) of one launch over every block of the tensors of
+    `roles`: (first, scales, second), the first and the second of one numel each, in
+    blocks of `width` elements (the last one short if need be), each block's scale
+    `scale_step` after the block before's (0: one scale a tensor).
+
+    `table`, a row per block: its tensor, where its first, its scale and its second
+    start within that tensor's, and its length. It depends on the shapes alone: made
+    once per `name` and layout. `starts`, a row per tensor: where its first, scales and
+    second start, in elements from each role's base (the start of the role's storage
+    lowest in memory, so that one launch reaches tensors wherever they lie). Gather
+    buffers move from call to call: the few recent `starts` are kept, on the device.
+    `align`: the largest power of two (at most 16) dividing every offset and length of
+    the first and second, for the kernels' vector accesses."""
     bases = [_storage_start(min(tensors, key=lambda t: t.untyped_storage().data_ptr()))
              for tensors in roles]
     offsets = tuple(tuple(_elements(t, base) for t in tensors)
                     for tensors, base in zip(roles, bases))
     numels = tuple(t.numel() for t in roles[0])
-    key = (offsets, tuple(widths), numels, scale_step, bases[0].device)
+    device = bases[0].device
+    key = (tuple(widths), numels, scale_step, device)
     kept = cache.get(name)
     if kept is None or kept[0] != key:
-        rows = []
-        for i, (width, numel) in enumerate(zip(widths, numels)):
-            starts = torch.arange(0, numel, width, dtype=torch.int64)
-            rows.append(torch.stack([offsets[0][i] + starts,
-                                     offsets[1][i] + starts // width * scale_step,
-                                     offsets[2][i] + starts, (numel - starts).clamp(max=width)],
-                                    dim=1))
-        table = torch.cat(rows) if rows else torch.empty(0, 4, dtype=torch.int64)
-        align = math.gcd(16, *offsets[0], *offsets[2], *widths, *numels)  # a power of two
-        kept = cache[name] = (key, table.to(bases[0].device), align)
-    return kept[1], bases, kept[2]
+        kept = cache[name] = (key, _layout(widths, numels, scale_step).to(device), {})
+    placed = kept[2]
+    starts = placed.get(offsets)
+    if starts is None:
+        if len(placed) >= _PLACES_KEPT:
+            placed.pop(next(iter(placed)))  # the oldest
+        starts = placed[offsets] = _to_device(torch.tensor(list(zip(*offsets)),
+                                                           dtype=torch.int64), device)
+    align = math.gcd(16, *offsets[0], *offsets[2], *widths, *numels)  # a power of two
+    return kept[1], starts, bases, align
+
+
+_PLACES_KEPT = 8  # a bucket's gathers in forward and in backward, with room to spare
+
+
+def _to_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`rows` on `device` without the host waiting for the GPU, as a synchronous copy
+    from pageable memory would. (Until the layout and the places were apart, each
+    gather rebuilt its whole table and copied it so: on an H200 int8 gathers stepped
+    1.41x bf16's, the host 68 ms a step busier.)"""
+    if device.type != "cuda":
+        return rows
+    return rows.pin_memory().to(device, non_blocking=True)
+
+
+def _layout(widths: Sequence[int], numels: Sequence[int], scale_step: int) -> torch.Tensor:
+    """_table's `table`: per block (tensor, first, scale, second, length), in elements
+    from the start of its tensor's first, scales and second."""
+    rows = []
+    for i, (width, numel) in enumerate(zip(widths, numels)):
+        starts = torch.arange(0, numel, width, dtype=torch.int64)
+        rows.append(torch.stack([torch.full_like(starts, i), starts,
+                                 starts // width * scale_step, starts,
+                                 (numel - starts).clamp(max=width)], dim=1))
+    return torch.cat(rows) if rows else torch.empty(0, 5, dtype=torch.int64)
 
 
 def _storage_start(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,13 +179,15 @@ def _elements(tensor: torch.Tensor, base: torch.Tensor) -> int:
 
 if triton is not None:
     @triton.jit
-    def _quantize(data, scales, src, table, qmax, inv_qmax, eps,
+    def _quantize(data, scales, src, table, starts, qmax, inv_qmax, eps,
                   INT8: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
         # this program's block: where its data, its scale and its source start, its width
-        row = table + tl.program_id(0).to(tl.int64) * 4
-        at, scale_at = tl.multiple_of(tl.load(row), ALIGN), tl.load(row + 1)
-        src_at = tl.multiple_of(tl.load(row + 2), ALIGN)
-        width = tl.multiple_of(tl.load(row + 3), ALIGN)
+        row = table + tl.program_id(0).to(tl.int64) * 5
+        tensor = starts + tl.load(row) * 3
+        at = tl.multiple_of(tl.load(tensor) + tl.load(row + 1), ALIGN)
+        scale_at = tl.load(tensor + 1) + tl.load(row + 2)
+        src_at = tl.multiple_of(tl.load(tensor + 2) + tl.load(row + 3), ALIGN)
+        width = tl.multiple_of(tl.load(row + 4), ALIGN)
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -174,11 +206,14 @@ if triton is not None:
         tl.store(scales + scale_at, scale)
 
     @triton.jit
-    def _dequantize(data, scales, out, table, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-        row = table + tl.program_id(0).to(tl.int64) * 4
-        at, scale_at = tl.multiple_of(tl.load(row), ALIGN), tl.load(row + 1)
-        out_at = tl.multiple_of(tl.load(row + 2), ALIGN)
-        width = tl.multiple_of(tl.load(row + 3), ALIGN)
+    def _dequantize(data, scales, out, table, starts, ALIGN: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        row = table + tl.program_id(0).to(tl.int64) * 5
+        tensor = starts + tl.load(row) * 3
+        at = tl.multiple_of(tl.load(tensor) + tl.load(row + 1), ALIGN)
+        scale_at = tl.load(tensor + 1) + tl.load(row + 2)
+        out_at = tl.multiple_of(tl.load(tensor + 2) + tl.load(row + 3), ALIGN)
+        width = tl.multiple_of(tl.load(row + 4), ALIGN)
         scale = tl.load(scales + scale_at)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -187,12 +222,14 @@ if triton is not None:
             tl.store(out + out_at + cols, (x * scale).to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _scale_and_cast(out, scales, src, table, top, ALIGN: tl.constexpr,
+    def _scale_and_cast(out, scales, src, table, starts, top, ALIGN: tl.constexpr,
                         BLOCK: tl.constexpr):
-        row = table + tl.program_id(0).to(tl.int64) * 4
-        at, scale_at = tl.multiple_of(tl.load(row), ALIGN), tl.load(row + 1)
-        src_at = tl.multiple_of(tl.load(row + 2), ALIGN)
-        n = tl.multiple_of(tl.load(row + 3), ALIGN)
+        row = table + tl.program_id(0).to(tl.int64) * 5
+        tensor = starts + tl.load(row) * 3
+        at = tl.multiple_of(tl.load(tensor) + tl.load(row + 1), ALIGN)
+        scale_at = tl.load(tensor + 1) + tl.load(row + 2)
+        src_at = tl.multiple_of(tl.load(tensor + 2) + tl.load(row + 3), ALIGN)
+        n = tl.multiple_of(tl.load(row + 4), ALIGN)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         scale = tl.load(scales + scale_at)
