@@ -18,7 +18,12 @@ keeps fp32 master weights and computes in bf16: flexshard and FSDP2 with
 param_dtype=bf16 and reduce_dtype=fp32, one bucket / `fully_shard` per block
 plus the root; the plain model (world size 1 only) under torch.autocast(bf16).
 `--ac full` checkpoints every block (torch.utils.checkpoint, non-reentrant),
-applied before wrapping as torchtitan does.
+applied before wrapping as torchtitan does. `--compile blocks` compiles every
+runner's blocks; `--compile whole` compiles the plain model whole and flexshard's
+whole step (`fs.compile`, fullgraph), FSDP2's blocks (its hooks cannot be traced):
+issue 46's one-rank target, flexshard within 5% of the plain model's tokens/s. Each
+runner is built after a fresh dynamo cache; the report says how many graphs each
+compiled in its timed steps (a recompile, or a runner silently run eagerly).
 
 Phase 1, each runner alone on the device: warm-up steps, then the peak
 `torch.cuda.max_memory_allocated` and `max_memory_reserved` over one more
@@ -121,7 +126,20 @@ class GpuRunner:
                                                             reduce_dtype=torch.float32),
                           reshard_after_forward=not args.no_reshard,
                           offload_policy=fs.OffloadPolicy() if kind.endswith("offload") else None)
+        self._compile(args.compile)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def _compile(self, how: str) -> None:
+        """--compile: none, every block, or the whole model where its runner allows."""
+        if how == "none":
+            return
+        if how == "whole" and self.kind.startswith("flexshard"):
+            fs.compile(self.model, fullgraph=True)
+        elif how == "whole" and self.kind == "plain":
+            self.model.compile(fullgraph=True)
+        else:
+            for block in self.model.layers:
+                block.compile()
 
     def _wrap_fsdp2(self, mesh, reshard: bool) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -144,6 +162,7 @@ class GpuRunner:
         with autocast:
             logits = self.model(x)
         loss = loss_fn(logits, y)
+        self.graph_calls = compiled_graph_calls(loss)
         loss.backward()
         _sync(self.device)
         t1 = time.perf_counter()
@@ -151,6 +170,20 @@ class GpuRunner:
         _sync(self.device)
         t2, c2 = time.perf_counter(), time.process_time()
         return StepTime(loss.item(), t2 - t0, t2 - t1, c2 - c0)
+
+
+def compiled_graph_calls(loss: torch.Tensor) -> int:
+    """Calls of compiled graphs on the way to `loss` (AOTAutograd's autograd nodes):
+    0 for a runner that ran eagerly."""
+    from flexshard.compat import COMPILED_GRAPH_NODE
+
+    todo, seen = [loss.grad_fn], {}
+    while todo:
+        node = todo.pop()
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = node
+            todo.extend(fn for fn, _ in node.next_functions)
+    return sum(node.name() == COMPILED_GRAPH_NODE for node in seen.values())
 
 
 def _sync(device: torch.device) -> None:
@@ -180,6 +213,7 @@ def measure_alone(kind: str, args, shape, mesh, device, batches) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     base_alloc, base_reserved = _memory_now(device)
+    torch._dynamo.reset()  # each runner compiles from a fresh cache (--compile)
     runner = GpuRunner(kind, args, shape, mesh, device, batches)
     for i in range(args.warmup):
         runner.step(i)
@@ -187,9 +221,11 @@ def measure_alone(kind: str, args, shape, mesh, device, batches) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     runner.step(args.warmup)
     out = {"max_allocated_bytes": None, "max_reserved_bytes": None}
+    out_calls = runner.graph_calls
     if device.type == "cuda":
         out = {"max_allocated_bytes": torch.cuda.max_memory_allocated(device) - base_alloc,
                "max_reserved_bytes": torch.cuda.max_memory_reserved(device) - base_reserved}
+    out["compiled_graph_calls"] = out_calls
     if args.timing == "sequential":
         out["record"] = time_steps([runner], args.warmup + 1, args.steps, _world())
     if args.profile is not None and _rank() == 0:
@@ -229,16 +265,27 @@ def run(args, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if args.timing == "alternate":
-        runners = [GpuRunner(k, args, shape, mesh, device, batches) for k in kinds]
-        for i in range(args.warmup):
-            for r in runners:
-                r.step(i)
+        torch._dynamo.reset()
+        runners = []
+        for k in kinds:  # each warmed up (compiled) before the next is built
+            runners.append(GpuRunner(k, args, shape, mesh, device, batches))
+            for i in range(args.warmup):
+                runners[-1].step(i)
+        graphs = _graphs_compiled()
         record = time_steps(runners, args.warmup, args.steps, _world())
+        record["graphs_in_timed_steps"] = _graphs_compiled() - graphs
         del runners
     else:
         record = {k: alone[k].pop("record")[k] for k in kinds}
+        record["graphs_in_timed_steps"] = None
     flops = flops_per_token(build_model(shape, "none", torch.device("meta"), args.seed), shape)
     return report(args, shape, device, kinds, alone, record, flops)
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def report(args, shape, device, kinds, alone, record, flops: float) -> dict:
@@ -260,7 +307,9 @@ def report(args, shape, device, kinds, alone, record, flops: float) -> dict:
                        "placement": args.placement, "reshard_after_forward": not args.no_reshard,
                        "param_dtype": "bf16", "reduce_dtype": "fp32", "steps": args.steps,
                        "warmup": args.warmup, "timing": args.timing,
-                       "peak_tflops": args.peak_tflops, "tokens_per_step": tokens},
+                       "peak_tflops": args.peak_tflops, "tokens_per_step": tokens,
+                       "compile": args.compile},
+            "graphs_in_timed_steps": record["graphs_in_timed_steps"],
             "runners": runners, "targets": targets(runners),
             "loss_gap_flexshard_fsdp2": max(gaps) if gaps else None}
 
@@ -298,14 +347,16 @@ def text(result: dict) -> str:
     lines = [f"model: Llama {m['params'] / 1e6:,.1f} M params (dim {m['dim']}, {m['layers']} layers, "
              f"{m['heads']} heads, SwiGLU {m['hidden']}, vocab {m['vocab']}), seq {m['seq']}, "
              f"batch {m['batch']}/rank; {c['device']} x{c['world_size']}, bf16 params, fp32 reduce, "
-             f"AC {c['ac']}, reshard {c['reshard_after_forward']}, timing {c['timing']}",
-             "| runner | tokens/s | step s, median (min-max) | MFU | max allocated | max reserved |",
-             "|---|---|---|---|---|---|"]
+             f"AC {c['ac']}, reshard {c['reshard_after_forward']}, timing {c['timing']}, "
+             f"compile {c['compile']} (graphs compiled in the timed steps: "
+             f"{result['graphs_in_timed_steps']})",
+             "| runner | tokens/s | step s, median (min-max) | MFU | max allocated | max reserved "
+             "| compiled graphs a step |", "|---|---|---|---|---|---|---|"]
     for kind, r in result["runners"].items():
         s = r["step_s"]
         lines.append(f"| {kind} | {r['tokens_per_s']:,.0f} | {s['median']:.4f} ({s['min']:.4f}-"
                      f"{s['max']:.4f}) | {100 * r['mfu']:.1f}% | {_gib(r['max_allocated_bytes'])} "
-                     f"| {_gib(r['max_reserved_bytes'])} |")
+                     f"| {_gib(r['max_reserved_bytes'])} | {r.get('compiled_graph_calls', 'n/a')} |")
     for t in result["targets"]:
         value = "n/a" if t["value"] is None else f"{t['value']:.3f}x"
         lines.append(f"{t['name']}: {value} ({t['target']}) {t['verdict']}")
@@ -322,6 +373,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="sequences per rank (preset's)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (preset's)")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (preset's)")
+    p.add_argument("--compile", choices=("none", "blocks", "whole"), default="none",
+                   help="compile every runner's blocks, or the whole step where the runner "
+                        "allows (plain, flexshard; FSDP2 its blocks) (default none)")
     p.add_argument("--ac", choices=("none", "full"), default="none",
                    help="activation checkpointing of every block (default none)")
     p.add_argument("--placement", choices=PLACEMENTS, default="shard",
@@ -379,6 +433,7 @@ def _check_fake_world(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"--fake-world {args.fake_world} --rank {args.rank}: need N >= 1 and 0 <= rank < N")
     for flag, given in (("--runners", args.runners), ("--offload", args.offload),
                         ("--ac full", args.ac != "none"), ("--profile", args.profile),
+                        ("--compile", args.compile != "none"),
                         ("--timing sequential", args.timing != "alternate"),
                         ("--no-reshard", args.no_reshard)):
         if given:

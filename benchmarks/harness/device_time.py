@@ -93,7 +93,18 @@ def device_summary(events) -> dict:
             "copy_kernels": sum(_kernel_count(e) for e in copies),
             "label_device_us": _label_us(cpu),
             "engine_label_device_us": engine_label_us(cpu),
-            "compiled_graph_calls": sum(e.name.startswith("## Call CompiledFxGraph") for e in cpu)}
+            "compiled_graph_calls": sum(e.name.startswith("## Call CompiledFxGraph") for e in cpu),
+            "top_kernels": top_kernels(kernels)}
+
+
+def top_kernels(kernels, n: int = 12) -> list:
+    """The `n` kernels of most device time, by name: [name, microseconds, launches]."""
+    by_name: dict = {}
+    for e in kernels:
+        us, count = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (us + e.device_time_total, count + 1)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
+    return [[name[:80], round(us, 1), count] for name, (us, count) in ranked]
 
 
 def _kernel_count(e) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .fake_world import compiled_mode, sides_of
+from .fake_world import WHOLE, compiled_mode, sides_of
 from .op_counter import COPY_OPS, OUTSIDE
 
 TOP_OPS = 15
@@ -82,6 +82,12 @@ def mode_text(m: dict, device: torch.device) -> str:
     if compiled_mode(m["mode"]) and device.type == "cpu":
         lines.append("| peak memory (CPU) | n/a | n/a | MemoryMeter's dispatch mode would run "
                      "the compiled blocks eagerly |")
+    if m["mode"] in WHOLE and device.type == "cuda":
+        lines.append("| engine GPU time | not told apart | | flexshard's step is one graph: no "
+                     "label inside, its copies fused into inductor's kernels |")
+    if m["mode"] == "cudagraph":
+        lines.append("| peak memory | not measured | | CUDA graphs' pool is outside "
+                     "torch.cuda's allocated counters |")
     if compiled_mode(m["mode"]):
         g = [m["sides"][k]["graphs_after_warmup"] for k in (num, den)]
         lines.append(f"| graphs compiled after warm-up (recompiles) | {g[0]} | {g[1]} | |")
@@ -90,6 +96,12 @@ def mode_text(m: dict, device: torch.device) -> str:
     a_prof, b_prof = (m["sides"][k].get("profile", {}) for k in (num, den))
     if a_prof.get("device_us") and "engine_label_device_us" in a_prof:
         lines += ["", *label_time_table(a_prof, b_prof, (x, y))]
+    if m["mode"] in WHOLE and device.type == "cuda":
+        for kind, prof in ((x, a_prof), (y, b_prof)):
+            lines += ["", f"| {kind}: kernel (top by GPU time) | GPU time | launches |",
+                      "|---|---|---|"]
+            lines += [f"| `{name}` | {us / 1e3:.2f} ms | {count} |"
+                      for name, us, count in prof.get("top_kernels", [])]
     if "counts" in m["sides"][num]:
         a_counts, b_counts = m["sides"][num]["counts"], m["sides"][den]["counts"]
         lines += ["", *region_table(a_counts["by_region"], b_counts["by_region"], (x, y)),
