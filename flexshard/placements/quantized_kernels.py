@@ -135,6 +135,10 @@ def _table(cache: dict, name: tuple, roles: tuple, widths: Sequence[int],
         starts = placed[offsets] = _to_device(torch.tensor(list(zip(*offsets)),
                                                            dtype=torch.int64), device)
     align = math.gcd(16, *offsets[0], *offsets[2], *widths, *numels)  # a power of two
+    if device.type == "cuda":  # read on this stream: not reused before it has
+        stream = torch.cuda.current_stream(device)
+        kept[1].record_stream(stream)
+        starts.record_stream(stream)
     return kept[1], starts, bases, align
 
 
