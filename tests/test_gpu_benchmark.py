@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -518,6 +519,18 @@ def test_whole_step_sides_drop_what_their_meters_cannot_see():
         assert ("engine_device_us" in got, "model_copy_device_us" in got) == (not whole,) * 2
         assert ("peak_bytes" in got) == peak and "step_s" in got and "kernels" in got
         assert sides["fsdp2"] == side()
+
+
+def test_copy_kernels_dry_run_writes_the_same_bits_every_way():
+    """benchmarks/copy_kernels.py (the battery's copy timings) on the CPU, shapes / 32:
+    every way of each copy writes what the first writes (the check raises otherwise)."""
+    from benchmarks.copy_kernels import run
+
+    rows = run(torch.device("cpu"), 32, 8, 1)
+    assert [(copy.split()[0], way) for copy, way, _, _ in rows] == [
+        ("pack", "_foreach_copy_"), ("pack", "copy_ each"), ("pack", "_chunk_cat each"),
+        ("pack", "_chunk_cat all (FSDP2)"), ("copy-in", "_foreach_copy_"), ("copy-in", "copy_ each")]
+    assert all(ms > 0 and gbs > 0 for _, _, ms, gbs in rows)
 
 
 def test_the_gpu_battery_names_real_modes_and_fits_one_device_call():
