@@ -533,6 +533,18 @@ def test_copy_kernels_dry_run_writes_the_same_bits_every_way():
     assert all(ms > 0 and gbs > 0 for _, _, ms, gbs in rows)
 
 
+def test_idle_text_names_the_idle_time_streams_and_gaps():
+    """A GPU run's line on where the step idled (from its Chrome trace's summary)."""
+    from benchmarks.harness.fake_world_report import idle_text
+
+    text = idle_text("flexshard", {"span_us": 130e3, "idle_us": 8.4e3,
+                                   "per_stream_us": {"7": 120e3, "13": 5e3},
+                                   "gaps": [[900.0, "gemm", "triton_poi_0"]]})
+    assert text == ("flexshard: the GPU idled 8.40 ms of the step's 130.00 ms (stream 7 120.0 "
+                    "ms, stream 13 5.0 ms). Longest gaps: 0.90 ms after `gemm` before "
+                    "`triton_poi_0`")
+
+
 def test_the_gpu_battery_names_real_modes_and_fits_one_device_call():
     """benchmarks/gpu_battery.sh (one device call for a session lent a GPU): each
     mode it runs is a fake-world mode, and its time limits add up to under 10 minutes

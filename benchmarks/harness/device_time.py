@@ -7,12 +7,13 @@ compiled graphs the step called."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .fake_world import Side
 from .meters import is_collective
 from .op_counter import COPY_OPS, LIBRARY_LABELS
-from .trace import record
+from .trace import record, summarize_trace
 
 
 def _ancestors(e) -> list:
@@ -114,5 +115,11 @@ def _kernel_count(e) -> int:
 def profile_side(side: Side, out_dir: Path) -> dict:
     """One step under torch.profiler (CPU and CUDA): the device summary; the
     Chrome trace into `out_dir`."""
-    prof = record(side.step, side.device, out_dir / f"{side.mode}-{side.kind}.json")
-    return device_summary(prof.events())
+    path = out_dir / f"{side.mode}-{side.kind}.json"
+    summary = device_summary(record(side.step, side.device, path).events())
+    if side.device.type == "cuda":  # where the GPU idled: every stream idle at once
+        t = summarize_trace(json.loads(path.read_text()))
+        summary["idle"] = {"span_us": t.span_us, "idle_us": t.idle_us,
+                           "per_stream_us": {str(k): v for k, v in t.per_stream_us.items()},
+                           "gaps": [[g.length_us, g.before[:60], g.after[:60]] for g in t.gaps]}
+    return summary

@@ -96,6 +96,9 @@ def mode_text(m: dict, device: torch.device) -> str:
     a_prof, b_prof = (m["sides"][k].get("profile", {}) for k in (num, den))
     if a_prof.get("device_us") and "engine_label_device_us" in a_prof:
         lines += ["", *label_time_table(a_prof, b_prof, (x, y))]
+    for kind, prof in ((x, a_prof), (y, b_prof)):
+        if "idle" in prof:
+            lines += ["", idle_text(kind, prof["idle"])]
     if m["mode"] in WHOLE and device.type == "cuda":
         for kind, prof in ((x, a_prof), (y, b_prof)):
             lines += ["", f"| {kind}: kernel (top by GPU time) | GPU time | launches |",
@@ -107,6 +110,16 @@ def mode_text(m: dict, device: torch.device) -> str:
         lines += ["", *region_table(a_counts["by_region"], b_counts["by_region"], (x, y)),
                   "", *op_table(a_counts["by_op"], b_counts["by_op"], (x, y))]
     return "\n".join(lines)
+
+
+def idle_text(kind: str, idle: dict) -> str:
+    """One side's profiled step on the GPU: how long every stream idled at once, each
+    stream's busy time, the longest idle gaps and what they fell between."""
+    streams = ", ".join(f"stream {k} {us / 1e3:.1f} ms" for k, us in
+                        sorted(idle["per_stream_us"].items(), key=lambda kv: -kv[1]))
+    gaps = "; ".join(f"{us / 1e3:.2f} ms after `{a}` before `{b}`" for us, a, b in idle["gaps"])
+    return (f"{kind}: the GPU idled {idle['idle_us'] / 1e3:.2f} ms of the step's "
+            f"{idle['span_us'] / 1e3:.2f} ms ({streams}). Longest gaps: {gaps or 'none'}")
 
 
 def label_time_table(a: dict, b: dict, names: tuple) -> list:
