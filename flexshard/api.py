@@ -27,6 +27,7 @@ from .planning.tensor_parallel import (check_dtensor_params, restore_params, slo
 from .runtime.bucket import Bucket, BucketState, SlotWiring
 from .runtime.comm import Comm, DeviceContexts
 from .runtime.compiled import EagerCompiledBlocks
+from .runtime.frozen import FrozenAgreement
 from .runtime.gloo import comm_for
 from .runtime.hooks import (ModuleHooks, Prefetcher, RootHooks, StrayCallHooks,
                             reshard_explicitly, unshard_explicitly)
@@ -448,7 +449,9 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     for runner, buckets in by_runner.values():
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
     if by_runner:
-        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
+        ranks = dist.get_process_group_ranks(state.mesh_group) if state.mesh_group else ()
+        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets,
+                                     FrozenAgreement(state.buckets, ranks))
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
         state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)

@@ -47,6 +47,7 @@ from ..compat import (COMPILED_CALL_IMPL, current_graph_task_id, top_saved_tenso
 from .bucket import Bucket, BucketState
 from .comm import in_backward
 from .compiled import EagerCompiledBlocks, run_eagerly
+from .frozen import FrozenAgreement
 
 
 def saves_kept_elsewhere() -> bool:
@@ -279,8 +280,10 @@ class RootHooks:
     """Mark where the wrapped module's forward starts (new grad routes, prefetch)
     and ends."""
 
-    def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets) -> None:
+    def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets,
+                 frozen: Optional[FrozenAgreement] = None) -> None:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
+        self.frozen = frozen
         self.stray: Optional[StrayCallHooks] = None  # armed between forwards
         self.all_buckets = list(buckets)
         self.buckets = [b for b in buckets if b.needs_hooks]
@@ -294,6 +297,8 @@ class RootHooks:
     def pre_forward(self, module, args):
         for bucket in self.all_buckets:  # before any collective: each rank raises alike
             bucket.check_viewed()
+        if self.frozen is not None and torch.is_grad_enabled() and not in_backward():
+            self.frozen.check()
         if self.stray is not None:
             self.stray.disarm()
         if not in_backward():
