@@ -449,9 +449,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     for runner, buckets in by_runner.values():
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
     if by_runner:
-        ranks = dist.get_process_group_ranks(state.mesh_group) if state.mesh_group else ()
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets,
-                                     FrozenAgreement(state.buckets, ranks))
+                                     FrozenAgreement(state.buckets, state.mesh_group))
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
         state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)

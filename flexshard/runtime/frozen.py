@@ -22,10 +22,13 @@ _GROUPS: dict = {}  # ranks -> gloo group: one per set of ranks, whatever the mo
 
 
 class FrozenAgreement:
-    """The check of one wrapped model (`buckets`, over the global `ranks`)."""
+    """The check of one wrapped model (`buckets`, over the ranks of its mesh's `group`)."""
 
-    def __init__(self, buckets: Sequence, ranks: Sequence[int]) -> None:
-        self.buckets, self.ranks = list(buckets), tuple(sorted(ranks))
+    def __init__(self, buckets: Sequence, group) -> None:
+        self.buckets = list(buckets)
+        # torch's "fake" backend runs one rank of a world in one process: none to ask
+        real = group is not None and dist.get_backend(group) != "fake"
+        self.ranks = tuple(sorted(dist.get_process_group_ranks(group))) if real else ()
         self.trains = any(b.grad_slots for b in self.buckets)
 
     def check(self) -> None:
