@@ -166,3 +166,37 @@ def test_strict_must_be_a_bool(tmp_path):
     model, _ = wrapped("shard0")
     with pytest.raises(TypeError, match=r"load_checkpoint: strict must be True or False, got 0"):
         fs.load_checkpoint(str(tmp_path), model, strict=0)
+
+
+# The frozen set changed since the save: params frozen then have no optimizer state.
+
+
+def _two_linears():
+    torch.manual_seed(0)
+    model = fs.flex_shard(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # state: momentum
+
+
+def _save_frozen_then_load(root: str, freeze_at_load: bool) -> int:
+    model, opt = _two_linears()
+    model[0].requires_grad_(False)  # layer 0 frozen: SGD makes no momentum for it
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    fs.save_checkpoint(root, model, opt, step=1)
+    model, opt = _two_linears()
+    model[0].requires_grad_(not freeze_at_load)
+    return fs.load_checkpoint(root, model, opt)
+
+
+def test_optimizer_state_of_params_frozen_at_save_is_named(tmp_path):
+    expect_all_ranks_raise(
+        2, _save_frozen_then_load, ValueError,
+        r"checkpoint '.*step_00000001' holds this optimizer's state under 'optim\.' for some "
+        r"params but not for others: it lacks 2 keys, \['optim\.state\.0\.weight\."
+        r"momentum_buffer', 'optim\.state\.0\.bias\.momentum_buffer'\]\. An optimizer has no "
+        r"state for a param until the param's first step, so params frozen "
+        r"\(requires_grad=False\) when it was saved have none\. Freeze the same params before "
+        r"loading \(and unfreeze them after\), or load the model alone "
+        r"\(load_checkpoint\(path, model\)\) and start the optimizer afresh$",
+        str(tmp_path), False)
+    assert run_world(2, _save_frozen_then_load, str(tmp_path / "fix"), True) == [1, 1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 
 import torch
 
@@ -45,6 +46,40 @@ def test_torch_save_of_the_state_dict_refuses():
                                    r"torch\.save\(full, path\) on rank 0 \(an optimizer's: "
                                    r"fs\.full_optimizer_state_dict\(model, optimizer\)\).*fs\.save_checkpoint",
                                    placement, what)
+
+
+def _read_storages(placement_name):
+    """What safetensors (PEFT's save_pretrained) reads of each state-dict value
+    before its bytes: the messages of untyped_storage() and storage() on a
+    model value and an optimizer value, and the model value's data_ptr()."""
+    model, opt = wrapped(placement_name)
+    model(torch.zeros(2, 5, dtype=torch.long)).sum().backward()
+    opt.step()
+    value = model.state_dict()["tok.weight"]
+    index = next(i for i, (k, _) in enumerate(model.named_parameters()) if k == "tok.weight")
+    state = opt.state_dict()["state"][index]["exp_avg"]
+    messages = []
+    for read in (value.untyped_storage, value.storage, state.untyped_storage):
+        try:
+            read()
+        except TypeError as err:
+            messages.append(str(err))
+    return messages, value.data_ptr()
+
+
+def test_reading_a_state_dict_values_storage_names_the_key_and_the_fix():
+    fix = (r" of a flex_shard state dict \(a model's or its optimizer's\) has no storage to "
+           r"read: it is this rank's pieces of a \(37, 30\) tensor, not the tensor, so a "
+           r"serializer reading its bytes \(safetensors, PEFT's save_pretrained\) cannot write "
+           r"it\. Call full = fs\.full_state_dict\(model\) on every rank and save that on rank "
+           r"0: save_pretrained\(path, state_dict=full\) \(docs/checkpoints\.md; an "
+           r"optimizer's: fs\.full_optimizer_state_dict\(model, optimizer\)\); for a "
+           r"resharding checkpoint, fs\.save_checkpoint\(directory, model, optimizer, step\)$")
+    for messages, data_ptr in run_world(2, _read_storages, "shard0"):  # DTensor values
+        assert len(messages) == 3, messages
+        for message, key in zip(messages, ("tok.weight", "tok.weight", "tok.weight.exp_avg")):
+            assert re.match(repr(key).replace(".", r"\.") + fix, message), message
+        assert data_ptr == 0  # DCP's stager and DSD's offload read this as "no storage"
 
 
 # Hugging Face: a tiny GPT-2 whose lm_head shares the embedding's weight.

@@ -110,14 +110,26 @@ def few(keys: list, limit: int = 5) -> str:
 
 def _optim_prefix(ckpt: str, saved: dict, prefix: str, optim_sd: dict) -> str:
     """Where the checkpoint beside the model at `prefix` holds every key of the
-    optimizer's state, else ValueError naming one it needs."""
+    optimizer's state, else ValueError naming the keys it lacks."""
+    lacking = {}
     for name in OPTIM_KEYS:
         optim = prefix[:-len("model.")] + name + "."
-        if all(key in saved for key in _optim_keys(optim, optim_sd)):
+        keys = _optim_keys(optim, optim_sd)
+        lacking[optim] = [key for key in keys if key not in saved]
+        if not lacking[optim]:
             return optim
+    optim, missing = min(lacking.items(), key=lambda item: len(item[1]))
+    if len(missing) < len(_optim_keys(optim, optim_sd)):  # some state saved, not all
+        raise ValueError(
+            f"checkpoint {ckpt!r} holds this optimizer's state under {optim!r} for some params "
+            f"but not for others: it lacks {len(missing)} keys, {few(missing)}. An optimizer "
+            "has no state for a param until the param's first step, so params frozen "
+            "(requires_grad=False) when it was saved have none. Freeze the same params before "
+            "loading (and unfreeze them after), or load the model alone "
+            "(load_checkpoint(path, model)) and start the optimizer afresh")
     raise ValueError(
         f"checkpoint {ckpt!r} holds the model under {prefix or 'the top level'!r} but not "
-        f"this optimizer's state: it needs e.g. {_optim_keys(prefix[:-6] + 'optim.', optim_sd)[:1]} "
+        f"this optimizer's state: it needs e.g. {missing[:1]} "
         f"(or 'optimizer.' in place of 'optim.'); it holds {_sample(saved)}. Load it without "
         "the optimizer (load_checkpoint(path, model)), or save the optimizer with DSD's "
         "get_state_dict(model, optimizer)")

@@ -249,10 +249,30 @@ class LiveDTensor(DTensor):
     read on one rank only (rank 0 of torch.save or save_pretrained), where an
     op that needs the other ranks' pieces (a reshape of a sharded dim) would
     wait for them forever. DCP, DSD and `full_tensor()` read it through
-    DTensor's own methods; a copy is a plain DTensor."""
+    DTensor's own methods; a copy is a plain DTensor. Its storage is refused
+    too (its wrapper has none; the piece's is not the tensor's), but its
+    data_ptr() stays 0: DCP's stager and DSD's cpu offload read that as "no
+    storage of its own" and copy it through DTensor's methods."""
+
+    _key: Optional[str] = None  # the state dict's key, for errors
 
     def __reduce_ex__(self, protocol):
         raise not_picklable(self.shape)
+
+    def untyped_storage(self):
+        """Refused: serializers that read a tensor's bytes through its storage
+        (safetensors, PEFT's save_pretrained) would find no full tensor here.
+        Tensor.storage() reads this too."""
+        what = "a value" if self._key is None else repr(self._key)
+        raise TypeError(  # not NotImplementedError: safetensors takes that as "meta tensor"
+            f"{what} of a flex_shard state dict (a model's or its optimizer's) has no "
+            f"storage to read: it is this rank's pieces of a {tuple(self.shape)} tensor, not "
+            "the tensor, so a serializer reading its bytes (safetensors, PEFT's "
+            "save_pretrained) cannot write it. Call full = fs.full_state_dict(model) on every "
+            "rank and save that on rank 0: save_pretrained(path, state_dict=full) "
+            "(docs/checkpoints.md; an optimizer's: fs.full_optimizer_state_dict(model, "
+            "optimizer)); for a resharding checkpoint, fs.save_checkpoint(directory, model, "
+            "optimizer, step)")
 
     def __deepcopy__(self, memo):  # a plain DTensor of a copy of the piece, as other copies
         out = DTensor(self.to_local().clone(), dtensor_spec(self), requires_grad=False)
@@ -289,15 +309,18 @@ def not_picklable(shape) -> TypeError:
         "torch.distributed.checkpoint.save(...)")
 
 
-def live_dtensor(local: torch.Tensor, mesh, placements, shape: Sequence[int], stride):
-    """A LiveDTensor of `local` whose wrapper has storage offset 0 (DTensor
-    copies its local's offset, and a wrapper with a nonzero one cannot be
-    pickled by torch.save nor staged by DCP's async_save)."""
+def live_dtensor(local: torch.Tensor, mesh, placements, shape: Sequence[int], stride,
+                 key: Optional[str] = None):
+    """A LiveDTensor of `local`, the value of state dict key `key`, whose
+    wrapper has storage offset 0 (DTensor copies its local's offset, and a
+    wrapper with a nonzero one cannot be pickled by torch.save nor staged by
+    DCP's async_save)."""
     stand_in = local.new_empty(()).expand(local.shape)  # offset 0, no memory
     spec = DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=shape,
                               stride=stride)
     out = LiveDTensor(stand_in, dtensor_spec(spec), requires_grad=False)
     set_dtensor_local(out, local)
+    out._key = key
     return out
 
 

@@ -84,9 +84,11 @@ def named_slots(module: nn.Module, state: FlexShardState) -> dict:
 # Sharded values: local piece <-> value with the full shape.
 
 
-def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> torch.Tensor:
+def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor,
+                  key: str) -> torch.Tensor:
     """`local` (this rank's piece of the slot, or a tensor shaped like it) as
-    a value with the full shape that DCP saves and reshards."""
+    a value with the full shape that DCP saves and reshards; `key` names it
+    in errors."""
     slot, bucket = ref.slot, ref.bucket  # on the bucket's mesh (its own, or the model's)
     if bucket.mesh is None:  # world size 1 without a process group: the piece is the tensor
         return local
@@ -95,7 +97,7 @@ def sharded_value(state: FlexShardState, ref: SlotRef, local: torch.Tensor) -> t
     placements = dtensor_placements(bucket, slot)
     if placements is not None:
         return live_dtensor(local, bucket.mesh, placements, slot.shape,
-                            _contiguous_stride(slot.shape))
+                            _contiguous_stride(slot.shape), key)
     # Under HSDP the replicas hold the same boxes; DCP saves each chunk once.
     boxes = piece_boxes(slot.placement, slot.shape, bucket.rank, bucket.world_size)
     return LivePieces(local, slot.shape, boxes)
@@ -184,7 +186,7 @@ class _OwnerHooks:
             key = prefix + attr
             if key in state_dict:
                 _check_sharded(ref.bucket)
-                state_dict[key] = sharded_value(self.state, ref, state_dict[key].detach())
+                state_dict[key] = sharded_value(self.state, ref, state_dict[key].detach(), key)
 
     def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                  unexpected_keys, error_msgs) -> None:
@@ -305,7 +307,7 @@ class OptimizerHooks:
         if not isinstance(value, torch.Tensor) or name == "step":  # step: same on every rank
             return value
         if value.shape == param.shape:
-            return sharded_value(state, ref, value)
+            return sharded_value(state, ref, value, f"{ref.slot.fqn}.{name}")
         if value.dim() == 0:
             return value
         raise NotImplementedError(
