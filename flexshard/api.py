@@ -171,9 +171,11 @@ class FlexShardModule:
         """Undo unshard(): the modules hold their sharded params again (also
         those a forward without a backward left unsharded)."""
         state = _eager_state(self, "reshard")
-        reshard_explicitly(state.buckets)
-        for hooks in state.hooks:
-            hooks.reshard_kept()
+        try:
+            reshard_explicitly(state.buckets)  # raises for writes to the held params
+        finally:
+            for hooks in state.hooks:
+                hooks.reshard_kept()
 
 
 def _held_params(state: Optional[FlexShardState]) -> dict:

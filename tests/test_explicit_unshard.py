@@ -204,3 +204,86 @@ def test_misuse_raises_on_every_rank():
     expect_all_ranks_raise(2, bad_group, ValueError,
                            r"bucket 'layers.0': reshard_after_forward=3 does not divide its shard group of 2")
     expect_all_ranks_raise(2, bad_async, TypeError, r"async_op to be a bool, got 'yes'")
+
+
+# In-place writes to held params: the shards are the parameters, so reshard()
+# drops such a write; it must say so (runtime/held.py), never silently.
+
+WRITES = {
+    "add_": lambda w: w.add_(1.0),  # any in-place op: the version counter
+    "data_iadd": lambda w: w.data.__iadd__(1.0),  # PEFT merge_adapter(): w.data += delta
+    "data_swap": lambda w: setattr(w, "data", w.data + 1.0),  # PEFT safe_merge: w.data = merged
+    "one_element": lambda w: w[-1, -1].add_(1.0),  # rank 1's piece only: every rank still raises
+}
+DROPPED = (r"module.reshard\(\): parameter 'layers.0.up.weight' \(bucket 'layers.0'\) was written "
+           r"in place while module.unshard\(\) held it unsharded, and that write was dropped.*"
+           r"fs.load_full_state_dict\(model, sd\)")
+
+
+def write_while_held(how: str, mp: bool = False):
+    """Rank body: write one held param the same way on every rank, then reshard."""
+    mp_policy = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else fs.MixedPrecisionPolicy()
+    model = fs.flex_shard(make_model(), mp_policy=mp_policy)
+    model.unshard()
+    with torch.no_grad():
+        WRITES[how](model.layers[0].up.weight)
+    model.reshard()
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_write_to_held_param_raises_on_every_rank(how):
+    # A write only in rank 1's piece: rank 0 cannot tell which of the params sharing
+    # the gather output's version counter it was, so it names all of them.
+    match = DROPPED if how != "one_element" else (
+        DROPPED.replace("'layers.0.up.weight'", "'[^']+'").replace(r"\) was", r"\).* was"))
+    expect_all_ranks_raise(2, write_while_held, RuntimeError, match, how)
+
+
+def test_write_to_held_cast_param_raises():
+    expect_all_ranks_raise(2, write_while_held, RuntimeError, DROPPED, "data_iadd", True)
+
+
+def dropped_then_training() -> tuple:
+    """Rank body: the refused write leaves the model sharded, its values unchanged,
+    and training then matches the reference."""
+    model = fs.flex_shard(make_model())
+    before = fs.full_state_dict(model)
+    model.unshard()
+    with torch.no_grad():
+        model.layers[0].up.weight.data += 1.0
+    with pytest.raises(RuntimeError, match="was written in place"):
+        model.reshard()
+    after = fs.full_state_dict(model)
+    same = all(torch.equal(before[k], after[k]) for k in before)
+    return same, train(model, STEPS, unshard_step(False)), fs.full_state_dict(model)
+
+
+def test_refused_write_leaves_the_model_sharded_and_training():
+    for same, losses, full in run_world(2, dropped_then_training):
+        assert same
+        check_against_reference(losses, full, 2, STEPS)
+
+
+def held_without_writes() -> int:
+    """Rank body: unshard/reshard around bf16 and quantized-wire training steps,
+    no-grad forwards and an optimizer step after reshard: nothing raises."""
+    for mp in (fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+               fs.MixedPrecisionPolicy(gather_format=fs.QuantizedGather(torch.int8, min_numel=256))):
+        model = fs.flex_shard(make_model(), mp_policy=mp, reshard_after_forward=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(2):
+            x, y = batch(i, torch.distributed.get_rank())
+            model.unshard()
+            loss_fn(model(x), y).backward()
+            with torch.no_grad():
+                model(x)
+            model.reshard()
+            opt.step()
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()  # a plain step between
+            opt.step()
+    return 0
+
+
+def test_unshard_reshard_without_writes_never_raises():
+    assert run_world(2, held_without_writes) == [0, 0]

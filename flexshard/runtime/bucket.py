@@ -28,6 +28,7 @@ from ..planning.tensor_parallel import TPSpec
 from .comm import Comm, DeviceContexts, DeviceSite, HostContext, check_takes_uneven, in_backward
 from .counters import BucketCounters
 from .gather import BucketGather
+from .held import HeldParams
 from .grad_reduce import GradReduce, GradRoute, ReduceQueue, Reduction
 from .offload import Offload
 from .sharded_grad import NormGroups, wrap_grads
@@ -97,7 +98,7 @@ class Bucket:
         self.reduce_queue = ReduceQueue()  # flex_shard shares one queue across buckets
         self.wiring: tuple = tuple(SlotWiring() for _ in self.slots)  # per slot (see wire)
         self.has_tp = False  # a slot is a DTensor param: forward installs DTensors
-        self.held: Optional[list] = None  # unsharded params held by module.unshard()
+        self.held: Optional[HeldParams] = None  # what module.unshard() holds (held.py)
         self._installed_for_backward = False  # see install_for_backward
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.above_owners = False  # its runner is above the module running all its params
@@ -108,7 +109,6 @@ class Bucket:
         # value, which also counts DTensor slots and a bucket mesh smaller than the model's
         self.needs_hooks = hooks_needed(slots, mp, world_size, replicate_size,
                                         offload_policy is not None, False)
-        self._held_version = -1
 
     @property
     def compute_device(self) -> torch.device:
@@ -188,22 +188,33 @@ class Bucket:
 
     def hold(self, outs: list) -> None:
         """module.unshard(): install `outs` as the unsharded params and keep them
-        (this reference keeps the gather output alive) until release()."""
+        (the HeldParams reference keeps the gather output alive) until release()."""
         self.assert_state(BucketState.UNSHARDED)
-        # The sharded params are views of the buffer: an in-place step bumps this version.
-        self.held, self._held_version = outs, tensor_version(self.storage.buffer)
         self.gather.drop_forward_buffers()
         self.install(outs)
+        installed = [[m._parameters.get(a) for m, a in w.aliases] for w in self.wiring]
+        # Read after the gather's and install's own writes; the sharded params are
+        # views of the buffer: an in-place step bumps its version.
+        self.held = HeldParams(outs, installed, tensor_version(self.storage.buffer))
 
-    def release(self) -> None:
-        """module.reshard(): the sharded params back on the modules."""
+    def release(self) -> list:
+        """module.reshard(): the sharded params back on the modules. Returns the
+        FQNs of held params written in place since hold(): those writes are dropped."""
+        with torch.no_grad():
+            written = self.held.written([w.aliases for w in self.wiring], self.gather.wire.formats,
+                                        self._own_piece, self.storage.buffer)
         self.install_sharded()
         self.held = None
         self.mark_resharded()
+        return [self.slots[i].fqn for i in written]
+
+    def _own_piece(self, i: int, full: torch.Tensor) -> tuple:
+        """(this rank's piece of slot i's full tensor `full`, its shard)."""
+        return self.slots[i].placement.shard(full, self.rank, self.world_size), self.storage.views[i]
 
     def check_held(self) -> None:
         """Refuse to run a forward on held params the shards no longer match."""
-        if self.held is not None and self._held_version != tensor_version(self.storage.buffer):
+        if self.held is not None and self.held.storage_version != tensor_version(self.storage.buffer):
             raise RuntimeError(
                 f"bucket {self.name!r}: its sharded params changed (an optimizer step?) while "
                 "module.unshard() held them unsharded; call module.reshard() before changing "

@@ -403,13 +403,25 @@ def unshard_explicitly(buckets: Sequence[Bucket], async_op: bool):
 
 
 def reshard_explicitly(buckets: Sequence[Bucket]) -> None:
-    """Undo unshard_explicitly: sharded params back on the modules."""
+    """Undo unshard_explicitly: sharded params back on the modules (all of them),
+    then refuse in-place writes to the held params, which that dropped (held.py)."""
     for bucket in buckets:
         if bucket.hold_handle is not None:
             bucket.hold_handle.wait()
-    for bucket in buckets:
-        if bucket.held is not None:
-            bucket.release()
+    written = [(bucket.name, fqn) for bucket in buckets if bucket.held is not None
+               for fqn in bucket.release()]
+    if written:
+        bucket_name, fqn = written[0]
+        more = f" (and {len(written) - 1} more: {[f for _, f in written[1:4]]})" if written[1:] else ""
+        raise RuntimeError(
+            f"module.reshard(): parameter {fqn!r} (bucket {bucket_name!r}){more} was written in "
+            "place while module.unshard() held it unsharded, and that write was dropped: the "
+            "sharded params are the parameters, the unsharded ones only gathered copies (a PEFT "
+            "merge_adapter() there leaves the base weights unmerged). Change weights through the "
+            "shards: after reshard(), load the changed full weights with "
+            "fs.load_full_state_dict(model, sd) (sd from fs.full_state_dict(model)), or write "
+            "model.parameters() in place; to merge an adapter, merge on an unwrapped model "
+            "loaded from fs.full_state_dict(model)")
 
 
 # The prefetcher and the order it follows.
