@@ -129,10 +129,11 @@ def run(device: torch.device, scale: int, world: int, iters: int) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the tensors live (default cuda where there is one)")
     p.add_argument("--scale", type=int, default=1, help="divide every dimension (a dry run)")
-    p.add_argument("--world", type=int, default=8)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--world", type=int, default=8, help="ranks the shards are cut for")
+    p.add_argument("--iters", type=int, default=20, help="timed calls of each way")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

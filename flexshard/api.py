@@ -27,10 +27,9 @@ from .planning.tensor_parallel import (check_dtensor_params, restore_params, slo
 from .runtime.bucket import Bucket, BucketState, SlotWiring
 from .runtime.comm import Comm, DeviceContexts
 from .runtime.compiled import EagerCompiledBlocks
-from .runtime.frozen import FrozenAgreement
 from .runtime.gloo import comm_for
-from .runtime.hooks import (ModuleHooks, Prefetcher, RootHooks, StrayCallHooks,
-                            reshard_explicitly, unshard_explicitly)
+from .runtime.hooks import (FrozenAgreement, ModuleHooks, Prefetcher, RootHooks,
+                            StrayCallHooks, reshard_explicitly, unshard_explicitly)
 from .wrap.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard

@@ -114,7 +114,7 @@ def _compiled_call(compiled, stray, frozen, *args, **kwargs):
     that its bucket's modules (an embedding, an output head) run inside its
     forward (`StrayCallHooks`) are off during the call, on between calls, as
     eager's root hooks arm them; the ranks' frozen sets are compared first, as
-    eager's root hook does (runtime/frozen.py)."""
+    eager's root hook does (FrozenAgreement)."""
     if frozen is not None and torch.is_grad_enabled():
         frozen.check()
     if stray is not None:
