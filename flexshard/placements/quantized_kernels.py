@@ -183,15 +183,22 @@ def _elements(tensor: torch.Tensor, base: torch.Tensor) -> int:
 
 if triton is not None:
     @triton.jit
+    def _block(table, starts, ALIGN: tl.constexpr):
+        """This program's row of `table` (_table): where its block of the first, its
+        scale and its block of the second start (its tensor's place plus its own),
+        and its length."""
+        row = table + tl.program_id(0).to(tl.int64) * 5
+        tensor = starts + tl.load(row) * 3
+        first = tl.multiple_of(tl.load(tensor) + tl.load(row + 1), ALIGN)
+        scale = tl.load(tensor + 1) + tl.load(row + 2)
+        second = tl.multiple_of(tl.load(tensor + 2) + tl.load(row + 3), ALIGN)
+        return first, scale, second, tl.multiple_of(tl.load(row + 4), ALIGN)
+
+    @triton.jit
     def _quantize(data, scales, src, table, starts, qmax, inv_qmax, eps,
                   INT8: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
         # this program's block: where its data, its scale and its source start, its width
-        row = table + tl.program_id(0).to(tl.int64) * 5
-        tensor = starts + tl.load(row) * 3
-        at = tl.multiple_of(tl.load(tensor) + tl.load(row + 1), ALIGN)
-        scale_at = tl.load(tensor + 1) + tl.load(row + 2)
-        src_at = tl.multiple_of(tl.load(tensor + 2) + tl.load(row + 3), ALIGN)
-        width = tl.multiple_of(tl.load(row + 4), ALIGN)
+        at, scale_at, src_at, width = _block(table, starts, ALIGN)
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -212,12 +219,7 @@ if triton is not None:
     @triton.jit
     def _dequantize(data, scales, out, table, starts, ALIGN: tl.constexpr,
                     BLOCK: tl.constexpr):
-        row = table + tl.program_id(0).to(tl.int64) * 5
-        tensor = starts + tl.load(row) * 3
-        at = tl.multiple_of(tl.load(tensor) + tl.load(row + 1), ALIGN)
-        scale_at = tl.load(tensor + 1) + tl.load(row + 2)
-        out_at = tl.multiple_of(tl.load(tensor + 2) + tl.load(row + 3), ALIGN)
-        width = tl.multiple_of(tl.load(row + 4), ALIGN)
+        at, scale_at, out_at, width = _block(table, starts, ALIGN)
         scale = tl.load(scales + scale_at)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -228,12 +230,7 @@ if triton is not None:
     @triton.jit
     def _scale_and_cast(out, scales, src, table, starts, top, ALIGN: tl.constexpr,
                         BLOCK: tl.constexpr):
-        row = table + tl.program_id(0).to(tl.int64) * 5
-        tensor = starts + tl.load(row) * 3
-        at = tl.multiple_of(tl.load(tensor) + tl.load(row + 1), ALIGN)
-        scale_at = tl.load(tensor + 1) + tl.load(row + 2)
-        src_at = tl.multiple_of(tl.load(tensor + 2) + tl.load(row + 3), ALIGN)
-        n = tl.multiple_of(tl.load(row + 4), ALIGN)
+        at, scale_at, src_at, n = _block(table, starts, ALIGN)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         scale = tl.load(scales + scale_at)
