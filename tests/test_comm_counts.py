@@ -66,6 +66,32 @@ def test_root_bucket_reshards_when_its_spec_asks():
         assert counts[0] == (2 * n, n, 1)
 
 
+def count_frozen_step() -> tuple:
+    """Rank body: collectives of a step after one that trained everything, with a
+    param of a resharding block frozen in between."""
+    import torch.distributed as dist
+
+    from flexshard.runtime.state import get_state
+
+    rank = dist.get_rank()
+    model = fs.flex_shard(make_model())
+    out = []
+    for step in range(2):
+        model.layers[0].up.weight.requires_grad_(step == 0)
+        x, y = batch(step, rank)
+        with CommDebugMode() as mode:
+            loss_fn(model(x), y).backward()
+        out.append(_counts(mode))
+    return out, len(get_state(model).buckets)
+
+
+def test_freezing_after_wrapping_adds_no_collective():
+    """A param made once keeps the grad_fn of the last forward that trained it: frozen
+    later, that old node ran its backward again, one more reduce-scatter a step."""
+    for counts, buckets in run_world(2, count_frozen_step):
+        assert counts[0] == counts[1] == (2 * buckets - 1, buckets, 1), counts
+
+
 def test_no_sync_microbatch_skips_reduction():
     for counts, buckets in run_world(2, count_step, {}, 3):
         (g0, r0, _), (g1, r1, _), (g2, r2, _) = counts

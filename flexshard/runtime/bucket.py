@@ -410,7 +410,11 @@ class _Unshard(torch.autograd.Function):
         # What this graph's backward needs of the params made once (unsharded.py):
         # held by the graph, so a forward never backpropagated stops counting.
         ctx.forward = bucket.gather.open_forward() if refill_in_backward else None
-        # frozen now (requires_grad_(False) after the wrap included): no grad is computed
+        # frozen now (requires_grad_(False) after the wrap included): no grad is computed.
+        # A new alias each: a param made once keeps the grad_fn of the last forward that
+        # trained it, and marking it non-differentiable would leave that old node in the
+        # graph (its backward run again, an extra reduce-scatter a step).
+        outs = [o.detach() if not p.requires_grad else o for o, p in zip(outs, bucket.params)]
         frozen = [o for o, p in zip(outs, bucket.params) if not p.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
