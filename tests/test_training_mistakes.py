@@ -242,6 +242,25 @@ def test_ranks_freezing_different_params_raise(which):
                            which, timeout=60)
 
 
+def freeze_between_micro_batches():
+    """Three no-sync micro-batches train layers.0.up.weight; it is frozen for the synced one."""
+    model = fs.flex_shard(make_model())
+    rank = dist.get_rank()
+    for micro in range(3):
+        model.layers[0].up.weight.requires_grad_(micro < 2)
+        model.set_requires_gradient_sync(micro == 2)
+        x, y = batch(micro, rank)
+        loss_fn(model(x), y).backward()
+
+
+def test_freezing_between_no_sync_micro_batches_raises():
+    """PyTorch steps the param with the grads it accumulated; the reduce would drop them
+    (a frozen param gets no .grad from autograd): every rank raises at the synced backward."""
+    expect_all_ranks_raise(WORLD, freeze_between_micro_batches, ValueError,
+                           r"parameters \['layers\.0\.up\.weight'\] .* were frozen .* between "
+                           r"no-sync micro-batches", timeout=60)
+
+
 # copy.deepcopy of a wrapped model (an EMA) raises; the recipe it names trains right.
 
 DECAY = 0.5

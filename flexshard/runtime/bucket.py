@@ -257,6 +257,23 @@ class Bucket:
                     "layout has no room for it: set requires_grad before calling flex_shard "
                     "(freezing a param after flex_shard is fine)")
 
+    def check_frozen_pending(self) -> None:
+        """Refuse a synced backward where a param frozen since the no-sync micro-batches
+        has their grads pending: PyTorch steps it with them, the reduce would drop them
+        (autograd gives a frozen param no .grad). The ranks freeze alike
+        (FrozenAgreement), so every rank raises here."""
+        grads = self.grads
+        if not grads.requires_gradient_sync or grads.pending_grads is None:
+            return
+        lost = [self.slots[grads.grad_slots[j]].fqn for j in sorted(grads.pending_slots)
+                if not self.params[grads.grad_slots[j]].requires_grad]
+        if lost:
+            raise ValueError(
+                f"parameters {lost} (bucket {self.name!r}) were frozen (requires_grad_(False)) "
+                "between no-sync micro-batches that gave them grads and the synced one: "
+                "flexshard would drop their accumulated grads where PyTorch steps them. "
+                "Change requires_grad between optimizer steps, not between micro-batches")
+
     # The modules registering the params (tied aliases included).
 
     def wire(self, wiring: Sequence[SlotWiring]) -> None:
@@ -430,6 +447,7 @@ class _Unshard(torch.autograd.Function):
         bucket.backward_done(ctx.forward)  # and the int reshard's kept slice
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
+        bucket.check_frozen_pending()
         packed = bucket.grads.pack(grads)
         if packed is not None:
             # Launched once this backward has returned and autograd has let go of the

@@ -72,6 +72,7 @@ class GradReduce:
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.counters, self.offload = counters, offload
         self.requires_gradient_sync = True
+        self.pending_slots: set = set()  # indices into grad_slots with grads in pending_grads
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas this backward
         # reduced grads are divided by it: the mean over every rank of flex_shard's mesh
         # (a bucket mesh's grads hold every rank's tokens: see design.md, "A mesh per bucket")
@@ -142,8 +143,12 @@ class GradReduce:
                 self._chunk_cat_pack(send, [present[j] for j in cat.members], cat)
             self._pack(send, present, cat)
             if not sync:
+                if self.pending_grads is None:
+                    self.pending_slots = set()
                 self._accumulate_pending(send)
+                self.pending_slots.update(j for j, g in enumerate(present) if g is not None)
             else:
+                self.pending_slots = set()
                 op = self.reduce_op()
                 self._add_pending_and_scale(send, op)
             packed = ctx.record(ctx.reduce)
