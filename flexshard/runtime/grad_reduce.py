@@ -113,11 +113,10 @@ class GradReduce:
             layout.wire_bytes, dtype)
 
     def move(self, fn) -> None:
-        """nn.Module._apply's `fn` (to_empty, .to): the unreduced and partial sums follow."""
-        if self.pending_grads is not None:
-            self.pending_grads = fn(self.pending_grads)  # unreduced: on the compute device
-        if self.partial_reduced is not None:
-            self.partial_reduced = fn(self.partial_reduced)
+        """nn.Module._apply's `fn` (to_empty, .to): the unreduced (on the compute device)
+        and partial sums follow."""
+        self.pending_grads, self.partial_reduced = (
+            None if t is None else fn(t) for t in (self.pending_grads, self.partial_reduced))
 
     # Step 1: pack.
 
@@ -143,12 +142,8 @@ class GradReduce:
                 self._chunk_cat_pack(send, [present[j] for j in cat.members], cat)
             self._pack(send, present, cat)
             if not sync:
-                if self.pending_grads is None:
-                    self.pending_slots = set()
-                self._accumulate_pending(send)
-                self.pending_slots.update(j for j, g in enumerate(present) if g is not None)
+                self._accumulate_pending(send, present)
             else:
-                self.pending_slots = set()
                 op = self.reduce_op()
                 self._add_pending_and_scale(send, op)
             packed = ctx.record(ctx.reduce)
@@ -159,8 +154,7 @@ class GradReduce:
         return (send, op) if sync else None
 
     def _zero(self, send: torch.Tensor, gaps) -> None:
-        """Zero what the pack leaves unwritten: the `gaps` (a TypedSplit of them, one
-        split and one foreach zero), or all of it (None)."""
+        """Zero what the pack leaves unwritten: the `gaps` (one foreach zero), or all of it."""
         typed = self.typed(send)
         if gaps is None:
             typed.zero_()
@@ -168,9 +162,8 @@ class GradReduce:
             foreach_zero_(split_views(typed, gaps))
 
     def _chunk_cat_pack(self, send: torch.Tensor, grads: list, plan) -> None:
-        """The packed group's grads (dim-0 chunks) into its block of the reduce input,
-        cast, in one op (as FSDP2's foreach_reduce_scatter_copy_in); the columns past
-        them are zeroed."""
+        """The packed group's grads (dim-0 chunks) into its block of the reduce input, cast,
+        in one op (FSDP2's foreach_reduce_scatter_copy_in); the columns past them zeroed."""
         block = self.typed(send)[plan.base:plan.base + self.world_size * plan.seg_elems]
         rows = block.view(self.world_size, plan.seg_elems)
         if plan.width < plan.seg_elems:
@@ -203,11 +196,13 @@ class GradReduce:
         for j, grad in grads:
             self._copies[j].pack(send, grad)
 
-    def _accumulate_pending(self, send: torch.Tensor) -> None:
+    def _accumulate_pending(self, send: torch.Tensor, present: list) -> None:
+        slots = {j for j, g in enumerate(present) if g is not None}  # for check_frozen_pending
         if self.pending_grads is None:
-            self.pending_grads = send
+            self.pending_grads, self.pending_slots = send, slots
         else:
             self.typed(self.pending_grads).add_(self.typed(send))
+            self.pending_slots |= slots
 
     def reduce_op(self) -> ReduceOp:
         """The backend's average where it has one (NCCL AVG). Else the grads are
