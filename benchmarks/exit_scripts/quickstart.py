@@ -2,7 +2,9 @@
 ("flexshard": one flex_shard call; "fsdp2": fully_shard per layer plus the root;
 "flexshard-pause50": flexshard with the exit handler's first version, a fixed 50 ms
 pause instead of waiting for gloo's threads to sleep); argv[2]: all-reduces right
-before exit (default 0)."""
+before exit (default 0); argv[3] "destroy": end with dist.destroy_process_group(), as a
+careful script does (examples/train.py); "destroy-sleep": then a 0.1 s sleep, what
+docs/troubleshooting.md advises scripts without flexshard."""
 import os
 import sys
 
@@ -38,3 +40,9 @@ for step in range(3):
 print(f"loss {loss.item():.4f}")
 for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 0):  # collectives right before exit
     dist.all_reduce(torch.ones(1000))
+if sys.argv[3:4] in (["destroy"], ["destroy-sleep"]):
+    dist.destroy_process_group()
+if sys.argv[3:4] == ["destroy-sleep"]:
+    import time
+
+    time.sleep(0.1)

@@ -1,32 +1,32 @@
-"""Destroy a gloo default process group at interpreter exit, before finalization.
+"""Leave no gloo work to interpreter finalization: at exit, destroy a gloo
+default process group the script left, then wait for gloo's threads to sleep.
 
-A script that ends without `dist.destroy_process_group()` (the README's
-quickstart, most tutorials) leaves gloo's worker threads alive into
-interpreter finalization. A worker that still holds the last reference to a
-collective's tensor (it drops the finished work a moment after the waiting
-thread returns) needs the GIL to free that tensor's Python object; taken
-during finalization, the thread is ended by Python, inside a C++ destructor,
-and the process aborts with "terminate called without an active exception".
-On a loaded 2-core machine a 2-rank script of 300 all-reduces ending that way
-aborted in 8 of 14 runs; with destroy_process_group() at its end, 0 of 16
-(benchmarks/RESULTS.md, "Clean exits"). Destroying the group from an atexit
-handler stops those threads taking work, and the handler then leaves the GIL
-free so a worker still holding its last work drops it while the interpreter is
-whole (the threads themselves are joined only when the last reference to their
-group goes, which the model's state holds). A fixed pause was not enough on a
-loaded machine (4 ranks on 2 cores: a worker waits for a core longer than 50 ms),
-so the handler waits until every other thread of the process sleeps (Linux's
-/proc/self/task: a worker that is running, or runnable and waiting for a core,
-is not asleep), for at most a second; elsewhere it pauses a fixed 50 ms.
-A core of such an abort (benchmarks/RESULTS.md, "Clean exits under torchrun")
-shows the worker in `ProcessGroupGloo::runLoop` -> `~AsyncAllreduceWork` ->
-`TensorImpl::decref_pyobject` -> `take_gil` -> `PyThread_exit_thread` while the
-main thread is in `Py_FinalizeEx`'s last collection: torch's own teardown, which
-a script avoids by calling `dist.destroy_process_group()` before it ends.
+A gloo worker thread drops a finished collective's work a moment after the
+waiting thread returns. When the last reference to one of its tensors is the
+work's, dropping it frees the tensor's Python object, which needs the GIL; taken
+during finalization, the thread is ended by Python inside a C++ destructor, and
+the process aborts with "terminate called without an active exception". A core
+(benchmarks/RESULTS.md, "Clean exits under torchrun") shows the worker in
+`ProcessGroupGloo::runLoop` -> `~AsyncAllreduceWork` -> `TensorImpl::decref_pyobject`
+-> `take_gil` -> `PyThread_exit_thread` while the main thread is in `Py_FinalizeEx`.
 
-Only gloo, and only on a clean exit: NCCL's teardown has its own rules, and a
-rank leaving on an exception may leave a collective its peers still wait in,
-which a destroy could wait on too.
+`dist.destroy_process_group()` at the end of a script does not prevent it on
+torch 2.13: it stops new work, but the threads live on while anything references
+their group (a model's state does) and the last work may still be unreleased.
+A 2-rank script of 300 all-reduces then destroy_process_group() aborted in 10 of
+12 runs under FSDP2 and 9 of 12 under flexshard before this handler waited
+after a script's own destroy too. So the handler, on every exit of a process
+that wrapped a model while a process group existed: destroys a gloo default
+group still there (no new work), then sleeps with the GIL free until every other
+thread of the process sleeps (Linux's /proc/self/task: a worker that is running,
+or runnable and waiting for a core, is not asleep), for at most a second;
+elsewhere it pauses a fixed 50 ms. A fixed pause was not enough on a loaded
+machine (4 ranks on 2 cores: a worker waits for a core longer than 50 ms).
+
+The destroy is skipped on an uncaught exception and off gloo: NCCL's teardown
+has its own rules, and a rank leaving on an exception may leave a collective its
+peers still wait in, which a destroy could wait on too. The wait is not: a
+thread blocked in a collective sleeps, so it costs ~15 ms.
 """
 
 from __future__ import annotations
@@ -52,14 +52,11 @@ def destroy_gloo_group_at_exit() -> None:
 
 
 def _destroy_at_exit() -> None:
-    if getattr(sys, "last_value", None) is not None:  # exiting on an uncaught exception
-        return
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # never made, or the script destroyed it
-    if dist.get_backend() != "gloo":
-        return
-    dist.destroy_process_group()  # no new work; the threads live on while groups are referenced
-    settle_threads()  # the GIL free: a worker still dropping its last work does it now
+    clean = getattr(sys, "last_value", None) is None  # not exiting on an uncaught exception
+    if clean and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()  # no new work; the threads live on while groups are referenced
+    settle_threads()  # the GIL free: a worker still dropping its last work does it now, the
+    # script's own destroy_process_group() or not (gloo subgroups live under NCCL too)
 
 
 def settle_threads(max_s: float = _SETTLE_MAX_S) -> float:
