@@ -52,6 +52,7 @@ EXAMPLE_CASES = {  # the examples' multi-rank programs, at the world sizes their
     "examples/train.py mixed int8": (2, ["train.py", "--steps", "4", "--placement", "mixed",
                                          "--gather", "int8", "--checkpoint-dir", "{dir}",
                                          "--checkpoint-every", "2", "--plot", "{dir}/loss.png"]),
+    "examples/torchtitan_cpu.py": (2, ["torchtitan_cpu.py", "--steps", "4"]),
     "examples/halo_graph.py": (3, ["halo_graph.py"]),
     "examples/domain_parallel.py": (4, ["domain_parallel.py"]),
     "examples/shard_tensor.py": (4, ["shard_tensor.py"]),

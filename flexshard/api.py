@@ -28,8 +28,8 @@ from .runtime.bucket import Bucket, BucketState, SlotWiring
 from .runtime.comm import Comm, DeviceContexts
 from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
-from .runtime.hooks import (ModuleHooks, Prefetcher, RootHooks, StrayCallHooks,
-                            reshard_explicitly, unshard_explicitly)
+from .runtime.hooks import (FrozenAgreement, ModuleHooks, Prefetcher, RootHooks,
+                            StrayCallHooks, reshard_explicitly, unshard_explicitly)
 from .wrap.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard
@@ -450,7 +450,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     for runner, buckets in by_runner.values():
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
     if by_runner:
-        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets)
+        state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets,
+                                     FrozenAgreement(state.buckets, state.mesh_group))
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
         state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)

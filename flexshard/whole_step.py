@@ -96,6 +96,7 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     _check_compile_args(model, state, cudagraphs, compile_kwargs)
     runners = {id(h.module) for h in state.hooks}
     forwards = [TracedForward(h, _holds_runner(h.module, runners)) for h in state.hooks]
+    frozen = state.root_hooks.frozen if state.root_hooks is not None else None
     stray = _detach_hooks(state)
     for hooks, forward in zip(state.hooks, forwards):
         hooks.module.forward = forward
@@ -103,16 +104,19 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     _wrap_grads_when_accumulated(state)
     model.compile(fullgraph=fullgraph, **_compile_kwargs(compile_kwargs, cudagraphs))
     compiled = getattr(model, COMPILED_CALL_IMPL)
-    setattr(model, COMPILED_CALL_IMPL, functools.partial(_compiled_call, compiled, stray))
+    setattr(model, COMPILED_CALL_IMPL, functools.partial(_compiled_call, compiled, stray, frozen))
     return model
 
 
-def _compiled_call(compiled, stray, *args, **kwargs):
+def _compiled_call(compiled, stray, frozen, *args, **kwargs):
     """The compiled model's call, traced with each block's Python side effects
     applied once (compat.side_effects_once_under_checkpoint). The root's checks
     that its bucket's modules (an embedding, an output head) run inside its
     forward (`StrayCallHooks`) are off during the call, on between calls, as
-    eager's root hooks arm them."""
+    eager's root hooks arm them; the ranks' frozen sets are compared first, as
+    eager's root hook does (FrozenAgreement)."""
+    if frozen is not None and torch.is_grad_enabled():
+        frozen.check()
     if stray is not None:
         stray.disarm()
     try:

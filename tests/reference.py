@@ -218,7 +218,8 @@ def assert_one_collective_per_bucket(results) -> None:
     for result in results:
         stats = result[3]
         buckets = stats["buckets"]
-        want = {"_reduce_scatter_base_": len(buckets)}
+        # and one small all-reduce: the ranks agree on what trains (FrozenAgreement)
+        want = {"_reduce_scatter_base_": len(buckets), "allreduce_": 1}
         for _, reshard, _, _, _ in buckets:
             want["_allgather_base_"] = want.get("_allgather_base_", 0) + (2 if reshard else 1)
         for step, got in enumerate(stats["comms"]):

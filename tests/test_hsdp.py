@@ -98,7 +98,8 @@ def parity_cases(cases) -> list:
 def expected_counts(shape, buckets) -> dict:
     """Per step: one gather per bucket within its shard group (two when it
     reshards: backward gathers again), one reduce-scatter there, one
-    all-reduce across the replicas; a group of one issues nothing."""
+    all-reduce across the replicas; a group of one issues nothing. (The per-forward check
+    of the frozen set is one more all-reduce.)"""
     replicas, shards = shape
     want = {}
     if shards > 1:
@@ -107,6 +108,9 @@ def expected_counts(shape, buckets) -> dict:
         want[REDUCE] = len(buckets)
     if replicas > 1:
         want[ALL_REDUCE] = len(buckets)
+    # and the check that every rank trains the same params (runtime/hooks.py, FrozenAgreement): one
+    # small host all-reduce (gloo) per forward under grad
+    want[ALL_REDUCE] = want.get(ALL_REDUCE, 0) + 1
     return want
 
 

@@ -209,6 +209,39 @@ def test_freezing_after_wrapping_trains():
     assert_matches_reference(run_world(WORLD, freeze_after_wrap)[0], model=frozen_reference())
 
 
+def freeze_on_some_ranks(which: str):
+    """After a step, rank 1 alone freezes a param ("param"), or rank 0 alone every param
+    of a bucket ("bucket": it would skip the reduce-scatter the other waits in); then a
+    rank-dependent rule on p.numel() ("numel": Owned, rank 1's pieces are empty); rank 1
+    freezes a param of a model compiled whole ("compiled")."""
+    placement = fs.Owned() if which == "numel" else fs.Shard(0)
+    model = fs.flex_shard(make_model(), placement=placement)  # a bucket per block
+    if which == "compiled":  # the whole step in one graph: the check runs before it
+        fs.compile(model, backend="aot_eager")
+    sgd_train(model, sgd(model.parameters()), steps=1)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        if which in ("param", "compiled") and rank == 1:
+            model.layers[0].up.weight.requires_grad_(False)
+        elif which == "bucket" and rank == 0:
+            for p in model.layers[1].parameters():
+                p.requires_grad_(False)
+        elif which == "numel":
+            for p in model.parameters():
+                p.requires_grad_(p.numel() > 100)
+    sgd_train(model, sgd(model.parameters()), steps=1)
+
+
+@pytest.mark.parametrize("which", ["param", "bucket", "numel", "compiled"])
+def test_ranks_freezing_different_params_raise(which):
+    """Silently wrong before (the freezing rank added zeros to the averaged gradient),
+    or hung (a bucket's reduce-scatter skipped by one rank): now every rank raises at
+    the next forward, before any gather."""
+    expect_all_ranks_raise(WORLD, freeze_on_some_ranks, ValueError,
+                           r"the ranks disagree on which parameters train: rank \d freezes",
+                           which, timeout=60)
+
+
 def freeze_between_micro_batches():
     """Three no-sync micro-batches train layers.0.up.weight; it is frozen for the synced one."""
     model = fs.flex_shard(make_model())

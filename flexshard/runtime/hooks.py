@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import zlib
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..compat import (COMPILED_CALL_IMPL, current_graph_task_id, top_saved_tensors_default_hooks,
@@ -275,12 +277,69 @@ def _refill_before_backward(output, refill: _Refill) -> None:
     tree_map(hook, output)
 
 
+# Which params train, agreed by every rank at each training forward.
+#
+# Freezing a param after flex_shard is fine when every rank freezes it (its grad is left
+# out of the reduce). A rank that freezes a param the others train adds zeros to their
+# averaged gradient, and its pieces never update; one that freezes a whole bucket skips the
+# bucket's reduce-scatter while the others wait in it. A rule on `p.numel()` does this
+# quietly: under Owned or an uneven split a rank's piece may be empty. So at each forward
+# under grad, before its first collective, the ranks compare a checksum of which params
+# train: host values over a gloo group of the model's ranks (no device sync): the mesh's
+# own where it is gloo. Where they differ every rank raises, naming what it freezes.
+
+class FrozenAgreement:
+    """The check of one wrapped model (`buckets`, over the ranks of its mesh's `group`)."""
+
+    def __init__(self, buckets: Sequence, group) -> None:
+        self.buckets, self.group = list(buckets), group
+        # torch's "fake" backend runs one rank of a world in one process: none to ask
+        real = group is not None and dist.get_backend(group) != "fake"
+        self.ranks = tuple(sorted(dist.get_process_group_ranks(group))) if real else ()
+        self.trains = any(b.grad_slots for b in self.buckets)
+        self._host_group = None  # held here, not by the module: it goes with the model
+
+    def check(self) -> None:
+        if len(self.ranks) < 2 or not self.trains:
+            return
+        flags = bytes(p.requires_grad for b in self.buckets for p in b.params)
+        sig = zlib.crc32(flags)
+        both = torch.tensor([sig, -sig], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._host())
+        if both[0] != -both[1]:
+            raise ValueError(
+                f"the ranks disagree on which parameters train: rank {dist.get_rank()} "
+                f"freezes {self._frozen()} (requires_grad_(False) after flex_shard). Every rank "
+                "must freeze the same parameters, or the rank that freezes one adds zeros to "
+                "the others' averaged gradient. A rule on p.numel() or p.shape sees this "
+                "rank's piece, not the parameter: choose by name, p.ndim, or the full shape, "
+                "model.state_dict()[name].shape")
+
+    def _host(self):
+        """The mesh's group where it takes CPU tensors (gloo), else a gloo group of its
+        ranks made on first use (only they take part)."""
+        if self._host_group is None:
+            self._host_group = self.group if "gloo" in str(dist.get_backend(self.group)) \
+                else dist.new_group(list(self.ranks), backend="gloo",
+                                    use_local_synchronization=True)
+        return self._host_group
+
+    def _frozen(self) -> str:
+        """This rank's params frozen since the wrap (a few, then a count)."""
+        names = [repr(b.slots[i].fqn) for b in self.buckets for i in b.grad_slots
+                 if not b.params[i].requires_grad]
+        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+        return ", ".join(names[:4]) + more if names else "none of the trainable ones"
+
+
 class RootHooks:
     """Mark where the wrapped module's forward starts (new grad routes, prefetch)
     and ends."""
 
-    def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets) -> None:
+    def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets,
+                 frozen: Optional[FrozenAgreement] = None) -> None:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
+        self.frozen = frozen
         self.stray: Optional[StrayCallHooks] = None  # armed between forwards
         self.all_buckets = list(buckets)
         self.buckets = [b for b in buckets if b.needs_hooks]
@@ -294,6 +353,8 @@ class RootHooks:
     def pre_forward(self, module, args):
         for bucket in self.all_buckets:  # before any collective: each rank raises alike
             bucket.check_viewed()
+        if self.frozen is not None and torch.is_grad_enabled() and not in_backward():
+            self.frozen.check()
         if self.stray is not None:
             self.stray.disarm()
         if not in_backward():
