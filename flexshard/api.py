@@ -35,6 +35,7 @@ from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard
 from .runtime.sharded_grad import norm_groups
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
+from .wrap.generation import synced_generate
 from .wrap.teardown import destroy_gloo_group_at_exit
 
 
@@ -286,7 +287,13 @@ setattr(FlexShardModule, DDP_IGNORED_NAMES, property(_refuse_ddp))
 
 @functools.cache  # one class per original class, as FSDP2 does, not one per call
 def _wrapped_class(cls: type) -> type:
-    return type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
+    return type(f"FlexShard{cls.__name__}", (FlexShardModule, cls),
+                synced_generate(cls, _spans_ranks))  # HF generate(): wrap/generation.py
+
+
+def _spans_ranks(module) -> bool:
+    state = find_state(module)
+    return state is not None and state.mesh_size > 1
 
 
 def _check_args(module, mesh, placement, mp_policy, reshard_after_forward, offload_policy) -> None:
