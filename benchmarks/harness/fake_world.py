@@ -129,8 +129,29 @@ def fake_world(world: int, rank: int = 0, device: torch.device = torch.device("c
         dist.destroy_process_group()
 
 
+CAUSAL_SDPA = "sdpa_is_causal"
+
+
+def causal_sdpa() -> str:
+    """transformers' SDPA attention registered under a name that is none of its mask
+    functions, so the model builds no mask tensor and SDPA runs `is_causal` (flash
+    attention, K/V heads not repeated) in every mode. Under "sdpa" a model compiled
+    whole on torch < 2.14 builds an explicit causal mask inside the graph
+    (masking_utils: dynamo reads `torch.compiler.is_exporting()` as True), which keeps
+    SDPA off flash attention and repeats K/V over the query heads, where eager and
+    compiled blocks build the mask outside graphs, find it all-causal and pass None: a
+    cost of transformers under whole-model compile, plain model or sharded, not of the
+    engine. The batches here have no padding, which this attention would ignore."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
+
 def hf_llama(shape: LlamaShape, device: torch.device, seed: int = 0) -> nn.Module:
-    """transformers' LlamaForCausalLM at `shape`, fp32, initialised from `seed` on `device`."""
+    """transformers' LlamaForCausalLM at `shape`, fp32, initialised from `seed` on
+    `device`, its attention SDPA with `is_causal` in every mode (causal_sdpa)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -138,7 +159,7 @@ def hf_llama(shape: LlamaShape, device: torch.device, seed: int = 0) -> nn.Modul
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.seq,
         rope_theta=500000.0, tie_word_embeddings=False, use_cache=False,
-        attn_implementation="sdpa")
+        attn_implementation=causal_sdpa())
     torch.manual_seed(seed)
     with torch.device(device):
         return transformers.LlamaForCausalLM(config)
