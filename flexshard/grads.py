@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
+from .runtime.hooks import check_call
 from .runtime.sharded_grad import complete_norms, piece_norm, plain
 from .runtime.state import get_state
 from .wrap.names import state_dict_name
@@ -20,8 +21,9 @@ def full_grads(module: nn.Module) -> dict:
     state dict: no wrapper's `_checkpoint_wrapped_module.`), on every rank;
     None where no rank has one. One small all-reduce and one all-gather per
     bucket (under tensor parallelism, then one gather over tp per DTensor param)."""
-    out, keys = {}, _state_dict_keys(module)
-    for bucket in get_state(module).buckets:
+    out, keys, state = {}, _state_dict_keys(module), get_state(module)
+    check_call(state, "fs.full_grads")  # every rank is here, not one alone
+    for bucket in state.buckets:
         pieces = _agreed_grads(bucket, "full_grads")
         fulls = bucket.gather.gather_pieces([plain(g) if g is not None else None for g in pieces])
         specs = [w.tp for w in bucket.wiring]

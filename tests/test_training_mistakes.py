@@ -242,6 +242,31 @@ def test_ranks_freezing_different_params_raise(which):
                            which, timeout=60)
 
 
+def export_on_rank_0_alone(call: str, directory: str = ""):
+    """A step, then `if rank == 0:` a call that gathers the model, while rank 1 trains on."""
+    model = fs.flex_shard(make_model())
+    opt = sgd(model.parameters())
+    sgd_train(model, opt, steps=1)
+    if dist.get_rank() == 0:
+        {"full_state_dict": lambda: fs.full_state_dict(model),
+         "full_grads": lambda: fs.full_grads(model),
+         "save_checkpoint": lambda: fs.save_checkpoint(directory, model, opt, step=1),
+         "full_optimizer_state_dict": lambda: fs.full_optimizer_state_dict(model, opt)}[call]()
+    sgd_train(model, opt, steps=1)
+
+
+@pytest.mark.parametrize("call", ["full_state_dict", "full_grads", "save_checkpoint",
+                                  "full_optimizer_state_dict"])
+def test_a_gathering_call_on_one_rank_alone_raises_on_every_rank(call, tmp_path):
+    """It hung until the process group's timeout (rank 0's gathers paired with rank 1's
+    forward and backward collectives): now rank 0's call meets rank 1's next forward at
+    their one small agreement all-reduce, and both raise naming the two places."""
+    expect_all_ranks_raise(WORLD, export_on_rank_0_alone, RuntimeError,
+                           rf"rank \d is in (fs.{call}|the model's forward) while another rank "
+                           rf"of the model is in (the model's forward|fs.{call})",
+                           call, str(tmp_path), timeout=60)
+
+
 def freeze_between_micro_batches():
     """Three no-sync micro-batches train layers.0.up.weight; it is frozen for the synced one."""
     model = fs.flex_shard(make_model())

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..runtime.hooks import check_call
 from ..runtime.state import files_group, get_state
 from . import layouts
 from .async_save import async_saves, quiet_without_group
@@ -55,6 +56,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     state = get_state(model)
     async_saves(state).wait()
     _check_bucket_meshes(state, "save_checkpoint")
+    check_call(state, "fs.save_checkpoint")  # every rank is here, not one alone
     _check_writable(directory, state)
     final = os.path.join(directory, _STEP_DIR.format(step))
     tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))

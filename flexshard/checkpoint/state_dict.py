@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..compat import ASSIGN_METADATA_KEY, persistent_buffer_names
 from ..optim import check_optimizer
 from ..runtime.bucket import BucketState
+from ..runtime.hooks import check_call
 from ..runtime.state import FlexShardState, get_state
 from ..wrap.names import state_dict_name
 from .agreement import ABSENT, PRESENT, UNCOMPARED, check_sources_agree, checksum
@@ -395,6 +396,7 @@ def full_state_dict(module: nn.Module) -> dict:
     is this rank's own (buffers are not sharded). Collective: one gather per
     bucket (under tensor parallelism, then one gather over tp per DTensor param)."""
     state = get_state(module)
+    check_call(state, "fs.full_state_dict")  # every rank is here, not one alone
     fulls = {}
     with torch.no_grad():
         for bucket in state.buckets:
@@ -421,6 +423,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     import torch.distributed as dist
 
     state, out = get_state(module), optimizer.state_dict()
+    check_call(state, "fs.full_optimizer_state_dict")  # every rank is here, not one alone
     refs, mine = slot_refs(state), {}
     for key, param in _param_keys(optimizer, out):
         ref, entry = refs.get(id(param)), optimizer.state.get(param, {})

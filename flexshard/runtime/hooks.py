@@ -277,7 +277,7 @@ def _refill_before_backward(output, refill: _Refill) -> None:
     tree_map(hook, output)
 
 
-# Which params train, agreed by every rank at each training forward.
+# Which params train, agreed by every rank at each training forward; and where each rank is.
 #
 # Freezing a param after flex_shard is fine when every rank freezes it (its grad is left
 # out of the reduce). A rank that freezes a param the others train adds zeros to their
@@ -287,6 +287,23 @@ def _refill_before_backward(output, refill: _Refill) -> None:
 # under grad, before its first collective, the ranks compare a checksum of which params
 # train: host values over a gloo group of the model's ranks (no device sync): the mesh's
 # own where it is gloo. Where they differ every rank raises, naming what it freezes.
+# The same all-reduce opens the calls that gather the model outside the step
+# (fs.full_state_dict, fs.save_checkpoint, ...), carrying which call it is: a rank that
+# calls one alone (`if rank == 0: fs.full_state_dict(model)`) while the others go on
+# training meets their next forward's check, and both raise instead of pairing gathers
+# until the process group's timeout.
+
+_FORWARD = "the model's forward"
+CALLS = ("fs.full_state_dict", "fs.full_optimizer_state_dict", "fs.full_grads",
+         "fs.save_checkpoint")
+
+
+def _site_code(site: str) -> int:
+    return zlib.crc32(site.encode()) + 1  # > 0: the other half of the pair is its negation
+
+
+_SITES = {_site_code(site): site for site in (_FORWARD,) + CALLS}
+
 
 class FrozenAgreement:
     """The check of one wrapped model (`buckets`, over the ranks of its mesh's `group`)."""
@@ -300,13 +317,11 @@ class FrozenAgreement:
         self._host_group = None  # held here, not by the module: it goes with the model
 
     def check(self) -> None:
+        """At a training forward: the ranks are all there, and freeze alike."""
         if len(self.ranks) < 2 or not self.trains:
             return
-        flags = bytes(p.requires_grad for b in self.buckets for p in b.params)
-        sig = zlib.crc32(flags)
-        both = torch.tensor([sig, -sig], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._host())
-        if both[0] != -both[1]:
+        sig = zlib.crc32(bytes(p.requires_grad for b in self.buckets for p in b.params))
+        if self._agree(_FORWARD, sig) != (sig, sig):
             raise ValueError(
                 f"the ranks disagree on which parameters train: rank {dist.get_rank()} "
                 f"freezes {self._frozen()} (requires_grad_(False) after flex_shard). Every rank "
@@ -314,6 +329,30 @@ class FrozenAgreement:
                 "the others' averaged gradient. A rule on p.numel() or p.shape sees this "
                 "rank's piece, not the parameter: choose by name, p.ndim, or the full shape, "
                 "model.state_dict()[name].shape")
+
+    def check_call(self, site: str) -> None:
+        """At the start of `site`, a call that gathers the model outside the step: the
+        ranks are all in it (a rank training meanwhile is at its forward's check)."""
+        assert site in CALLS, site
+        if len(self.ranks) >= 2 and self.trains:
+            self._agree(site, 0)
+
+    def _agree(self, site: str, sig: int) -> tuple:
+        """All-reduce (site, sig) by max and min; raise where the sites differ. Returns
+        sig's (max, min)."""
+        code = _site_code(site)
+        both = torch.tensor([code, -code, sig, -sig], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._host())
+        high, low = int(both[0]), -int(both[1])
+        if high != low:
+            other = _SITES.get(high if high != code else low, "another flexshard call")
+            raise RuntimeError(
+                f"rank {dist.get_rank()} is in {site} while another rank of the model is in "
+                f"{other}: calls that gather the model (fs.full_state_dict, "
+                "fs.full_optimizer_state_dict, fs.full_grads, fs.save_checkpoint) are "
+                "collectives: call them on every rank, at the same point of the loop (not "
+                "under `if rank == 0:`), and save the result on rank 0")
+        return int(both[2]), -int(both[3])
 
     def _host(self):
         """The mesh's group where it takes CPU tensors (gloo), else a gloo group of its
@@ -330,6 +369,13 @@ class FrozenAgreement:
                  if not b.params[i].requires_grad]
         more = f" and {len(names) - 4} more" if len(names) > 4 else ""
         return ", ".join(names[:4]) + more if names else "none of the trainable ones"
+
+
+def check_call(state, site: str) -> None:
+    """FrozenAgreement.check_call of the model whose state is `state`, if it has one."""
+    root = state.root_hooks
+    if root is not None and root.frozen is not None:
+        root.frozen.check_call(site)
 
 
 class RootHooks:
