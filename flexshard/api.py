@@ -28,8 +28,8 @@ from .runtime.bucket import Bucket, BucketState, SlotWiring
 from .runtime.comm import Comm, DeviceContexts
 from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
-from .runtime.hooks import (FrozenAgreement, ModuleHooks, Prefetcher, RootHooks,
-                            StrayCallHooks, reshard_explicitly, unshard_explicitly)
+from .runtime.explicit_unshard import reshard_explicitly, unshard_explicitly
+from .runtime.hooks import FrozenAgreement, ModuleHooks, Prefetcher, RootHooks, StrayCallHooks
 from .wrap.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
 from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard

@@ -24,7 +24,7 @@ LAYERS = [
     {"runtime.gather"},
     {"runtime.bucket"},
     {"runtime.hooks", "runtime"},
-    {"runtime.traced", "runtime.reduce_order"},
+    {"runtime.traced", "runtime.reduce_order", "runtime.explicit_unshard"},
     {"collectives", "collectives.", "clip", "grads", "optim"},
     {"checkpoint", "checkpoint."},
     {"api", "dry_run", "dry_run.", "whole_step"},
