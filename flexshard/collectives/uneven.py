@@ -67,6 +67,7 @@ from torch.profiler import record_function
 
 from ..compat import TRACES_COLLECTIVE_FUNCTIONS
 from ..runtime.comm import Comm
+from ..wrap.teardown import destroy_gloo_group_at_exit
 
 
 def traced_from_2_13(fn):
@@ -106,6 +107,8 @@ def _group(name: str, group, comm: Optional[Comm]) -> _Group:
                              f"{tuple(group.mesh_dim_names or ())}; pass one dim's group: "
                              "mesh.get_group(\"name\") (or the 1-D mesh[\"name\"])")
         group = group.get_group()
+    if not torch.compiler.is_compiling():  # a clean exit for a script using only these
+        destroy_gloo_group_at_exit()  # (wrap/teardown.py)
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"{name}: this process (rank {dist.get_rank()} of the default group) is "

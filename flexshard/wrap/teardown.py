@@ -16,7 +16,7 @@ their group (a model's state does) and the last work may still be unreleased.
 A 2-rank script of 300 all-reduces then destroy_process_group() aborted in 10 of
 12 runs under FSDP2 and 9 of 12 under flexshard before this handler waited
 after a script's own destroy too. So the handler, on every exit of a process
-that wrapped a model while a process group existed: destroys a gloo default
+that wrapped a model, or called fs.collectives, while a process group existed: destroys a gloo default
 group still there (no new work), then sleeps with the GIL free until every other
 thread of the process sleeps (Linux's /proc/self/task: a worker that is running,
 or runnable and waiting for a core, is not asleep), for at most a second;
@@ -45,10 +45,16 @@ _POLL_S = 0.005
 _QUIET_POLLS = 3  # in a row: every other thread asleep (S), idle (I) or a zombie (Z)
 
 
+_registered = False
+
+
 def destroy_gloo_group_at_exit() -> None:
-    """Register (once per process) the exit handler below."""
-    atexit.unregister(_destroy_at_exit)  # idempotent: one registration however many models
-    atexit.register(_destroy_at_exit)
+    """Register (once per process) the exit handler below: flex_shard does, and the
+    activation collectives (fs.collectives) do on their first call."""
+    global _registered
+    if not _registered:
+        atexit.register(_destroy_at_exit)
+        _registered = True
 
 
 def _destroy_at_exit() -> None:
