@@ -10,18 +10,18 @@ the process aborts with "terminate called without an active exception". A core
 `ProcessGroupGloo::runLoop` -> `~AsyncAllreduceWork` -> `TensorImpl::decref_pyobject`
 -> `take_gil` -> `PyThread_exit_thread` while the main thread is in `Py_FinalizeEx`.
 
-`dist.destroy_process_group()` at the end of a script does not prevent it on
-torch 2.13: it stops new work, but the threads live on while anything references
-their group (a model's state does) and the last work may still be unreleased.
-A 2-rank script of 300 all-reduces then destroy_process_group() aborted in 10 of
-12 runs under FSDP2 and 9 of 12 under flexshard before this handler waited
-after a script's own destroy too. So the handler, on every exit of a process that
-wrapped a model or called fs.collectives while a process group existed, destroys
-a gloo default group still there (no new work), then sleeps with the GIL free
-until every other thread of the process sleeps (Linux's /proc/self/task: a worker that is running,
-or runnable and waiting for a core, is not asleep), for at most a second;
-elsewhere it pauses a fixed 50 ms. A fixed pause was not enough on a loaded
-machine (4 ranks on 2 cores: a worker waits for a core longer than 50 ms).
+`dist.destroy_process_group()` at the end of a script does not prevent it on torch
+2.13: it stops new work, but the threads live on while anything references their
+group (a model's state does) and the last work may still be unreleased. A 2-rank
+script of 300 all-reduces then destroy_process_group() aborted in 10 of 12 runs
+under FSDP2 and 9 of 12 under flexshard before this handler waited after a script's
+own destroy too. So the handler, on every exit of a process that wrapped a model or
+called fs.collectives while a process group existed, destroys a gloo default group
+still there (no new work), then sleeps with the GIL free until every other thread of
+the process sleeps (Linux's /proc/self/task: a worker that is running, or runnable
+and waiting for a core, is not asleep), for at most a second; elsewhere it pauses a
+fixed 50 ms. A fixed pause was not enough on a loaded machine (4 ranks on 2 cores: a
+worker waits for a core longer than 50 ms).
 
 The destroy is skipped on an uncaught exception and off gloo: NCCL's teardown
 has its own rules, and a rank leaving on an exception may leave a collective its
