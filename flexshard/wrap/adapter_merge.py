@@ -1,0 +1,47 @@
+"""PEFT's adapter merges on a model sharded over several ranks: refused.
+
+`merge_adapter()`, `merge_and_unload()` and `unmerge_adapter()` add (or take
+back) an adapter's delta, B @ A, into its base weight in place. Each rank of a
+flex_shard model holds pieces of both, so the merge fails in PEFT's matmul with a
+shape error, and under `Owned` on some ranks only (an owner holds its matrices
+whole): the others go on to their next collective and wait there for ever. Under
+`module.unshard()` the merge would write into gathered copies, which `reshard()`
+drops. So the class a PEFT model becomes refuses these calls on every rank alike,
+before any work, when the model spans several ranks; at one rank each piece is
+the whole tensor and the merge runs as PEFT's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+MERGES = ("merge_adapter", "merge_and_unload", "unmerge_adapter")
+
+
+def refused_merges(cls: type, spans_ranks: Callable) -> dict:
+    """The merge methods of the wrapped class of `cls` when `cls` is one of PEFT's
+    (a PeftModel passes them on to its tuner through __getattr__), else {}.
+    `spans_ranks(module)`: whether the model's mesh has more than one rank."""
+    if cls.__module__.split(".")[0] != "peft":
+        return {}
+    return {name: _refusing(cls, name, spans_ranks) for name in MERGES}
+
+
+def _refusing(cls: type, name: str, spans_ranks: Callable):
+    own = getattr(cls, name, None)  # a tuner defines it; a PeftModel finds it in its tuner
+
+    def merge(self, *args, **kwargs):
+        if spans_ranks(self):
+            raise RuntimeError(
+                f"{name}() on a flex_shard model sharded over several ranks: each rank holds "
+                "pieces of the base weights and of the adapter, so the merge cannot run here "
+                "(PEFT's matmul would fail on some ranks while the others wait). Merge on an "
+                "unwrapped model: build the same PeftModel without flex_shard, "
+                "load_state_dict(dict(fs.full_state_dict(model))) into it (the gather is a "
+                f"collective: every rank), then call {name}() there")
+        method = own.__get__(self) if own is not None else cls.__getattr__(self, name)
+        return method(*args, **kwargs)
+
+    merge.__name__ = merge.__qualname__ = name
+    merge.__doc__ = own.__doc__ if own is not None else None
+    return merge
