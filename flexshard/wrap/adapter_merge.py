@@ -24,7 +24,10 @@ def refused_merges(cls: type, spans_ranks: Callable) -> dict:
     `spans_ranks(module)`: whether the model's mesh has more than one rank."""
     if cls.__module__.split(".")[0] != "peft":
         return {}
-    return {name: _refusing(cls, name, spans_ranks) for name in MERGES}
+    forwards = any(c.__name__ == "PeftModel" and c.__module__ == "peft.peft_model"
+                   for c in cls.__mro__)
+    return {name: _refusing(cls, name, spans_ranks) for name in MERGES
+            if forwards or getattr(cls, name, None) is not None}  # never one it lacks
 
 
 def _refusing(cls: type, name: str, spans_ranks: Callable):
