@@ -129,6 +129,24 @@ current_graph_task_id = resolve("torch._C:_current_graph_task_id",
                                 "to tell forward from a recompute inside backward")
 queue_callback = resolve("torch.autograd:Variable._execution_engine.queue_callback",
                          "to finish gradient reductions when a backward pass ends")
+will_engine_execute_node = resolve("torch._C:_will_engine_execute_node",
+                                   "to tell .backward() from autograd.grad in a no-sync pass")
+
+
+def accumulates_into_grad(leaf: torch.Tensor) -> bool:
+    """Whether the backward pass running now accumulates into `leaf`'s .grad
+    (Tensor.backward, torch.autograd.backward), not torch.autograd.grad, which
+    returns the grads and leaves .grad alone. Asked of a leaf's AccumulateGrad
+    node under autograd.grad, torch raises ("... running autograd.grad()"): that
+    answers too."""
+    with torch.enable_grad():
+        node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+    try:
+        return will_engine_execute_node(node)
+    except RuntimeError as e:
+        if "autograd.grad" not in str(e):
+            raise
+        return False
 
 # Tensors.
 # A bucket's fused copies (planning/fused.py, FSDP2's _fsdp_collectives.py): one

@@ -491,3 +491,31 @@ def test_ddp_reads_the_ignored_names_attribute_of_the_module_first():
     read = source.index(f"hasattr(module, \"{compat.DDP_IGNORED_NAMES}\")")
     assert read < source.index("_verify_param_shape_across_processes")
     assert read < source.index("_sync_module_states")
+
+
+def test_accumulates_into_grad_tells_backward_from_autograd_grad():
+    """compat.accumulates_into_grad, asked from inside a backward node: True under
+    .backward() (with or without inputs=), False under torch.autograd.grad."""
+    from flexshard.compat import accumulates_into_grad
+
+    p, x = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(accumulates_into_grad(p))
+            return g * 2
+
+    def loss():
+        return (Probe.apply(p) * x).sum()
+
+    loss().backward()
+    loss().backward(inputs=[p])
+    torch.autograd.grad(loss(), [p])
+    torch.autograd.grad(loss(), [p, x])
+    assert seen == [True, True, False, False]

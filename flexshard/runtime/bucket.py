@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..compat import tensor_version
+from ..compat import accumulates_into_grad, tensor_version
 from ..config import MixedPrecisionPolicy, OffloadPolicy
 from ..planning.bucket_plan import hooks_needed, plan_bucket_layouts
 from ..planning.layout import SlotPlan
@@ -100,6 +100,7 @@ class Bucket:
         self.has_tp = False  # a slot is a DTensor param: forward installs DTensors
         self.held: Optional[HeldParams] = None  # what module.unshard() holds (held.py)
         self._installed_for_backward = False  # see install_for_backward
+        self._installed: tuple = ()  # what _install last put on the modules, per slot
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.above_owners = False  # its runner is above the module running all its params
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
@@ -300,6 +301,24 @@ class Bucket:
                 # Straight into _parameters: setattr would refuse the unsharded
                 # params, plain tensors (autograd outputs), in a Parameter's place.
                 module._parameters[attr] = tensor
+        self._installed = tuple(tensors)
+
+    def check_installed(self) -> None:
+        """Refuse a forward where a module no longer holds what this bucket put on
+        it: torch.func.functional_call (torch.nn.utils.stateless) swaps tensors into
+        the modules' _parameters for one call, and the gather would put the model's
+        own over them. A few identity checks: cheap enough for every forward."""
+        for i, (wiring, tensor) in enumerate(zip(self.wiring, self._installed)):
+            if any(m._parameters.get(a) is not tensor for m, a in wiring.aliases):
+                raise RuntimeError(
+                    f"parameter {self.slots[i].fqn!r} (bucket "
+                    f"{self.name!r}) was replaced on its module for this forward "
+                    "(torch.func.functional_call, torch.nn.utils.stateless, or a write "
+                    "to module._parameters): flex_shard gathers the bucket's own params "
+                    "over the ranks, so the forward would compute with them, not with the "
+                    "tensors passed. Change the params themselves (in place under "
+                    "torch.no_grad(), or fs.load_full_state_dict), or run the functional "
+                    "call on an unwrapped model loaded from fs.full_state_dict(model)")
 
     def install_sharded(self) -> None:
         """Put the sharded params back on the modules."""
@@ -445,6 +464,7 @@ class _Unshard(torch.autograd.Function):
         # Every grad is known: the block's backward is done with its refilled params;
         # dropped before the reduce buffers are made, so the two never coexist.
         bucket.backward_done(ctx.forward)  # and the int reshard's kept slice
+        _refuse_unreducible(bucket)  # before any of this pass's reduce work
         bucket.reduce_queue.watch_backward()
         bucket.reduce_queue.make_room()
         bucket.check_frozen_pending()
@@ -454,3 +474,26 @@ class _Unshard(torch.autograd.Function):
             # unsharded grads, so they never sit beside the collective's buffers.
             bucket.reduce_queue.defer(Reduction(bucket.grads, packed, ctx.delivery))
         return None, bucket.grad_route.anchor_grad(bucket.compute_device), None, None
+
+
+def _refuse_unreducible(bucket: Bucket) -> None:
+    """Backward passes whose grads of the params cannot be what autograd promises:
+    differentiable ones (create_graph=True: the reduction is no autograd op), and
+    torch.autograd.grad inside a no-sync accumulation (it would add them to the
+    pending sum, grad_reduce.py, and return none)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"a backward with create_graph=True reached the params of bucket {bucket.name!r}: "
+            "flex_shard reduces their gradients over the ranks outside autograd, so those "
+            "gradients cannot be differentiated again (a penalty on the weights' gradients, a "
+            "Hessian-vector product or second-order MAML would lose that term). "
+            "create_graph=True with respect to inputs only works (a penalty on input "
+            "gradients); compute second-order terms in the params on an unwrapped model")
+    trains = [p for p in bucket.params if p.requires_grad]
+    if not bucket.grads.requires_gradient_sync and trains and not accumulates_into_grad(trains[0]):
+        raise RuntimeError(
+            f"torch.autograd.grad with respect to the params of bucket {bucket.name!r} "
+            "inside a no-sync accumulation (set_requires_gradient_sync(False)): flex_shard "
+            "would add this backward's gradients to the accumulated sum that the next synced "
+            "backward reduces, and has no reduced gradient to return. Call autograd.grad on "
+            "the params with gradient sync on, or use loss.backward()")

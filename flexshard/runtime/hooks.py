@@ -146,6 +146,7 @@ class ModuleHooks:
         # module may rerun its forward there without this module's hooks
         self._recomputed = handled and (self.above_owners or recomputes_without_hooks(module))
         for bucket in self.buckets:
+            bucket.check_installed()  # functional_call's tensors would be gathered over
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
                 continue
