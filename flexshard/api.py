@@ -20,7 +20,8 @@ from .placements.contract import Placement
 from .placements.shard import Shard
 from .planning.assign import alias_names, assign_params, default_buckets
 from .planning.fingerprint import check_ranks_agree
-from .planning.options import check_options, check_params, check_specs, resolve_reshard
+from .planning.options import (check_modules, check_options, check_params, check_specs,
+                               resolve_reshard)
 from .planning.plan import WrapPlan, plan_wrap, shard_dim_note
 from .planning.tensor_parallel import (check_dtensor_params, restore_params, slot_specs,
                                        to_local_params)
@@ -237,6 +238,7 @@ def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,
     _check_bucket_meshes(specs, mesh)
     named = dict(module.named_parameters())
     check_params(named, allow_dtensor=True)
+    check_modules(module)
     check_dtensor_params(named, mesh, _bucket_mesh_of(module, named, specs))
     local = to_local_params(module, named)  # DTensor params: their TP-local tensors
     try:

@@ -157,6 +157,15 @@ WRAP_CASES = {
     "no parameters": (lambda comm: fs.flex_shard(nn.ReLU(), comm=comm), ValueError,
                       r"the module has no parameters to shard"),
     "params on two devices": (_two_devices, ValueError, r"parameters live on several devices .*'head\.weight'"),
+    # its forward renormalises rows of the weight in place: lost on a gathered copy
+    "embedding max_norm": (
+        lambda comm: fs.flex_shard(nn.Sequential(nn.Embedding(11, 6, max_norm=1.0),
+                                                 nn.Linear(6, 3)), comm=comm), ValueError,
+        r"module '0' \(Embedding\) has max_norm=1\.0: .* Build it with max_norm=None"),
+    "sparse embedding": (
+        lambda comm: fs.flex_shard(nn.Sequential(nn.Linear(3, 5), nn.EmbeddingBag(11, 6, sparse=True)),
+                                   comm=comm), ValueError,
+        r"module '1' \(EmbeddingBag\) has sparse=True: .* build it with sparse=False"),
 }
 
 CONFIG_CASES = {

@@ -17,7 +17,7 @@ from ..config import MixedPrecisionPolicy
 from ..placements.shard import Shard
 from .bucket_plan import plan_bucket_layouts
 from .assign import default_buckets
-from .options import check_options, check_params, check_specs
+from .options import check_modules, check_options, check_params, check_specs
 from .plan import plan_wrap, shard_dim_note
 from .report import ShardingPlan, bucket_plan
 
@@ -64,6 +64,7 @@ def dry_run(module: nn.Module, mesh_shape: tuple, *, buckets=None, placement=Sha
     specs = default_buckets(module) if buckets is None else check_specs(buckets)
     named = dict(module.named_parameters())
     check_params(named)
+    check_modules(module)
     plan = plan_wrap(module, named, specs, placement, mp_policy, reshard_after_forward,
                      shards, replicas=replicas, offload_policy=offload_policy,
                      note=shard_dim_note(mesh_shape if replicas > 1 else ()))

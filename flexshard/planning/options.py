@@ -66,3 +66,28 @@ def check_params(named: dict, allow_dtensor: bool = False) -> None:
             raise NotImplementedError(
                 f"parameter {fqn!r} is a DTensor; this dry run plans plain tensors only: "
                 "describe the model before parallelize_module")
+
+
+def check_modules(module) -> None:
+    """Modules whose forward needs the param itself: an embedding with `max_norm`
+    renormalises the rows it looks up in its weight in place (a flex_shard forward
+    computes with a gathered copy: the write would be dropped, or autograd refuses
+    it), one with `sparse=True` makes sparse grads (the reduction packs dense ones)."""
+    from torch import nn
+
+    for name, sub in module.named_modules():
+        if not isinstance(sub, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        what = f"module {name or '(the root)'!r} ({type(sub).__name__})"
+        if sub.max_norm is not None:
+            raise ValueError(
+                f"{what} has max_norm={sub.max_norm}: its forward renormalises the rows it "
+                "looks up in its weight in place, and a flex_shard forward computes with a "
+                "gathered copy of the weight, so the renormalisation would be lost. Build it "
+                "with max_norm=None and clip the looked-up rows in forward instead: "
+                f"e * ({sub.max_norm} / e.norm(dim=-1, keepdim=True)).clamp(max=1)")
+        if sub.sparse:
+            raise ValueError(
+                f"{what} has sparse=True: flex_shard reduces dense gradients into each rank's "
+                "shard, and cannot pack a sparse one; build it with sparse=False (its "
+                "gradient is then dense, as FSDP2 needs too)")
