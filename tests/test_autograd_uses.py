@@ -76,11 +76,20 @@ def functional_call_with_other_params(model, x, y) -> None:
     torch.func.functional_call(model, halved, (x,))
 
 
+def functional_call_of_a_block(model, x, y) -> None:
+    """A block with a bucket of its own, called by itself (it gathers alone)."""
+    block = model.layers[0]
+    halved = {n: p * 0.5 for n, p in block.named_parameters()}
+    torch.func.functional_call(block, halved, (torch.randn(2, 11, 30),))
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_functional_call_with_other_params_is_refused(placement):
+@pytest.mark.parametrize("call", [functional_call_with_other_params, functional_call_of_a_block],
+                         ids=["model", "block"])
+def test_functional_call_with_other_params_is_refused(placement, call):
     """It used to compute with the model's own params (the gather put them over the
     tensors passed), at every placement."""
-    _check(placement, functional_call_with_other_params,
+    _check(placement, call,
            r"parameter '.*' \(bucket '.*'\) was replaced on its module for this forward "
            r"\(torch\.func\.functional_call")
 

@@ -15,6 +15,7 @@ early (`start_gather`, prefetch) and consumed by the next unshard.
 from __future__ import annotations
 
 import enum
+import operator
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -100,7 +101,7 @@ class Bucket:
         self.has_tp = False  # a slot is a DTensor param: forward installs DTensors
         self.held: Optional[HeldParams] = None  # what module.unshard() holds (held.py)
         self._installed_for_backward = False  # see install_for_backward
-        self._installed: tuple = ()  # what _install last put on the modules, per slot
+        self._installed: tuple = ()  # what _install last put on the modules, per alias
         self.used_in_nested_runner = False  # a param is used inside another bucket's module
         self.above_owners = False  # its runner is above the module running all its params
         self.hold_handle = None  # the UnshardHandle of an unwaited module.unshard(async_op=True)
@@ -301,24 +302,26 @@ class Bucket:
                 # Straight into _parameters: setattr would refuse the unsharded
                 # params, plain tensors (autograd outputs), in a Parameter's place.
                 module._parameters[attr] = tensor
-        self._installed = tuple(tensors)
+        self._installed = tuple(t for w, t in zip(self.wiring, tensors) for _ in w.aliases)
 
     def check_installed(self) -> None:
         """Refuse a forward where a module no longer holds what this bucket put on
         it: torch.func.functional_call (torch.nn.utils.stateless) swaps tensors into
         the modules' _parameters for one call, and the gather would put the model's
-        own over them. A few identity checks: cheap enough for every forward."""
-        for i, (wiring, tensor) in enumerate(zip(self.wiring, self._installed)):
-            if any(m._parameters.get(a) is not tensor for m, a in wiring.aliases):
-                raise RuntimeError(
-                    f"parameter {self.slots[i].fqn!r} (bucket "
-                    f"{self.name!r}) was replaced on its module for this forward "
-                    "(torch.func.functional_call, torch.nn.utils.stateless, or a write "
-                    "to module._parameters): flex_shard gathers the bucket's own params "
-                    "over the ranks, so the forward would compute with them, not with the "
-                    "tensors passed. Change the params themselves (in place under "
-                    "torch.no_grad(), or fs.load_full_state_dict), or run the functional "
-                    "call on an unwrapped model loaded from fs.full_state_dict(model)")
+        own over them. An identity check per alias: cheap enough for every forward."""
+        now = [m._parameters.get(a) for w in self.wiring for m, a in w.aliases]
+        if all(map(operator.is_, now, self._installed)):
+            return
+        slots = [i for i, w in enumerate(self.wiring) for _ in w.aliases]
+        i = next(i for i, held, put in zip(slots, now, self._installed) if held is not put)
+        raise RuntimeError(
+            f"parameter {self.slots[i].fqn!r} (bucket {self.name!r}) was replaced on its "
+            "module for this forward (torch.func.functional_call, torch.nn.utils.stateless, "
+            "or a write to module._parameters): flex_shard gathers the bucket's own params "
+            "over the ranks, so the forward would compute with them, not with the tensors "
+            "passed. Change the params themselves (in place under torch.no_grad(), or "
+            "fs.load_full_state_dict), or run the functional call on an unwrapped model "
+            "loaded from fs.full_state_dict(model)")
 
     def install_sharded(self) -> None:
         """Put the sharded params back on the modules."""

@@ -146,7 +146,7 @@ class ModuleHooks:
         # module may rerun its forward there without this module's hooks
         self._recomputed = handled and (self.above_owners or recomputes_without_hooks(module))
         for bucket in self.buckets:
-            bucket.check_installed()  # functional_call's tensors would be gathered over
+            bucket.check_installed()  # (a block called by itself: the root's check missed it)
             if bucket.held is not None:  # module.unshard() holds it unsharded
                 bucket.check_held()
                 continue
@@ -400,6 +400,7 @@ class RootHooks:
     def pre_forward(self, module, args):
         for bucket in self.all_buckets:  # before any collective: each rank raises alike
             bucket.check_viewed()
+            bucket.check_installed()  # before the prefetch gathers over functional_call's
         if self.frozen is not None and torch.is_grad_enabled() and not in_backward():
             self.frozen.check()
         if self.stray is not None:
