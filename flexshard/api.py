@@ -31,7 +31,7 @@ from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
 from .runtime.explicit_unshard import reshard_explicitly, unshard_explicitly
 from .runtime.hooks import FrozenAgreement, ModuleHooks, Prefetcher, RootHooks, StrayCallHooks
-from .wrap.mesh import MeshGroups, Subgroups, mesh_groups, root_group, single_process
+from .wrap.mesh import MeshGroups, Subgroups, files_group, mesh_groups, single_process
 from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard
 from .runtime.sharded_grad import norm_groups
@@ -264,7 +264,8 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
     state = _new_state(groups, comm or comm_for(groups.shard_group))
     check_ranks_agree(plan, state.comm, groups)  # over flex_shard's mesh: TP ranks may hold other shapes
     if local.specs:  # checkpoints are written by every rank of the (dp, tp) mesh
-        state.files_group, state.files_rank, _ = root_group(mesh)
+        state.files_group, state.files_rank, _ = files_group(
+            mesh, [spec.mesh for spec in local.specs.values()])
     _build(module, state, plan, named, device, local.specs, originals)
     attach_state(module, state)
     state.state_dict_hooks = StateDictHooks(module, state)

@@ -304,6 +304,36 @@ def test_checkpoint_to_one_dimensional_and_back(tmp_path):
             assert_rel_close(params[k], ref, 1e-5, f"back at (2, 2), rank {rank}: {k}")
 
 
+# A model per pipeline stage, each with TP params: each stage's checkpoint is its own.
+
+
+def _stage_checkpoints(root) -> tuple:
+    """(pp 2, dp 2, tp 1): each stage saves its model to its own directory and loads
+    it back; then stage 0 alone saves (stage 1 goes on: no collective spans it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    model = fs.flex_shard(tensor_parallel(make_llama(seed=stage), mesh["tp"]), mesh["dp"])
+    saved = fs.full_state_dict(model)
+    path = fs.save_checkpoint(f"{root}/stage{stage}", model, None, step=1)
+    other = fs.flex_shard(tensor_parallel(make_llama(seed=7), mesh["tp"]), mesh["dp"])
+    fs.load_checkpoint(path, other)
+    if stage == 0:
+        fs.save_checkpoint(f"{root}/alone", model, None, step=2)
+    return saved, fs.full_state_dict(other)
+
+
+def test_each_pipeline_stage_checkpoints_its_own_model(tmp_path):
+    """The files group spans flex_shard's mesh and the TP mesh, not the root's other
+    dims: before, both stages' saves met in one DCP plan (overlapping chunks) and a
+    stage saving alone hung."""
+    for saved, loaded in run_world(WORLD, _stage_checkpoints, str(tmp_path), timeout=300):
+        assert saved.keys() == loaded.keys()
+        for k, v in saved.items():
+            assert torch.equal(loaded[k], v), k
+
+
 # fs.clip_grad_norm_ over both dims.
 
 MAX_NORM = 0.05

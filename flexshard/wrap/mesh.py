@@ -54,19 +54,29 @@ def mesh_groups(mesh) -> MeshGroups:
                       whole, dist.get_rank(group=whole), replicas * shards)
 
 
-def root_group(mesh) -> tuple:
-    """(group, rank in it, size) of every rank of the mesh `mesh` was sliced
-    from: under tensor parallelism checkpoint files span the dp and tp dims."""
-    root = root_mesh(mesh)
-    group = _whole_group(root)
-    return group, dist.get_rank(group=group), root.mesh.numel()
+def files_group(mesh, tp_meshes) -> tuple:
+    """(group, rank in it, size) of the ranks that write one checkpoint of a model
+    with DTensor params: the ranks of flex_shard's mesh times those of the params'
+    TP meshes, within the mesh all were sliced from. Along that root's other dims
+    (pipeline stages, other models of the job) each writes its own, as without TP."""
+    grid = root_mesh(mesh).mesh
+    where = {r: (grid == r).nonzero()[0].tolist() for r in grid.flatten().tolist()}
+    mine = where[dist.get_rank()]
+    members = {r for m in (mesh, *tp_meshes) for r in m.mesh.flatten().tolist()}
+    varies = {d for r in members for d, c in enumerate(where[r]) if c != mine[d]}
+    ranks = grid[tuple(slice(None) if d in varies else c for d, c in enumerate(mine))]
+    group = _group_of(sorted(ranks.flatten().tolist()))
+    return group, dist.get_rank(group=group), ranks.numel()
 
 
 def _whole_group(mesh) -> Optional[Any]:
-    """A process group of every rank in `mesh`: the default group when the
-    mesh spans the whole world, else a new group (only the mesh's ranks take
-    part in making it)."""
-    ranks = sorted(mesh.mesh.flatten().tolist())
+    """A process group of every rank in `mesh` (see _group_of)."""
+    return _group_of(sorted(mesh.mesh.flatten().tolist()))
+
+
+def _group_of(ranks: list) -> Optional[Any]:
+    """A process group of `ranks` (sorted): the default group when they are the
+    whole world, else a new group (only they take part in making it)."""
     if ranks == list(range(dist.get_world_size())):
         return dist.group.WORLD
     return dist.new_group(ranks, use_local_synchronization=True)
