@@ -105,6 +105,28 @@ def test_state_dict_values_carry_the_full_shape():
         assert "call fs.full_state_dict(model) on every rank" in vals["error"]
 
 
+def _trainable_keys(placement_name) -> tuple:
+    """state_dict(keep_vars=True) with the first block frozen: the keys whose values
+    require grad, and under keep_vars=False (detached values) none."""
+    model, _ = wrapped(placement_name)
+    for p in model.layers[0].parameters():
+        p.requires_grad_(False)
+    return ({k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad},
+            {k for k, v in model.state_dict().items() if v.requires_grad})
+
+
+@pytest.mark.parametrize("placement", ["shard0", "uneven"])
+def test_keep_vars_tells_which_params_train(placement):
+    """As torch's and FSDP2's state_dict(keep_vars=True) do (it used to say none)."""
+    reference = make_model()
+    for p in reference.layers[0].parameters():
+        p.requires_grad_(False)
+    want = {k for k, v in reference.state_dict(keep_vars=True).items() if v.requires_grad}
+    assert want and "layers.0.qkv.weight" not in want and "layers.1.qkv.weight" in want
+    for kept, detached in run_world(2, _trainable_keys, placement):
+        assert kept == want and detached == set()
+
+
 def _load_full_in_place(placement_name):
     model, _ = wrapped(placement_name, seed=1)
     ptrs = {k: p.data_ptr() for k, p in model.named_parameters()}

@@ -198,7 +198,10 @@ class _OwnerHooks:
             key = prefix + attr
             if key in state_dict:
                 _check_sharded(ref.bucket)
-                state_dict[key] = sharded_value(self.state, ref, state_dict[key].detach(), key)
+                value = state_dict[key]  # the Parameter itself under keep_vars=True
+                state_dict[key] = sharded_value(self.state, ref, value.detach(), key)
+                if value.requires_grad:  # keep_vars: which params train, as torch tells
+                    state_dict[key].requires_grad_(True)
 
     def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                  unexpected_keys, error_msgs) -> None:
