@@ -36,8 +36,8 @@ from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard
 from .runtime.sharded_grad import norm_groups
 from .runtime.state import FlexShardState, attach_state, find_state, get_state
-from .wrap.adapter_merge import refused_merges
 from .wrap.generation import synced_generate
+from .wrap.refused_methods import refused_methods
 from .wrap.teardown import destroy_gloo_group_at_exit
 
 
@@ -293,7 +293,7 @@ setattr(FlexShardModule, DDP_IGNORED_NAMES, property(_refuse_ddp))
 def _wrapped_class(cls: type) -> type:
     return type(f"FlexShard{cls.__name__}", (FlexShardModule, cls),
                 {**synced_generate(cls, _spans_ranks),  # HF generate(): wrap/generation.py
-                 **refused_merges(cls, _spans_ranks)})  # PEFT merges: wrap/adapter_merge.py
+                 **refused_methods(cls, _spans_ranks)})  # wrap/refused_methods.py
 
 
 def _spans_ranks(module) -> bool:

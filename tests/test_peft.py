@@ -1,7 +1,7 @@
 """PEFT's LoRA on a flex_shard model: it trains as the one-process PeftModel (SGD,
 first-step grads too), generate() keeps the ranks in step (wrap/generation.py), and
 the adapter merges, which cannot run on pieces, are refused on every rank alike
-before any work (wrap/adapter_merge.py); at one rank they run as PEFT's."""
+before any work (wrap/refused_methods.py); at one rank they run as PEFT's."""
 
 import copy
 

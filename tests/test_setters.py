@@ -122,3 +122,31 @@ def test_divide_factor_refuses_while_a_deferred_all_reduce_holds_grads():
     expect_all_ranks_raise(4, divide_factor_mid_accumulation, ValueError,
                            r"set_gradient_divide_factor: bucket\(s\) \[.*\] hold reduced "
                            r"gradients whose all-reduce set_requires_all_reduce\(False\) deferred")
+
+
+def resize_after_wrap(tied: bool) -> tuple:
+    """resize_token_embeddings on a wrapped Llama: refused on every rank before it
+    changes anything; the values and the vocabulary size stay."""
+    model = llama()
+    model.config.tie_word_embeddings = tied
+    if tied:
+        model.tie_weights()
+    fs.flex_shard(model)
+    before = fs.full_state_dict(model)
+    try:
+        model.resize_token_embeddings(140)
+        said = None
+    except RuntimeError as e:
+        said = str(e)
+    after = fs.full_state_dict(model)
+    return said, model.config.vocab_size, all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_resize_token_embeddings_after_the_wrap_is_refused():
+    """It used to resize each rank's piece as a whole table (a tied head kept the old
+    shape, fs.full_state_dict returned the old values), or, untied, fail halfway."""
+    for tied in (True, False):
+        for said, vocab, unchanged in run_world(2, resize_after_wrap, tied):
+            assert said is not None and "resize_token_embeddings() on a flex_shard model" in said \
+                and "Resize before flex_shard" in said, said
+            assert vocab == 128 and unchanged

@@ -182,6 +182,7 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
 
 
 def _check_sharded(bucket) -> None:
+    bucket.check_viewed()  # a tensor swapped in (p.data = t) would save the old values
     if bucket.state != BucketState.SHARDED:
         raise RuntimeError(f"bucket {bucket.name!r} is {bucket.state.value}: state dicts are "
                            "only available outside forward and backward")

@@ -373,7 +373,10 @@ class FrozenAgreement:
 
 
 def check_call(state, site: str) -> None:
-    """FrozenAgreement.check_call of the model whose state is `state`, if it has one."""
+    """Before `site` gathers the model: no tensor was swapped under a param (it would
+    gather the old values), then FrozenAgreement.check_call, if the model has one."""
+    for bucket in state.buckets:
+        bucket.check_viewed()
     root = state.root_hooks
     if root is not None and root.frozen is not None:
         root.frozen.check_call(site)
@@ -431,10 +434,10 @@ class StrayCallHooks:
         self.checks = []  # (module, hook)
         for bucket in buckets:
             modules = {id(m): m for w in bucket.wiring for m, _ in w.aliases}
-            # a module holding a param registered first elsewhere (tied): no bucket
-            # pattern of its own names that param
-            tied = {id(m) for w in bucket.wiring for m, _ in w.aliases[1:]
-                    if m is not w.aliases[0][0]}
+            # a module holding a param tied to another module's (either end): no bucket
+            # of its own can gather it, the root's forward does
+            tied = {id(m) for w in bucket.wiring if len({id(m) for m, _ in w.aliases}) > 1
+                    for m, _ in w.aliases}
             self.checks += [(m, functools.partial(_check_gathered, bucket, names[id(m)],
                                                   id(m) in tied))
                             for m in modules.values() if m is not root]
