@@ -355,3 +355,12 @@ def dtensor_shard(placement: Placement, shape: Sequence[int], world_size: int):
         if size != length or (length and offset != start):
             return None
     return DShard(dim)
+
+
+def shards_in_rank_order(mesh) -> bool:
+    """Whether each rank's position along the mesh's shard dim (DTensor's piece
+    index) is its rank in the shard group (flexshard's: the gathers' order, by
+    ascending global rank). A mesh listing them otherwise (DeviceMesh("cpu", [1, 0]))
+    has no DTensor for its Shard(d) pieces. The same answer on every rank."""
+    rows = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+    return all(row == sorted(row) for row in rows)

@@ -32,7 +32,8 @@ from ..runtime.hooks import check_call
 from ..runtime.state import FlexShardState, get_state
 from ..wrap.names import state_dict_name
 from .agreement import ABSENT, PRESENT, UNCOMPARED, check_sources_agree, checksum
-from .pieces import LivePieces, ShardedPieces, dtensor_shard, live_dtensor, piece_boxes
+from .pieces import (LivePieces, ShardedPieces, dtensor_shard, live_dtensor, piece_boxes,
+                     shards_in_rank_order)
 
 
 class SlotRef(NamedTuple):
@@ -118,22 +119,13 @@ def dtensor_placements(bucket, slot):
     """The DTensor placements of a slot on its bucket's mesh ((Replicate(),
     Shard(d)) under HSDP), or None when its pieces are not DTensor chunks."""
     dshard = dtensor_shard(slot.placement, slot.shape, bucket.world_size)
-    if dshard is not None and not _shards_in_rank_order(bucket.mesh):
+    if dshard is not None and not shards_in_rank_order(bucket.mesh):
         dshard = None  # a DTensor would place the pieces by mesh position: give the boxes
     if dshard is None or bucket.mesh.ndim == 1:
         return None if dshard is None else (dshard,)
     from torch.distributed.tensor import Replicate
 
     return (Replicate(), dshard)
-
-
-def _shards_in_rank_order(mesh) -> bool:
-    """Whether each rank's position along the mesh's shard dim (DTensor's piece
-    index) is its rank in the shard group (flexshard's: the gathers' order, by
-    ascending global rank). A mesh listing them otherwise (DeviceMesh("cpu", [1, 0]))
-    has no DTensor for its Shard(d) pieces. The same answer on every rank."""
-    rows = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
-    return all(row == sorted(row) for row in rows)
 
 
 def _contiguous_stride(shape) -> tuple:
