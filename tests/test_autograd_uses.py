@@ -14,40 +14,11 @@ import torch.distributed as dist
 import flexshard as fs
 from harness import run_world
 from models import batch, loss_fn
-from reference import make_model
+from reference import assert_rel_close, make_model, reference_run
+from training_helpers import train
 
 WORLD, LR, STEPS = 2, 0.05, 2
 PLACEMENTS = {"shard": fs.Shard(0), "owned": fs.Owned(), "ragged": fs.RaggedShard()}
-
-
-def _train(model, steps: int = STEPS) -> list:
-    """SGD steps on this rank's batches: the losses averaged over the ranks."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, dist.get_rank())
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / WORLD)
-    return losses
-
-
-def _reference(steps: int = STEPS) -> list:
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        xs, ys = zip(*(batch(step, r) for r in range(WORLD)))
-        loss = loss_fn(model(torch.cat(xs)), torch.cat(ys))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _refused_then_trains(placement: str, misuse) -> tuple:
@@ -60,15 +31,21 @@ def _refused_then_trains(placement: str, misuse) -> tuple:
         said = None
     except RuntimeError as e:
         said = str(e)
-    return said, _train(model)
+    return said, train(model, STEPS, opt=torch.optim.SGD(model.parameters(), lr=LR)), \
+        fs.full_state_dict(model)
 
 
 def _check(placement: str, misuse, match: str) -> None:
-    for said, losses in run_world(WORLD, _refused_then_trains, placement, misuse, timeout=300):
+    ref_losses, ref_params, _ = reference_run(
+        WORLD, STEPS, make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=LR))
+    for said, losses, full in run_world(WORLD, _refused_then_trains, placement, misuse,
+                                        timeout=300):
         assert said is not None, "no rank may go on: every rank raises"
         assert re.search(match, said), said
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference()),
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=0)
+        for k, want in ref_params.items():
+            assert_rel_close(full[k], want, 1e-5, k)
 
 
 def functional_call_with_other_params(model, x, y) -> None:
