@@ -174,7 +174,6 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
 
 
 def _check_sharded(bucket) -> None:
-    bucket.check_viewed()  # a tensor swapped in (p.data = t) would save the old values
     if bucket.state != BucketState.SHARDED:
         raise RuntimeError(f"bucket {bucket.name!r} is {bucket.state.value}: state dicts are "
                            "only available outside forward and backward")
@@ -191,6 +190,7 @@ class _OwnerHooks:
             key = prefix + attr
             if key in state_dict:
                 _check_sharded(ref.bucket)
+                ref.bucket.check_viewed(ref.index)  # a tensor swapped in would save old values
                 value = state_dict[key]  # the Parameter itself under keep_vars=True
                 state_dict[key] = sharded_value(self.state, ref, value.detach(), key)
                 if value.requires_grad:  # keep_vars: which params train, as torch tells

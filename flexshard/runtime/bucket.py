@@ -222,15 +222,19 @@ class Bucket:
                 "module.unshard() held them unsharded; call module.reshard() before changing "
                 "the params, then module.unshard() again")
 
-    def check_viewed(self) -> None:
-        """Refuse sharded params that no longer view their pieces of the buffer
-        (`p.data = t`, `p.set_(t)`): the gather reads the buffer, so the step
-        would train values the optimizer no longer writes. One pass of cached
-        pointers: cheap enough for every forward."""
+    def check_viewed(self, index: Optional[int] = None) -> None:
+        """Refuse sharded params (or the one at `index`) that no longer view their
+        pieces of the buffer (`p.data = t`, `p.set_(t)`): the gather reads the buffer,
+        so the step would train values the optimizer no longer writes. One pass of
+        cached pointers: cheap enough for every forward."""
         ptrs = self.storage.ptrs
-        if list(map(torch.Tensor.data_ptr, self.params)) == ptrs:
+        if index is not None:
+            if self.params[index].data_ptr() == ptrs[index]:
+                return
+        elif list(map(torch.Tensor.data_ptr, self.params)) == ptrs:
             return
-        index = next(i for i, p in enumerate(self.params) if p.data_ptr() != ptrs[i])
+        else:
+            index = next(i for i, p in enumerate(self.params) if p.data_ptr() != ptrs[i])
         slot, param = self.slots[index], self.params[index]
         fqn = slot.fqn
         if param.dtype != slot.dtype:
@@ -492,8 +496,10 @@ def _refuse_unreducible(bucket: Bucket) -> None:
             "Hessian-vector product or second-order MAML would lose that term). "
             "create_graph=True with respect to inputs only works (a penalty on input "
             "gradients); compute second-order terms in the params on an unwrapped model")
+    if bucket.grads.requires_gradient_sync:
+        return
     trains = [p for p in bucket.params if p.requires_grad]
-    if not bucket.grads.requires_gradient_sync and trains and not accumulates_into_grad(trains[0]):
+    if trains and not accumulates_into_grad(trains[0]):
         raise RuntimeError(
             f"torch.autograd.grad with respect to the params of bucket {bucket.name!r} "
             "inside a no-sync accumulation (set_requires_gradient_sync(False)): flex_shard "

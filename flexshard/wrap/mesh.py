@@ -9,6 +9,7 @@ shards across the replicate group.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def files_group(mesh, tp_meshes) -> tuple:
     TP meshes, within the mesh all were sliced from. Along that root's other dims
     (pipeline stages, other models of the job) each writes its own, as without TP."""
     grid = root_mesh(mesh).mesh
-    where = {r: (grid == r).nonzero()[0].tolist() for r in grid.flatten().tolist()}
+    where = dict(zip(grid.flatten().tolist(), itertools.product(*map(range, grid.shape))))
     mine = where[dist.get_rank()]
     members = {r for m in (mesh, *tp_meshes) for r in m.mesh.flatten().tolist()}
     varies = {d for r in members for d, c in enumerate(where[r]) if c != mine[d]}
