@@ -31,7 +31,8 @@ class TinyGPT(nn.Module):
     """Sizes chosen so nothing divides evenly by 2, 3 or 4 ranks."""
 
     def __init__(self, vocab: int = 37, dim: int = 30, heads: int = 3, hidden: int = 50,
-                 layers: int = 2, seq: int = 11, tied: bool = False) -> None:
+                 layers: int = 2, seq: int = 11, tied: bool = False,
+                 logit_scale: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
@@ -40,12 +41,15 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.head.weight = self.tok.weight
+        # a 0-dim param, as CLIP's temperature
+        self.logit_scale = nn.Parameter(torch.tensor(0.3)) if logit_scale else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        return logits if self.logit_scale is None else logits * self.logit_scale.exp()
 
 
 def batch(step: int, rank: int, size: int = 4, seq: int = 11, vocab: int = 37):

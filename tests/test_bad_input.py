@@ -77,7 +77,9 @@ def _two_devices(comm):
 
 
 def _zero_dim(comm):
-    fs.flex_shard(nn.ParameterDict({"scale": nn.Parameter(torch.tensor(1.0))}), comm=comm)
+    """A callable's own Shard for a 0-dim param (a bucket-wide one makes it Owned)."""
+    fs.flex_shard(nn.ParameterDict({"scale": nn.Parameter(torch.tensor(1.0))}),
+                  placement=lambda fqn, p: fs.Shard(0), comm=comm)
 
 
 def _grad_sync_flag(comm):

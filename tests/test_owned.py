@@ -36,6 +36,23 @@ def test_scalar_param():
                        scalar)
 
 
+def _sgd(model) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.numel()], lr=1e-2)
+
+
+@pytest.mark.parametrize("world,placement", [(2, fs.Shard(0)), (3, fs.RaggedShard())],
+                         ids=["shard-2", "ragged-3"])
+def test_a_scalar_under_a_bucket_wide_split_is_owned(world, placement):
+    """A 0-dim param (CLIP's temperature) in a bucket given Shard or RaggedShard has
+    nothing to split: it is Owned, whole on one rank, and trains as one process does
+    (SGD, first-step grads included). flex_shard's default placement is such a split."""
+    config = {} if placement == fs.Shard(0) else {"placement": placement}
+    results = check_parity(world, config, make_opt=_sgd, model_kw={"logit_scale": True})
+    for *_, stats in results:
+        (placements,) = [p for name, *_, p in stats["buckets"] if name == "root"]
+        assert sum(isinstance(p, fs.Owned) for p in placements) == 1, placements  # logit_scale
+
+
 def test_owners_balance_bytes_largest_first():
     sizes = [5, 10, 2, 7, 6]  # largest first: 10->r0, 7->r1, 6->r1, 5->r0, 2->r1
     entries = [(torch.Size((n, 3)), 4, fs.Owned()) for n in sizes]

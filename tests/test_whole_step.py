@@ -217,9 +217,10 @@ def test_whole_step_shard1_under_inductor():
 
 def test_whole_step_ragged_with_uneven_groups_gathers_the_padded_layout():
     """World 3, RaggedShard, matrices large enough for uneven gather groups in eager
-    (layout.py): the whole-step graph gathers over the padded layout, the same training."""
+    (layout.py): the whole-step graph gathers over the padded layout, the same training.
+    A 0-dim param (logit_scale) is Owned in the root's bucket."""
     results = check_whole(3, {"placement": fs.RaggedShard()},
-                          model_kw={"dim": 128, "hidden": 512, "heads": 4})
+                          model_kw={"dim": 128, "hidden": 512, "heads": 4, "logit_scale": True})
     for r in results:
         assert r["breaks"] == 0
 

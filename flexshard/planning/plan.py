@@ -17,6 +17,8 @@ import torch.nn as nn
 from ..config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy
 from ..placements.contract import Placement
 from ..placements.owned import Owned
+from ..placements.ragged import RaggedShard
+from ..placements.shard import Shard
 from ..placements.subclass import check_pieces, subclass_gather
 from .bucket_plan import hooks_needed
 from .layout import SlotPlan, bind_placements
@@ -151,6 +153,8 @@ def plan_slots(spec: BucketSpec, names: Sequence[str], named: dict, default,
     for fqn in names:
         param = named[fqn]
         placement = choice if isinstance(choice, Placement) else choice(fqn, param)
+        if placement is choice and param.dim() == 0 and isinstance(choice, (Shard, RaggedShard)):
+            placement = Owned()  # a split given to the whole bucket: a scalar has nothing to split
         if not isinstance(placement, Placement):
             raise TypeError(f"the placement callable of bucket {spec.label!r} returned "
                             f"{placement!r} for parameter {fqn!r}; it must return a Placement "
