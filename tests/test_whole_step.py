@@ -556,6 +556,65 @@ def test_whole_step_offloaded():
         assert not r["kept"], f"saved for backward: {r['kept']}"
 
 
+def _biases_owned(fqn: str, param) -> fs.Placement:
+    return fs.Owned() if param.dim() == 1 else fs.Shard(0)
+
+
+def _linear(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(13, 7))
+
+
+def _linear_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 13, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def linear_whole() -> tuple:
+    """Rank body: fs.compile(Linear(13, 7)), its weight Shard(0) and its bias Owned
+    by rank 1 (rank 0's empty piece at the weight's offset): STEPS SGD steps, the
+    mean losses, step 0's full grads, the full params after, the graphs called."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    model = fs.compile(fs.flex_shard(_linear(), placement=_biases_owned), fullgraph=True,
+                       backend="aot_eager")
+    opt, losses, grads, calls = torch.optim.SGD(model.parameters(), lr=LR), [], None, []
+    for step in range(STEPS):
+        loss = model(_linear_batch(step, dist.get_rank())).square().mean()
+        calls.append(compiled_graph_calls(loss))
+        loss.backward()
+        grads = fs.full_grads(model) if step == 0 else grads
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses, grads, fs.full_state_dict(model), calls
+
+
+def test_whole_step_empty_owned_piece_beside_a_shard():
+    """A rank's empty Owned piece at the same place in its segment as a Shard piece
+    (it used to end that rank's segment early, and rank 0's backward failed) trains
+    as one process does on both ranks' batches."""
+    model, opt, ref_losses = _linear(), None, []
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        loss = sum(model(_linear_batch(step, r)).square().mean() for r in range(2)) / 2
+        loss.backward()
+        if step == 0:
+            ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    for losses, grads, full, calls in run_world(2, linear_whole, timeout=400):
+        assert calls == [1] * STEPS, calls
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=0)
+        for k, p in model.named_parameters():
+            assert_rel_close(grads[k], ref_grads[k], 1e-5, f"grad of {k}")
+            assert_rel_close(full[k], p.detach(), 1e-5, k)
+
+
 def misuse() -> list:
     """What fs.compile refuses, and the setters that a compiled model refuses."""
     said = []

@@ -185,7 +185,7 @@ def _join(parts: Sequence[tuple], nbytes: int, like: torch.Tensor) -> torch.Tens
         if start > pos:
             out.append(like.new_zeros((start - pos) // size, dtype=dtype))
         out.append(cast_as(t, dtype, (-1,)))
-        pos = start + t.numel() * size
+        pos = max(pos, start + t.numel() * size)  # an empty part may start inside the last
     if pos < nbytes:
         out.append(like.new_zeros((nbytes - pos) // size, dtype=dtype))
     return torch.cat(out)
