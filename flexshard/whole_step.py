@@ -104,19 +104,28 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     _wrap_grads_when_accumulated(state)
     model.compile(fullgraph=fullgraph, **_compile_kwargs(compile_kwargs, cudagraphs))
     compiled = getattr(model, COMPILED_CALL_IMPL)
-    setattr(model, COMPILED_CALL_IMPL, functools.partial(_compiled_call, compiled, stray, frozen))
+    gathers = [g for f in forwards for g in f.gathers]
+    setattr(model, COMPILED_CALL_IMPL,
+            functools.partial(_compiled_call, compiled, stray, frozen, state.buckets, gathers))
     return model
 
 
-def _compiled_call(compiled, stray, frozen, *args, **kwargs):
+def _compiled_call(compiled, stray, frozen, buckets, gathers, *args, **kwargs):
     """The compiled model's call, traced with each block's Python side effects
     applied once (compat.side_effects_once_under_checkpoint). The root's checks
     that its bucket's modules (an embedding, an output head) run inside its
     forward (`StrayCallHooks`) are off during the call, on between calls, as
     eager's root hooks arm them; the ranks' frozen sets are compared first, as
-    eager's root hook does (FrozenAgreement)."""
-    if frozen is not None and torch.is_grad_enabled():
-        frozen.check()
+    eager's root hook does (FrozenAgreement), and a param unfrozen that was
+    frozen when wrapped is refused, as eager's gather refuses it. The gathers'
+    index positions follow the params to a new device (to(), to_empty())."""
+    if torch.is_grad_enabled():
+        if frozen is not None:
+            frozen.check()
+        for bucket in buckets:
+            bucket.check_requires_grad()
+    for gather in gathers:
+        gather.follow_device()
     if stray is not None:
         stray.disarm()
     try:
@@ -134,6 +143,14 @@ def _compiled_call(compiled, stray, frozen, *args, **kwargs):
                 "after forward: give it reshard_after_forward=False (flex_shard or its "
                 "BucketSpec), compile the blocks instead (block.compile()), or return the "
                 "value from forward") from err
+        if _float_under_checkpoint(err):
+            raise RuntimeError(
+                "fs.compile: dynamo failed on a Python float argument whose value changed "
+                "between calls (a temperature, a schedule) inside the activation checkpoint "
+                "that reshards a block after forward (a torch bug: such a float becomes "
+                "symbolic, which dynamo cannot lift out of a checkpoint). Pass it as a tensor "
+                "(torch.tensor(value)), compile with dynamic=False, or give that block's "
+                "bucket reshard_after_forward=False") from err
         raise
     finally:
         if stray is not None:
@@ -145,6 +162,12 @@ def _nested_checkpoint_side_effect(err: Exception) -> bool:
     checkpoints (torch 2.13: the output node names a node of another graph)."""
     return (type(err).__name__ == "InternalTorchDynamoError"
             and "does not belong to this Graph" in str(err))
+
+
+def _float_under_checkpoint(err: Exception) -> bool:
+    """Whether `err` is dynamo's internal error for a float that became symbolic
+    inside a checkpointed region (torch 2.13)."""
+    return "lift_tracked_freevar_to_input should not be called on root" in str(err)
 
 
 def _compile_kwargs(compile_kwargs: dict, cudagraphs: bool) -> dict:
@@ -171,8 +194,10 @@ def _wrap_grads_when_accumulated(state) -> None:
         for i in bucket.grad_slots:
             spec = bucket.wiring[i].norms
             if spec is not None:
-                bucket.params[i].register_post_accumulate_grad_hook(
-                    functools.partial(_wrap_grad, spec=spec))
+                param, trains = bucket.params[i], bucket.params[i].requires_grad
+                param.requires_grad_(True)  # frozen since the wrap: its hook for when it trains
+                param.register_post_accumulate_grad_hook(functools.partial(_wrap_grad, spec=spec))
+                param.requires_grad_(trains)
 
 
 def _wrap_grad(param: torch.Tensor, spec) -> None:
@@ -199,6 +224,13 @@ def _check_compile_args(model, state, cudagraphs: bool, compile_kwargs: dict) ->
                          "or the offload for that bucket (BucketSpec(offload_policy=False))")
     if cudagraphs and any(b.compute_device.type != "cuda" for b in state.buckets):
         raise ValueError("fs.compile: cudagraphs=True needs the params on a CUDA device")
+    for setter, flag in (("set_requires_gradient_sync", "requires_gradient_sync"),
+                         ("set_requires_all_reduce", "requires_all_reduce")):
+        if not all(getattr(b.grads, flag) for b in state.buckets):
+            raise RuntimeError(
+                f"fs.compile: the model is under {setter}(False), which the compiled step "
+                f"does not follow (every compiled backward reduces): call {setter}(True) and "
+                "finish that accumulation with an eager backward first")
     if any(b.held is not None for b in state.buckets):
         raise RuntimeError("fs.compile: the model is held unsharded (model.unshard()); call "
                            "model.reshard() first")

@@ -307,3 +307,31 @@ def test_inf_norms_with_an_empty_piece_are_global(placement):
     want["fs.grad_norms(bias, -inf)"] = want["linalg.norm(bias, -inf)"]
     for rank, got in enumerate(run_world(EMPTY_WORLD, inf_norms_body, placement, timeout=60)):
         assert got == pytest.approx(want, rel=1e-6), f"rank {rank}"
+
+
+class _CompiledStep:
+    """SGD with momentum whose step is torch.compile'd, given plain grads: dynamo
+    cannot trace the ShardedGrad subclass (docs/troubleshooting.md)."""
+
+    def __init__(self, model) -> None:
+        self.params = [p for p in model.parameters() if p.numel()]
+        self.opt = torch.optim.SGD(self.params, lr=1e-2, momentum=0.9)
+        self._step = torch.compile(self.opt.step, backend="aot_eager")
+
+    def step(self) -> None:
+        for p in self.params:
+            p.grad = None if p.grad is None else p.grad.as_subclass(torch.Tensor)
+        self._step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+
+def compiled_sgd(model) -> _CompiledStep:
+    return _CompiledStep(model)
+
+
+def test_a_compiled_optimizer_step_given_plain_grads_trains_as_one_process():
+    from reference import check_parity
+
+    check_parity(2, {}, steps=3, make_opt=compiled_sgd)

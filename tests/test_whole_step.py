@@ -125,12 +125,12 @@ def mixed(fqn: str, param) -> fs.Placement:
     return fs.RaggedShard() if param.dim() == 1 else fs.Shard(0)
 
 
-def check_whole(world: int, config: dict, rel: float = 1e-5, **kw) -> list:
+def check_whole(world: int, config: dict, rel: float = 1e-5, body=train_whole, **kw) -> list:
     ref_losses, ref_params, ref_grads = reference_run(
         world, STEPS, make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=LR),
         param_dtype=(config.get("mp_policy") or fs.MixedPrecisionPolicy()).param_dtype,
         model_kw=kw.get("model_kw"))
-    results = run_world(world, train_whole, config, timeout=400, **kw)
+    results = run_world(world, body, config, timeout=400, **kw)
     mean = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=rel, atol=0)
     grads = assemble_grads([(None, None, r["grads"]) for r in results])
@@ -204,6 +204,66 @@ def _shard1_beside_owned(fqn: str, param) -> fs.Placement:
     if ".up." in fqn:
         return fs.Owned()
     return fs.Shard(1) if param.dim() > 1 else fs.Shard(0)
+
+
+def train_meta_whole(config: dict) -> dict:
+    """Rank body: a model made on the meta device, wrapped and compiled whole before
+    to_empty() and its weights' load (the Shard(1) gathers' index positions, made at
+    fs.compile, must follow to the new device), then trained as train_whole does."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.device("meta"):
+        model = fs.flex_shard(make_model(), **config)
+    fs.compile(model, fullgraph=True, backend="aot_eager")
+    model.to_empty(device="cpu")
+    fs.load_full_state_dict(model, make_model().state_dict())
+    return {**_run(model, dist.get_rank(), clip=False), "breaks": _breaks()}
+
+
+def test_whole_step_compiled_on_the_meta_device_then_loaded():
+    """Shard(1) matrices (gathered by index positions) compiled before to_empty():
+    the reference's training, where the positions left on the meta device gave NaN."""
+    check_whole(2, {"placement": _shard1_matrices}, body=train_meta_whole)
+
+
+def freeze_eager_and_whole() -> list:
+    """Rank body: the embedding frozen after flex_shard (trainable when wrapped), then
+    unfrozen after two steps, eager and under fs.compile: per step the loss and the
+    grads' global norm (torch's, over the ShardedGrads), and the full params after."""
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), []
+    for whole in (False, True):
+        torch._dynamo.reset()
+        model = fs.flex_shard(make_model())
+        model.tok.weight.requires_grad_(False)
+        if whole:
+            fs.compile(model, fullgraph=True, backend="aot_eager")
+        opt, trace = torch.optim.SGD(model.parameters(), lr=LR), []
+        for step in range(STEPS):
+            model.tok.weight.requires_grad_(step >= 2)
+            x, y = batch(step, rank)
+            loss_fn(model(x), y).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            trace.append((len(grads), torch.nn.utils.get_total_norm(grads).item()))
+            opt.step()
+            opt.zero_grad()
+        out.append((trace, fs.full_state_dict(model)))
+    return out
+
+
+def test_whole_step_follows_params_frozen_after_the_wrap():
+    """A param frozen after flex_shard and before fs.compile (it used to fail in
+    compile with torch's hook error, half-compiled), unfrozen later: the compiled
+    model trains as eager does, the grads' norm global at every step."""
+    for (eager, eager_full), (whole, whole_full) in run_world(2, freeze_eager_and_whole,
+                                                               timeout=400):
+        assert [n for n, _ in whole] == [n for n, _ in eager] and eager[0][0] < eager[2][0], eager
+        torch.testing.assert_close(torch.tensor(whole), torch.tensor(eager), rtol=1e-5, atol=0)
+        for k, v in eager_full.items():
+            assert_rel_close(whole_full[k], v, 1e-5, k)
 
 
 def test_whole_step_shard1_under_inductor():
@@ -638,12 +698,65 @@ def misuse() -> list:
             call()
         except RuntimeError as err:
             said.append(str(err))
-    return said
+    accumulating = fs.flex_shard(make_model())
+    accumulating.set_requires_gradient_sync(False)
+    try:  # the compiled step would reduce every backward
+        fs.compile(accumulating, backend="aot_eager")
+    except RuntimeError as err:
+        said.append(str(err))
+    frozen = make_model()
+    frozen.tok.weight.requires_grad_(False)
+    frozen = fs.compile(fs.flex_shard(frozen), backend="aot_eager")
+    frozen.tok.weight.requires_grad_(True)  # no room for its grad: it would never train
+    try:
+        frozen(batch(0, 0)[0])
+    except ValueError as err:
+        said.append(str(err))
+    return said + [_float_argument()]
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, temperature: float):
+        return x + torch.tanh(self.lin(x) / temperature)
+
+
+class _ScaledBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Scaled(), _Scaled()])
+
+    def forward(self, x, temperature: float):
+        for layer in self.layers:
+            x = layer(x, temperature)
+        return x
+
+
+def _float_argument() -> str:
+    """Resharding blocks' float argument changed between steps: torch's dynamo
+    fails inside their checkpoints; fs.compile says why and what to do."""
+    torch.manual_seed(0)
+    model = fs.compile(fs.flex_shard(_ScaledBlocks()), backend="aot_eager")
+    try:
+        for temperature in (1.0, 1.5):
+            model(torch.ones(2, 8), temperature).sum().backward()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
 
 
 def test_whole_step_misuse_is_refused():
     said = run_world(2, misuse)[0]
-    assert len(said) == 9, said
+    assert len(said) == 12, said
+    assert "under set_requires_gradient_sync(False), which the compiled step does not follow" \
+        in said[9]
+    assert "parameter 'tok.weight' (bucket 'root') changed requires_grad to True after " \
+           "flex_shard" in said[10]
+    assert "a Python float argument whose value changed between calls" in said[11] and \
+        "Pass it as a tensor" in said[11], said[11]
     assert "cudagraphs=True cannot capture the copies from host memory of bucket 'layers.0'" \
         in said[0]
     said = said[1:]

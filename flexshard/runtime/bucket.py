@@ -178,7 +178,7 @@ class Bucket:
         made once where they can be (unsharded.py). `refill_in_backward`: this
         forward's backward refills them (then the gather's take_opened() is its Forward)."""
         self.assert_state(BucketState.SHARDED, BucketState.UNSHARDED)
-        self._check_requires_grad()
+        self.check_requires_grad()
         self.state = BucketState.UNSHARDING
         try:
             # _grad_anchor() may renew the route: it runs before forward reads its Delivery.
@@ -251,7 +251,7 @@ class Bucket:
             "place instead: `with torch.no_grad(): p.copy_(shard)` for this rank's shard, or "
             f"load a full tensor: model.load_state_dict({{{fqn!r}: full_tensor}}, strict=False)")
 
-    def _check_requires_grad(self) -> None:
+    def check_requires_grad(self) -> None:
         """Freezing a param after flex_shard is fine (its grad is left out, see
         _Unshard); unfreezing one the bucket has no gradient room for is not."""
         trainable = set(self.grad_slots)

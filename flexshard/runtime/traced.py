@@ -258,16 +258,8 @@ class TracedBucket:
                                 self.starts[1], size)
         self.reduces = tuple(_stand_in(used, width, self.world, rank)
                              for used, width in zip(self.compact, self.splits[1]))
-        self.device = (bucket.offload.compute_device if bucket.offload is not None
-                       else bucket.storage.buffer.device)
-        self.span_groups = [span_group(members, [c.shape for c in self.grad_copies])
-                            for members in self._plan_spans(reduce, size)]
-        # the graph's index positions, all passed in (unsharded below): the gather's
-        # (Shard(d > 0) params out of their group's output), then the grads' (Spans)
-        gather_indices = self._index_plans()
-        self.gather_blocks = tuple(block for block, _ in gather_indices)
-        self.positions = tuple(p for _, p in gather_indices) + \
-            tuple(p for group in self.span_groups for p in group.positions)
+        self._bucket = bucket
+        self._place(_device_of(bucket))
         self.float8_slots = [i for i, w in enumerate(self.wires.params)
                              if isinstance(w.format, SubclassGather)]
         # a user-defined format's encode and decode: one op each (opaque_format.py)
@@ -280,6 +272,27 @@ class TracedBucket:
         self.offload = bucket.offload  # its compute device read at trace time (to() moves it)
         self.tp = [w.tp for w in bucket.wiring]
         self.traced = _traced_gather()
+
+    def _place(self, device: torch.device) -> None:
+        """The graph's index positions made on `device`, all passed in (unsharded
+        below): the gather's (Shard(d > 0) params out of their group's output), then
+        the grads' (Spans)."""
+        self.device = device
+        reduce = self._bucket.gather.padded_reduce_layout
+        self.span_groups = [span_group(members, [c.shape for c in self.grad_copies])
+                            for members in self._plan_spans(reduce, self.reduce_dtype.itemsize)]
+        gather_indices = self._index_plans()
+        self.gather_blocks = tuple(block for block, _ in gather_indices)
+        self.positions = tuple(p for _, p in gather_indices) + \
+            tuple(p for group in self.span_groups for p in group.positions)
+
+    def follow_device(self) -> None:
+        """Before each compiled call: the positions made again where to() or
+        to_empty() moved the params since (a meta model's, made at fs.compile, hold
+        no values). The graph recompiles for the params' new device anyway."""
+        device = _device_of(self._bucket)
+        if device != self.device:
+            self._place(device)
 
     # a pytree constant (unsharded() below) needs its own __eq__ and __hash__: identity
     def __eq__(self, other) -> bool:
@@ -473,6 +486,12 @@ def _stand_in(used, width: int, world: int, rank: int) -> tuple:
     if used is None:
         return world * width, None
     return sum(used), (sum(used[:rank]), used[rank], width)
+
+
+def _device_of(bucket: Bucket) -> torch.device:
+    """Where `bucket` computes: its offload's compute device, else its storage's."""
+    return (bucket.offload.compute_device if bucket.offload is not None
+            else bucket.storage.buffer.device)
 
 
 def _levels(bucket: Bucket):
