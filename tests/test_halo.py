@@ -166,9 +166,35 @@ def _one_rank_wrong(kind):
         halo_exchange(torch.zeros(2, 4), plan)
 
 
+def _plans_disagree(kind):
+    """Rank 0 keeps the plan of an older graph (node 0 -> node 2 only, where the
+    graph now also has node 1 -> node 2, or node 1 -> node 2 instead: the same
+    counts), or each rank builds its plan from the edges into its own nodes
+    (check=False: from_edges refuses them)."""
+    rank, sizes = dist.get_rank(), (2, 2, 2)
+    now = [[0, 1, 5], [2, 2, 0]] if kind == "more" else [[1, 5], [2, 0]]
+    if kind == "own edges":
+        mine = [(a, b) for a, b in zip(*now) if b // 2 == rank] or [(2 * rank, 2 * rank)]
+        plan = HaloPlan.from_edges(torch.tensor(mine).T, sizes, check=False)
+    else:
+        plan = HaloPlan.from_edges(torch.tensor([[0, 5], [2, 0]] if rank == 0 else now),
+                                   sizes, check=False)
+    halo_exchange(torch.zeros(2, 4), plan)
+
+
+def test_plans_that_disagree_on_the_rows_are_refused_on_every_rank():
+    """What a rank sends must be what its receiver's plan expects: more rows than
+    sent read uninitialised memory, other rows the wrong nodes, silently."""
+    for kind in ("more", "same counts", "own edges"):
+        expect_all_ranks_raise(WORLD, _plans_disagree, ValueError,
+                               r"halo_exchange: the ranks' plans disagree on the rows they "
+                               r"exchange .* HaloPlan\.from_send_index", kind)
+
+
 def test_bad_input_is_refused_on_every_rank_before_the_data_moves():
     expect_all_ranks_raise(WORLD, _disagreeing_sizes, ValueError,
-                           r"HaloPlan\.from_edges: sizes differs across the ranks of the group")
+                           r"HaloPlan\.from_edges: sizes differs across the ranks of the group.*"
+                           r"the whole graph's edge_index .* HaloPlan\.from_send_index")
     expect_all_ranks_raise(WORLD, _rows_mismatch, ValueError,
                            r"halo_exchange: x has 3 rows on rank \d but the plan gives it 2 nodes")
     expect_all_ranks_raise(WORLD, _one_rank_wrong, ValueError,

@@ -16,6 +16,7 @@ Received rows come rank by rank, in increasing global node id within a rank, so
 from __future__ import annotations
 
 import math
+import zlib
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -35,6 +36,8 @@ class HaloPlan(NamedTuple):
     send_index: tuple  # per destination rank: a LongTensor of local rows to send it
     recv_ids: tuple  # per source rank: a LongTensor of the global ids received from it
     send_rows: torch.Tensor  # send_index concatenated: the rows each exchange picks, in order
+    flow: tuple = (0, 0)  # digests of the (source, target, global ids) this rank sends and
+    #                       receives: summed over the ranks they match where the plans agree
 
     @property
     def send_counts(self) -> list:
@@ -60,7 +63,7 @@ class HaloPlan(NamedTuple):
             sizes_ = _sizes(name, sizes, g, what=": the nodes each rank owns")
             edges = _check_edges(edge_index, sum(sizes_))
             return (sizes_, edges), _Agreement({"sizes": sizes_, "edges": (
-                edges.shape[1], _checksum(edges))}, (1,))
+                edges.shape[1], _checksum(edges))}, (1,), hint=_WHOLE_GRAPH)
 
         (sizes, edges), _ = _checked(name, g, torch.empty(0, dtype=torch.long,
                                                       device=_control_device(g)), checked, check)
@@ -68,7 +71,7 @@ class HaloPlan(NamedTuple):
         start = _offsets(sizes)[g.rank]
         send = tuple(_needed(edges, owner, g.rank, dst) - start for dst in range(g.size))
         recv = tuple(_needed(edges, owner, src, g.rank) for src in range(g.size))
-        return cls(g.rank, sizes, send, recv, torch.cat(send))
+        return cls(g.rank, sizes, send, recv, torch.cat(send), _flow(g.rank, send, start, recv))
 
     @classmethod
     def from_send_index(cls, send_index: Sequence[Sequence[int]], sizes: Sequence[int],
@@ -87,8 +90,8 @@ class HaloPlan(NamedTuple):
         (sizes, send), _ = _checked(name, g, torch.empty(0, device=_control_device(g)), checked,
                                     True)
         start = _offsets(sizes)[g.rank]
-        recv = _exchange_ids([t + start for t in send], g)
-        return cls(g.rank, sizes, send, tuple(recv), torch.cat(send))
+        recv = tuple(_exchange_ids([t + start for t in send], g))
+        return cls(g.rank, sizes, send, recv, torch.cat(send), _flow(g.rank, send, start, recv))
 
     def local_index(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of `torch.cat([x, halo])` holding the global node `ids` (each
@@ -140,7 +143,7 @@ def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *, comm: Optional
             raise ValueError(f"halo_exchange: x has {x.shape[0] if x.dim() else 0} rows on rank "
                              f"{g.rank} but the plan gives it {plan.sizes[g.rank]} nodes; pass "
                              "this rank's own rows (dim 0) of the partition the plan was built on")
-        return None, _Agreement({"sizes": plan.sizes}, (0,))
+        return None, _Agreement({"sizes": plan.sizes}, (0,), plan.flow)
 
     _, x = _checked(name, g, x, checked, check_sizes)
     return _Halo.apply(x, plan, g, bool(include_local))
@@ -202,6 +205,20 @@ def _needed(edges: torch.Tensor, owner: torch.Tensor, src: int, dst: int) -> tor
         return torch.empty(0, dtype=torch.long)
     used = (owner[0] == src) & (owner[1] == dst)
     return torch.unique(edges[0][used])
+
+
+_WHOLE_GRAPH = ("every rank must pass the same sizes and the whole graph's edge_index (each "
+                "edge's ids global); a rank that knows only the rows it sends builds its plan "
+                "with HaloPlan.from_send_index")
+
+
+def _flow(rank: int, send: Sequence[torch.Tensor], start: int, recv: Sequence[torch.Tensor]) -> tuple:
+    """(digest of what this rank sends, of what it receives): a crc of each
+    (source, target, global ids in order), summed over the ranks it pairs with."""
+    def crc(src: int, dst: int, ids: torch.Tensor) -> int:
+        return zlib.crc32(repr((src, dst, ids.tolist())).encode())
+    return (sum(crc(rank, dst, t + start) for dst, t in enumerate(send) if t.numel()),
+            sum(crc(src, rank, t) for src, t in enumerate(recv) if t.numel()))
 
 
 def _checksum(edges: torch.Tensor) -> int:

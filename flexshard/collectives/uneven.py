@@ -22,7 +22,7 @@ gradient: the entry of a replicated tensor into computations that differ by
 rank. The README and design.md tabulate every pair.
 
 Each function checks its arguments on this rank before any collective. Then,
-unless `check_sizes=False`, one small all-gather (four int64s) compares the
+unless `check_sizes=False`, one small all-gather (six int64s) compares the
 ranks' sizes, dims, `full_grad`, tensor shapes outside the sharded dims and
 dtypes, and carries each rank's own check's result: every rank raises the same
 error when one rank's arguments were refused or the ranks disagree, instead of
@@ -166,10 +166,14 @@ def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group, whole: b
 
 class _Agreement(NamedTuple):
     """What every rank of the group must pass alike: label -> tuple of values,
-    and the dims along which the ranks' tensors may differ (their pieces)."""
+    and the dims along which the ranks' tensors may differ (their pieces);
+    `flow`: digests of what this rank sends and receives, whose sums over the
+    ranks must match (a halo plan's), and `hint`: what a differing field asks for."""
 
     fields: dict
     piece_dims: tuple = ()
+    flow: tuple = (0, 0)
+    hint: str = "every rank must pass the same sizes, dims and full_grad"
 
 
 def _checked(name: str, g: _Group, tensor: torch.Tensor, check: Callable, agree: bool) -> tuple:
@@ -201,22 +205,31 @@ def _summary(tensor: torch.Tensor, agreement: _Agreement) -> dict:
 
 def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agreement],
            error: Optional[Exception]) -> torch.Tensor:
-    """One all-gather of four int64s per rank: whether its own check failed,
-    whether its tensor needs grad, its grad mode, and a checksum of what the
-    ranks must pass alike. Every rank raises when any check failed or the
-    checksums differ; a tensor that does not require grad where another rank's
-    does is returned as a leaf that does (its backward's collective must run)."""
+    """One all-gather of six int64s per rank: whether its own check failed,
+    whether its tensor needs grad, its grad mode, a checksum of what the ranks
+    must pass alike, and its flow digests. Every rank raises when any check
+    failed, the checksums differ or what the ranks send is not what they
+    receive; a tensor that does not require grad where another rank's does is
+    returned as a leaf that does (its backward's collective must run)."""
     summary = None if error is not None else _summary(tensor, agreement)
     grad_mode = torch.is_grad_enabled()
     digest = 0 if summary is None else zlib.crc32(repr(summary).encode())
-    mine = [error is not None, grad_mode and tensor.requires_grad, grad_mode, digest]
+    flow = (0, 0) if agreement is None else agreement.flow
+    mine = [error is not None, grad_mode and tensor.requires_grad, grad_mode, digest, *flow]
     vec = torch.tensor(mine, dtype=torch.int64, device=tensor.device)
     out = vec.new_empty(g.size * len(mine))
     with record_function("FlexShard::activation_size_check"):
         g.comm.all_gather(out, vec, g.group)
     rows = out.view(g.size, len(mine)).tolist()
     if any(row[0] or row[3] != rows[0][3] for row in rows):
-        _raise_disagreement(name, g, error, summary, tuple(tensor.shape))
+        _raise_disagreement(name, g, error, summary, tuple(tensor.shape),
+                            *(() if agreement is None else (agreement.hint,)))
+    if sum(row[4] for row in rows) != sum(row[5] for row in rows):
+        raise ValueError(f"{name}: the ranks' plans disagree on the rows they exchange (what a "
+                         "rank sends is not what its receiver's plan expects: a stale plan, or "
+                         "plans built from each rank's own edges); build every rank's plan from "
+                         "the same graph, HaloPlan.from_edges with the whole graph's edges on "
+                         "every rank, or HaloPlan.from_send_index from what each rank sends")
     if any(row[1] for row in rows):
         off = [r for r, row in enumerate(rows) if not row[2]]
         if off:
@@ -228,7 +241,8 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agre
     return tensor
 
 
-def _raise_disagreement(name: str, g: _Group, error, summary, shape: tuple) -> None:
+def _raise_disagreement(name: str, g: _Group, error, summary, shape: tuple,
+                        hint: str = _Agreement._field_defaults["hint"]) -> None:
     """The ranks' own errors and summaries (one object all-gather), and the
     error every rank raises: the first refused rank's, or what differs."""
     own = None if error is None else (type(error).__name__, str(error))
@@ -257,7 +271,7 @@ def _raise_disagreement(name: str, g: _Group, error, summary, shape: tuple) -> N
                              f"({listed}); pass one dtype on every rank, an empty piece's too "
                              "(torch.zeros(0, ..., dtype=x.dtype))")
         raise ValueError(f"{name}: {label} differs across the ranks of the group ({listed}); "
-                         "every rank must pass the same sizes, dims and full_grad")
+                         f"{hint}")
     raise AssertionError(f"{name}: the ranks' checksums differ but their arguments agree")
 
 
