@@ -196,7 +196,16 @@ def bad_async():
     fs.flex_shard(make_model()).unshard(async_op="yes")
 
 
+def state_dict_while_held():
+    model = fs.flex_shard(make_model())
+    model.unshard()
+    fs.full_state_dict(model)
+
+
 def test_misuse_raises_on_every_rank():
+    expect_all_ranks_raise(2, state_dict_while_held, RuntimeError,
+                           r"bucket '.*' is unsharded \(model.unshard\(\) holds it: call "
+                           r"model.reshard\(\) first\)")
     expect_all_ranks_raise(2, step_while_held, RuntimeError,
                            r"bucket 'root': its sharded params changed .* module.reshard\(\)")
     expect_all_ranks_raise(2, bad_flag, TypeError,

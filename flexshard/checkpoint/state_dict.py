@@ -174,9 +174,10 @@ def local_value(state: FlexShardState, ref: SlotRef, key: str, value: torch.Tens
 
 
 def _check_sharded(bucket) -> None:
+    held = "" if bucket.held is None else " (model.unshard() holds it: call model.reshard() first)"
     if bucket.state != BucketState.SHARDED:
-        raise RuntimeError(f"bucket {bucket.name!r} is {bucket.state.value}: state dicts are "
-                           "only available outside forward and backward")
+        raise RuntimeError(f"bucket {bucket.name!r} is {bucket.state.value}{held}: state dicts "
+                           "are only available outside forward and backward")
 
 
 class _OwnerHooks:
