@@ -245,9 +245,11 @@ def freeze_eager_and_whole() -> list:
         for step in range(STEPS):
             model.tok.weight.requires_grad_(step >= 2)
             x, y = batch(step, rank)
-            loss_fn(model(x), y).backward()
+            loss = loss_fn(model(x), y)
+            calls = compiled_graph_calls(loss)  # 1 a step compiled, 0 eager
+            loss.backward()
             grads = [p.grad for p in model.parameters() if p.grad is not None]
-            trace.append((len(grads), torch.nn.utils.get_total_norm(grads).item()))
+            trace.append((calls, len(grads), torch.nn.utils.get_total_norm(grads).item()))
             opt.step()
             opt.zero_grad()
         out.append((trace, fs.full_state_dict(model)))
@@ -260,8 +262,11 @@ def test_whole_step_follows_params_frozen_after_the_wrap():
     model trains as eager does, the grads' norm global at every step."""
     for (eager, eager_full), (whole, whole_full) in run_world(2, freeze_eager_and_whole,
                                                                timeout=400):
-        assert [n for n, _ in whole] == [n for n, _ in eager] and eager[0][0] < eager[2][0], eager
-        torch.testing.assert_close(torch.tensor(whole), torch.tensor(eager), rtol=1e-5, atol=0)
+        assert [c for c, _, _ in eager] == [0] * STEPS and [c for c, _, _ in whole] == [1] * STEPS
+        assert [n for _, n, _ in whole] == [n for _, n, _ in eager] and eager[0][1] < eager[2][1], \
+            eager
+        torch.testing.assert_close(torch.tensor([t for *_, t in whole]),
+                                   torch.tensor([t for *_, t in eager]), rtol=1e-5, atol=0)
         for k, v in eager_full.items():
             assert_rel_close(whole_full[k], v, 1e-5, k)
 
