@@ -29,6 +29,11 @@ class Checkpointer:
     def __init__(self, root: Path, every: int) -> None:
         self.root, self.every = Path(root), every
 
+    @staticmethod
+    def holds_steps(root: Path) -> bool:
+        """Whether `root` holds checkpoints (a new run there would overwrite its losses)."""
+        return Path(root).is_dir() and any(p.name.startswith("step_") for p in Path(root).iterdir())
+
     def due(self, step: int, last: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == last)
 

@@ -99,6 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if (args.checkpoint_every or args.resume) and args.checkpoint_dir is None:
         p.error("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and not args.resume and Checkpointer.holds_steps(args.checkpoint_dir):
+        p.error(f"--checkpoint-dir {args.checkpoint_dir} holds another run's checkpoints: pass "
+                "--resume to continue that run, or another directory to start over")
     if args.bucket_bytes is not None and args.bucket_bytes < 1:
         p.error(f"--bucket-bytes must be positive, got {args.bucket_bytes}")
     return args

@@ -53,6 +53,27 @@ def test_directory_one_rank_cannot_write_fails_on_every_rank(tmp_path):
         assert all(torch.equal(params[k], saved[k]) for k in saved)
 
 
+def _new_run_into(root):
+    """A run started over (step 0 again) saving into a directory of a longer run,
+    as keep= would prune it: its first save."""
+    model, opt = wrapped("shard0", seed=1)
+    fs.save_checkpoint(root, model, opt, step=0, keep=1)
+
+
+def test_a_save_before_the_directorys_newest_step_is_refused_on_every_rank(tmp_path):
+    """keep= pruned the steps just written (the older run's were "newer"), and
+    load_checkpoint would have resumed from the older run: refused before writing."""
+    root = str(tmp_path)
+    saved = run_world(2, _save_step1, root)[0]
+    expect_all_ranks_raise(2, _new_run_into, ValueError,
+                           r"save_checkpoint: cannot write checkpoints to .* \(it holds checkpoint "
+                           r"step 1, after this save's step 0: load_checkpoint would resume from "
+                           r"that one.*save into another directory", root)
+    assert sorted(os.listdir(root)) == [STEP1]
+    for step, params in run_world(2, _load, root):
+        assert step == 1 and all(torch.equal(params[k], saved[k]) for k in saved)
+
+
 def test_missing_data_file_fails_on_every_rank_naming_it(tmp_path):
     run_world(2, _save_step1, str(tmp_path))
     (tmp_path / STEP1 / "__1_0.distcp").unlink()

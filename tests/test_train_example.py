@@ -147,12 +147,24 @@ def test_help_states_every_default(capsys):
     (["--resume"], "need --checkpoint-dir"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--bucket-bytes", "0"], "--bucket-bytes must be positive"),
+    (["--checkpoint-every", "-5", "--checkpoint-dir", "ckpt"], "--checkpoint-every must be >= 0"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     train = load_train_module()
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_new_run_into_another_runs_checkpoints_is_refused(tmp_path, capsys):
+    """Without --resume its saves would replace the other run's losses.json and its
+    step_* (keep=2 keeps the highest steps, the other run's)."""
+    (tmp_path / "step_00000200").mkdir()
+    train = load_train_module()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--checkpoint-every", "50", "--checkpoint-dir", str(tmp_path)])
+    assert "holds another run's checkpoints: pass --resume" in capsys.readouterr().err
+    train.parse_args(["--checkpoint-every", "50", "--checkpoint-dir", str(tmp_path), "--resume"])
 
 
 def test_resume_without_a_checkpoint_says_so(tmp_path, monkeypatch):

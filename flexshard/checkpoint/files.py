@@ -57,7 +57,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     async_saves(state).wait()
     _check_bucket_meshes(state, "save_checkpoint")
     check_call(state, "fs.save_checkpoint")  # every rank is here, not one alone
-    _check_writable(directory, state)
+    _check_writable(directory, state, step)
     final = os.path.join(directory, _STEP_DIR.format(step))
     tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))
     group, rank, _ = files_group(state)  # under TP: every rank of the (dp, tp) mesh
@@ -234,8 +234,9 @@ def _check_save_args(directory, optimizer, step, keep, async_) -> None:
         raise TypeError(f"save_checkpoint: async_ must be True or False, got {async_!r}")
 
 
-def _check_writable(directory, state) -> None:
-    """Raise ValueError on every rank unless every rank can write `directory`."""
+def _check_writable(directory, state, step: int) -> None:
+    """Raise ValueError on every rank unless every rank can write `directory`
+    and it holds no checkpoint of a later step than `step`."""
     problem, (group, rank, size) = "", files_group(state)
     try:
         os.makedirs(directory, exist_ok=True)
@@ -243,6 +244,7 @@ def _check_writable(directory, state) -> None:
         with open(probe, "wb") as f:
             f.write(b"ok")
         os.remove(probe)
+        problem = _later_steps(directory, step)
     except OSError as e:
         problem = f"{type(e).__name__}: {e}"
     failed = torch.tensor([1.0 if problem else 0.0], device=state.buckets[0].compute_device)
@@ -251,7 +253,21 @@ def _check_writable(directory, state) -> None:
     if failed.item():
         raise ValueError(f"save_checkpoint: cannot write checkpoints to {os.fspath(directory)!r} "
                          f"({problem or 'another rank could not write it'}); pass a directory "
-                         "every rank can write")
+                         "every rank can write, holding no later steps")
+
+
+def _later_steps(directory, step: int) -> str:
+    """Why a save of `step` must not go into `directory` (it holds later steps,
+    another run's or those a resume rolled back from), or ''. load_checkpoint's
+    newest would not be this run's, and keep= would prune this run's first."""
+    later = sorted(int(m.group(1)) for n in os.listdir(directory) if (m := _STEP_RE.match(n))
+                   and int(m.group(1)) > step)
+    if not later:
+        return ""
+    return (f"it holds checkpoint step {later[-1]}, after this save's step {step}: "
+            "load_checkpoint would resume from that one, and keep= would delete this run's "
+            "first. Resume from it, save into another directory, or remove the steps after "
+            f"{step} to roll back")
 
 
 def _publish(tmp: str, final: str) -> None:
