@@ -661,7 +661,7 @@ def test_whole_step_empty_owned_piece_beside_a_shard():
     """A rank's empty Owned piece at the same place in its segment as a Shard piece
     (it used to end that rank's segment early, and rank 0's backward failed) trains
     as one process does on both ranks' batches."""
-    model, opt, ref_losses = _linear(), None, []
+    model, ref_losses = _linear(), []
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         loss = sum(model(_linear_batch(step, r)).square().mean() for r in range(2)) / 2

@@ -223,7 +223,7 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agre
     rows = out.view(g.size, len(mine)).tolist()
     if any(row[0] or row[3] != rows[0][3] for row in rows):
         _raise_disagreement(name, g, error, summary, tuple(tensor.shape),
-                            *(() if agreement is None else (agreement.hint,)))
+                            (agreement or _Agreement({})).hint)
     if sum(row[4] for row in rows) != sum(row[5] for row in rows):
         raise ValueError(f"{name}: the ranks' plans disagree on the rows they exchange (what a "
                          "rank sends is not what its receiver's plan expects: a stale plan, or "
@@ -241,8 +241,7 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agre
     return tensor
 
 
-def _raise_disagreement(name: str, g: _Group, error, summary, shape: tuple,
-                        hint: str = _Agreement._field_defaults["hint"]) -> None:
+def _raise_disagreement(name: str, g: _Group, error, summary, shape: tuple, hint: str) -> None:
     """The ranks' own errors and summaries (one object all-gather), and the
     error every rank raises: the first refused rank's, or what differs."""
     own = None if error is None else (type(error).__name__, str(error))
