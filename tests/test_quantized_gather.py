@@ -14,9 +14,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard as fs
 from flexshard.planning.layout import SlotPlan, bind_placements, plan_layout
+from flexshard.placements import batch
 from flexshard.placements.wire import Cast
 from flexshard.planning.wire_plan import plan_wire
 from flexshard.runtime.unsharded import ParamWire, plan_param_wires
+from benchmarks.harness.meters import MemoryMeter
 from harness import run_world
 from reference import assemble_grads, average_grads, make_model, reference_run, train_sharded
 
@@ -273,10 +275,13 @@ PLACEMENTS = [(fs.Shard(0), 4), (fs.RaggedShard(units=(3, 0, 5)), 3), (fs.Ragged
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("placement,world", PLACEMENTS)
 @pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
+@pytest.mark.parametrize("limit", [batch.CHUNK_ELEMENTS, 2000], ids=["one-chunk", "chunks"])
 def test_a_bucket_quantizes_and_dequantizes_at_once_bit_for_bit(qdtype, dtype, placement, world,
-                                                                 packed):
+                                                                 packed, limit, monkeypatch):
     # a bias travels as itself; last, it leaves the matrices' pieces back to back
-    # when packed (one view of them is quantized), else they are joined first
+    # when packed (one view of them is quantized), else they are joined first;
+    # a limit of 2000 elements cuts the bucket into chunks of one or two params
+    monkeypatch.setattr(batch, "CHUNK_ELEMENTS", limit)
     shapes = [(64, 80), (48, 16), (96, 32), (32, 8, 4), (64,)]
     if not packed:
         shapes.insert(2, shapes.pop())
@@ -288,23 +293,65 @@ def test_a_bucket_quantizes_and_dequantizes_at_once_bit_for_bit(qdtype, dtype, p
         assert got.dtype == want.dtype and torch.equal(got, want) and got_copied == want_copied
 
 
-def test_kernels_per_bucket_do_not_grow_with_its_quantized_params():
-    # matrices of two row widths (one for a single param): the quantize is one
-    # pass over the bucket, the dequantize one multiply per row width
-    counts, widths = {}, {}
-    for n in (1, 2, 4, 8):
-        shapes = [(32 + 16 * (i % 3), 24 + 8 * (i % 2)) for i in range(n)]
-        widths[n] = len({cols for _, cols in shapes})
-        policy = fs.QuantizedGather(torch.int8, min_numel=1)
-        counts[n] = {batched: _encode_decode(shapes, torch.float32, fs.Shard(0), 2, policy,
-                                             batched, packed=True)[2:]
-                     for batched in (True, False)}
-    encode, decode = counts[1][True]
-    assert encode <= 16 and decode <= 8, counts[1]
-    for n, c in counts.items():
-        assert c[True] == (encode, decode - widths[1] + widths[n]), (n, c)
-        assert c[False] == (n * counts[1][False][0], n * counts[1][False][1]), (n, c)
-    assert counts[8][True][0] * 4 < counts[8][False][0]
-    assert counts[8][True][1] < counts[8][False][1]
+def test_kernels_per_bucket_grow_with_its_chunks_not_its_params():
+    # params of one row width lie in one chunk: a constant number of ops per
+    # bucket whatever their number; params of two alternating widths are a chunk
+    # each on the encode side, sorted into one chunk per width on the decode side
+    counts = {}
+    for widths in ((24,), (24, 32)):
+        for n in counts_n():
+            shapes = [(32 + 16 * (i % 3), widths[i % len(widths)]) for i in range(n)]
+            policy = fs.QuantizedGather(torch.int8, min_numel=1)
+            counts[widths, n] = {batched: _encode_decode(shapes, torch.float32, fs.Shard(0), 2,
+                                                         policy, batched, packed=True)[2:]
+                                 for batched in (True, False)}
+    one, two = {n: counts[(24,), n] for n in counts_n()}, {n: counts[(24, 32), n] for n in counts_n()}
+    assert two[1][True] == one[1][True] and one[1][True][0] <= 16, counts
+    for n in (2, 4, 8):  # past one param the decode joins the params' wire data
+        assert one[n][True] == one[2][True], (n, counts)
+        assert one[n][False] == (n * one[1][False][0], n * one[1][False][1]), (n, counts)
+        per_chunk = two[2][True][0] - two[1][True][0]
+        assert two[n][True][0] == two[1][True][0] + (n - 1) * per_chunk, (n, counts)
+    assert two[8][True][1] == two[4][True][1]  # one chunk per width
+    assert one[8][True][0] * 4 < one[8][False][0] and one[8][True][1] * 2 < one[8][False][1]
 
 
+def counts_n() -> tuple:
+    return (1, 2, 4, 8)
+
+
+def _temporaries(run, alive) -> int:
+    """Peak bytes of the storages `run()` makes, past those of `alive`."""
+    meter = MemoryMeter()
+    meter.register(alive, "param")
+    before = meter.live
+    with meter:
+        run()
+    return meter.peak - before
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_a_bucket_is_quantized_in_chunks_of_small_float32_temporaries(qdtype):
+    # twelve 512 x 512 float32 params, back to back as a bucket's storage holds
+    # them (3 Mi elements): beside its output, the encode's float32 temporaries
+    # are one chunk's (1 Mi elements: 4 MiB), never the bucket's (a copy of
+    # |x|, the scales spread over every element and their int64 index: 64 MiB);
+    # the decode's joined wire data is one chunk's too
+    shapes = [torch.Size((512, 512))] * 12
+    fmt = fs.QuantizedGather(qdtype).format("w", shapes[0], torch.float32, torch.bfloat16,
+                                            fs.Shard(0), 1)
+    formats, n = [fmt] * len(shapes), sum(s.numel() for s in shapes)
+    pieces = _packed([torch.randn(s) for s in shapes])
+    (data, scales), _ = fmt.encode_batch(formats, pieces, None, {})
+    blocks = sum(s[0] for s in shapes)
+    small = 8 * 4 * blocks  # aminmax's, the amaxes and the scales: a few floats per row
+    assert _temporaries(lambda: fmt.encode_batch(formats, pieces, None, {}), pieces) <= \
+        n * qdtype.itemsize + 4 * batch.CHUNK_ELEMENTS + small
+    fulls = [(d.clone().view(s), sc.clone()) for d, sc, s in
+             zip(data.split([s.numel() for s in shapes]), scales.split([s[0] for s in shapes]),
+                 shapes)]
+    out, _ = fmt.batch_out(formats, shapes, data.device)
+    join = 2 if qdtype == torch.float8_e4m3fn else 1  # e4m3 is joined as bf16 (exact)
+    assert _temporaries(lambda: fmt.decode_batch(formats, fulls, [None] * 12, {}, out=out),
+                        [out] + [t for parts in fulls for t in parts]) <= \
+        join * batch.CHUNK_ELEMENTS + small

@@ -7,10 +7,11 @@ as fp8. Weight by weight that is a collective and about ten kernels per weight:
 on an H100 it made a bucket's copy-in ten times its bf16 one. FSDP2 gets the
 amaxes of all weights from one `torch._foreach_norm` and one all-reduce
 (torchao's `precompute_float8_dynamic_scale_for_fsdp`); flexshard does the same
-per bucket and also casts the bucket's weights at once: its pieces joined into
-one float32 buffer (`_chunk_cat`, the cast inside), one multiply by each
-weight's scale spread over its elements, one clamp and one cast. Same float32
-products, same clamp, same rounding: the bits and scales are those of the
+per bucket and also casts the bucket's weights together: a chunk of weights
+of one size at a time (placements/batch.py), each chunk's pieces one view of the
+bucket's storage (or joined as float32 in one op), one multiply by the scales
+broadcast over their weights, one clamp and one cast. Same float32 products,
+same clamp, same rounding: the bits and scales are those of the
 weight-by-weight path (tests/test_float8_gather.py checks them bit for bit).
 
 flexshard knows this class by its module and name (core does not import
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..compat import current_graph_task_id, foreach_norm, tensor_version
-from .batch import back_to_back, joined, spread
+from .batch import Chunk, chunk_rows, chunks
 
 EPS = 1e-12  # torchao.float8.float8_utils.EPS: an all-zero weight keeps a finite scale
 _UP_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)  # exact in float32
@@ -88,16 +89,25 @@ def scales(amaxes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def cast(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.dtype,
          cache: dict) -> torch.Tensor:
     """Every piece times its scale, saturated to `dtype`'s range and cast: the
-    pieces' fp8 bits joined flat, in order."""
-    spread_scale = spread(scale, cache, "numels", lambda: [p.numel() for p in pieces])
-    view = back_to_back(pieces)  # a bucket of float8 linears without biases: one view
-    if view is not None and view.dtype in _UP_TO_FP32:
-        # torchao upcasts to float32, then multiplies; type promotion does the same
-        flat = torch.mul(view, spread_scale)
-    else:
-        flat = joined(pieces, torch.float32).mul_(spread_scale)
-    top = torch.finfo(dtype).max
-    return flat.clamp_(min=-top, max=top).to(dtype)
+    pieces' fp8 bits joined flat, in order; a chunk of pieces of one size at a
+    time (batch.py), each piece a block of its own scale."""
+    plan = cache.get("cast")
+    if plan is None:
+        plan = cache["cast"] = chunks([p.numel() for p in pieces], [p.numel() for p in pieces])
+    out = torch.empty(plan[-1].stop, dtype=dtype, device=pieces[0].device)
+    for c in plan:
+        _cast_chunk(pieces, c, scale[c.first:c.last, None], out[c.start:c.stop])
+    return out
+
+
+def _cast_chunk(pieces: Sequence[torch.Tensor], c: Chunk, scale: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """A chunk's pieces cast into `out` (its float32 products freed on return)."""
+    rows, fresh = chunk_rows(pieces, c, torch.float32, _UP_TO_FP32)
+    # torchao upcasts to float32, then multiplies; type promotion does the same
+    scaled = rows.mul_(scale) if fresh else torch.mul(rows, scale)
+    top = torch.finfo(out.dtype).max
+    out.view(scaled.shape).copy_(scaled.clamp_(min=-top, max=top))
 
 
 def cast_each(pieces: Sequence[torch.Tensor], scale: torch.Tensor, dtype: torch.dtype) -> list:
@@ -111,7 +121,7 @@ def cast_into(pieces: Sequence[torch.Tensor], scale: torch.Tensor,
               outs: Sequence[torch.Tensor], cache: dict) -> None:
     """cast, each piece straight into its place in the gather input (`outs`), by one
     fused kernel launch (placements/quantized_kernels.py, where batch.fused_kernels):
-    the same float32 products, clamp and rounding, without spreading the scales."""
+    the same float32 products, clamp and rounding."""
     from .quantized_kernels import scale_and_cast
 
     scale_and_cast(pieces, scale, outs, torch.finfo(outs[0].dtype).max, cache)

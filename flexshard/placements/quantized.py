@@ -18,13 +18,14 @@ rows on a multiple of `block_rows`; the rest (norms, biases, small or
 column-split tensors) travel in the gather dtype, and `fs.describe` counts them.
 
 A bucket's quantized params are quantized together and dequantized together
-(`encode_batch` / `decode_batch`): their pieces joined into one float32
-buffer, every block's amax in one segment reduce, one divide by the scales
-spread over their blocks, one round, clamp and cast; after the gather one
-multiply for all of them. The same float32 operations element by element as
-one param at a time, so the same bits, in a number of kernels that does not
-grow with the bucket's params (on a GPU each op of a param-by-param loop is a
-kernel launch: +22-27% step time against bf16 gathers on an H100).
+(`encode_batch` / `decode_batch`), a chunk of params of one block width at a
+time (placements/batch.py): per chunk one amax per block (aminmax), one divide
+by the scales broadcast over their blocks, one round, clamp and cast; after the
+gather one multiply. The same float32 operations element by element as one
+param at a time, so the same bits, with float32 temporaries of at most one
+chunk. On CUDA one fused kernel launch per bucket does each side instead
+(quantized_kernels.py: each op of an eager loop is a kernel launch there,
++22-27% step time against bf16 gathers on an H100 param by param).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batch import back_to_back, counts, fused_kernels, joined, spread
+from .batch import Chunk, back_to_back, chunk_rows, chunks, fused_kernels, joined
 from .contract import Placement, WireFormat, WirePart
 from .ragged import RaggedShard
 from .wire import WirePolicy
@@ -104,7 +105,7 @@ class BlockQuantized(WireFormat):
         data, scales = outs
         blocks = piece.float().reshape(scales.numel(), self._width(piece.shape))
         scale = blocks.abs().amax(dim=1).clamp(min=_EPS) * _INV_QMAX[self.dtype]
-        data.copy_(self._quantize(blocks / scale[:, None]).view(data.shape))
+        self._quantize_into(blocks / scale[:, None], data)
         scales.copy_(scale)
 
     def decode(self, fulls: Sequence[torch.Tensor], meta=None) -> torch.Tensor:
@@ -118,19 +119,28 @@ class BlockQuantized(WireFormat):
         return ("block quantized", self.dtype, self.out_dtype)
 
     def encode_batch(self, formats, pieces, mesh, cache) -> tuple:
-        """encode of every piece at once: (quantized data joined, scales joined)."""
-        flat = back_to_back(pieces)  # one view of the storage, else joined (one copy)
-        joins = flat is None or flat.dtype not in _UP_TO_FP32
-        if joins:
-            flat = joined(pieces, torch.float32)
-        widths = lambda: _widths(formats, [p.shape for p in pieces])  # noqa: E731 (on first use)
-        lengths, _ = counts(cache, "piece widths", flat.device, widths)
-        amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True).float()
-        scale = amax.clamp(min=_EPS) * _INV_QMAX[self.dtype]
-        spread_scale = spread(scale, cache, "piece widths", widths)
-        # out of a view of the params: float32 out of place (promotion upcasts exactly)
-        scaled = flat.div_(spread_scale) if joins else torch.div(flat, spread_scale)
-        return (self._quantize(scaled, True), scale), [None] * len(pieces)
+        """encode of every piece, a chunk of pieces of one block width at a time
+        (batch.py): (quantized data joined, scales joined)."""
+        plan = cache.get("encode")
+        if plan is None:
+            widths = [f._width(p.shape) for f, p in zip(formats, pieces)]
+            plan = cache["encode"] = chunks([p.numel() for p in pieces], widths)
+        device = pieces[0].device
+        data = torch.empty(plan[-1].stop, dtype=self.dtype, device=device)
+        scales = torch.empty(plan[-1].last, dtype=torch.float32, device=device)
+        for c in plan:
+            self._encode_chunk(pieces, c, data[c.start:c.stop], scales[c.first:c.last])
+        return (data, scales), [None] * len(pieces)
+
+    def _encode_chunk(self, pieces, c: Chunk, data: torch.Tensor, scales: torch.Tensor) -> None:
+        """A chunk's pieces quantized into `data` and `scales` (its temporaries
+        freed on return, before the next chunk's are made)."""
+        rows, fresh = chunk_rows(pieces, c, torch.float32, _UP_TO_FP32)
+        low, high = torch.aminmax(rows, dim=1)  # max|x| = max(high, -low): no |x| copy
+        amax = torch.maximum(high, low.neg_()).float()
+        scale = torch.mul(amax.clamp_(min=_EPS), _INV_QMAX[self.dtype], out=scales)[:, None]
+        # a view of the params: float32 out of place (promotion upcasts exactly)
+        self._quantize_into(rows.div_(scale) if fresh else torch.div(rows, scale), data)
 
     def encode_batch_into(self, formats, pieces, outs, mesh, cache) -> Optional[list]:
         """On CUDA: the pieces quantized by one fused kernel launch straight into
@@ -166,17 +176,23 @@ class BlockQuantized(WireFormat):
             out = torch.empty(sum(plan.numels), dtype=self.out_dtype, device=fulls[0][0].device)
         if fused_kernels([f for parts in fulls for f in parts]):
             return self._decode_fused(formats, fulls, plan, out, cache)
-        data = joined([fulls[i][0] for i in plan.order], _JOIN_AS[self.dtype])
-        scales = joined([fulls[i][1] for i in plan.order], torch.float32)
-        for start, stop, first, last, width in plan.runs:
-            # computed in float32 (type promotion), rounded once into `out`: as
-            # decode's float(), multiply and cast, without a float32 copy of the bucket
-            torch.mul(data[start:stop].view(last - first, width), scales[first:last, None],
-                      out=out[start:stop].view(last - first, width))
+        data = [fulls[i][0] for i in plan.order]
+        scales = [fulls[i][1] for i in plan.order]
+        for c in plan.chunks:
+            self._decode_chunk(data, scales, c, out[c.start:c.stop])
         params = [None] * len(fulls)
         for i, piece in zip(plan.order, out.split_with_sizes(plan.numels)):
             params[i] = piece.view(fulls[i][0].shape)
         return params
+
+    def _decode_chunk(self, data, scales, c: Chunk, out: torch.Tensor) -> None:
+        """A chunk's params dequantized into `out`: computed in float32 (type
+        promotion), rounded once into `out`, as decode's float(), multiply and
+        cast, without a float32 copy (the joined wire data freed on return)."""
+        rows, _ = chunk_rows(data, c, _JOIN_AS[self.dtype], (torch.int8,))
+        scale = back_to_back(scales[c.lo:c.hi])
+        scale = joined(scales[c.lo:c.hi], torch.float32) if scale is None else scale
+        torch.mul(rows, scale[:, None], out=out.view(rows.shape))
 
     def _decode_fused(self, formats, fulls, plan: "_DecodePlan", out: torch.Tensor,
                       cache: dict) -> list:
@@ -196,40 +212,26 @@ class BlockQuantized(WireFormat):
         """Elements of one block: `block_rows` rows of every column."""
         return self.block_rows * math.prod(shape[1:])
 
-    def _quantize(self, scaled: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-        """`scaled` rounded (int8) and saturated to the wire dtype (in place:
-        into `scaled` itself before the cast)."""
+    def _quantize_into(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        """`scaled` (a float32 tensor of its own, overwritten) rounded (int8),
+        saturated to the wire dtype and cast into `out`."""
         if self.dtype == torch.int8:
-            rounded = scaled.round_() if in_place else scaled.round()
-            return rounded.clamp_(-127, 127).to(torch.int8)
-        clamped = scaled.clamp_(-448.0, 448.0) if in_place else scaled.clamp(-448.0, 448.0)
-        return clamped.to(self.dtype)
+            scaled.round_().clamp_(-127, 127)
+        else:
+            scaled.clamp_(-448.0, 448.0)
+        out.copy_(scaled.view(out.shape))
 
 
 class _DecodePlan:
     """A batch's params in order of block width (`order`), their element
-    counts in that order, and one run per width: (first element, past-last
-    element, first block, past-last block, block width) of the joined buffer."""
+    counts in that order, and the chunks (batch.py) of that order: each one
+    multiply by its blocks' scales."""
 
     def __init__(self, formats: Sequence[BlockQuantized], shapes: Sequence[torch.Size]) -> None:
         widths = [f._width(shape) for f, shape in zip(formats, shapes)]
         self.order = sorted(range(len(shapes)), key=lambda i: widths[i])
         self.numels = [math.prod(shapes[i]) for i in self.order]
-        self.runs, element, block = [], 0, 0
-        for i, numel in zip(self.order, self.numels):
-            blocks = numel // widths[i]
-            if self.runs and self.runs[-1][4] == widths[i]:
-                start, _, first, _, width = self.runs[-1]
-                self.runs[-1] = (start, element + numel, first, block + blocks, width)
-            else:
-                self.runs.append((element, element + numel, block, block + blocks, widths[i]))
-            element, block = element + numel, block + blocks
-
-
-def _widths(formats: Sequence[BlockQuantized], shapes: Sequence[torch.Size]) -> list:
-    """Elements of each block of rows of tensors of `shapes`, in order."""
-    return [f._width(shape) for f, shape in zip(formats, shapes)
-            for _ in range(shape[0] // f.block_rows)]
+        self.chunks = chunks(self.numels, [widths[i] for i in self.order])
 
 
 @dataclass(frozen=True)
