@@ -30,7 +30,8 @@ from .runtime.comm import Comm, DeviceContexts
 from .runtime.compiled import EagerCompiledBlocks
 from .runtime.gloo import comm_for
 from .runtime.explicit_unshard import reshard_explicitly, unshard_explicitly
-from .runtime.hooks import FrozenAgreement, ModuleHooks, Prefetcher, RootHooks, StrayCallHooks
+from .runtime.hooks import ModuleHooks, Prefetcher, RootHooks, StrayCallHooks
+from .runtime.rank_agreement import RankAgreement
 from .wrap.mesh import MeshGroups, Subgroups, files_group, mesh_groups, single_process
 from .runtime.grad_reduce import ReduceQueue
 from .wrap.registration import RegistrationGuard
@@ -463,7 +464,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets,
-                                     FrozenAgreement(state.buckets, state.mesh_group))
+                                     RankAgreement(state.buckets, state.mesh_group,
+                                                   state.prefetcher))
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
         state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)

@@ -96,7 +96,7 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     _check_compile_args(model, state, cudagraphs, compile_kwargs)
     runners = {id(h.module) for h in state.hooks}
     forwards = [TracedForward(h, _holds_runner(h.module, runners)) for h in state.hooks]
-    frozen = state.root_hooks.frozen if state.root_hooks is not None else None
+    agreement = state.root_hooks.agreement if state.root_hooks is not None else None
     stray = _detach_hooks(state)
     for hooks, forward in zip(state.hooks, forwards):
         hooks.module.forward = forward
@@ -106,22 +106,22 @@ def compile(model: nn.Module, *, fullgraph: bool = False, cudagraphs: bool = Fal
     compiled = getattr(model, COMPILED_CALL_IMPL)
     gathers = [g for f in forwards for g in f.gathers]
     setattr(model, COMPILED_CALL_IMPL,
-            functools.partial(_compiled_call, compiled, stray, frozen, state.buckets, gathers))
+            functools.partial(_compiled_call, compiled, stray, agreement, state.buckets, gathers))
     return model
 
 
-def _compiled_call(compiled, stray, frozen, buckets, gathers, *args, **kwargs):
+def _compiled_call(compiled, stray, agreement, buckets, gathers, *args, **kwargs):
     """The compiled model's call, traced with each block's Python side effects
     applied once (compat.side_effects_once_under_checkpoint). The root's checks
     that its bucket's modules (an embedding, an output head) run inside its
     forward (`StrayCallHooks`) are off during the call, on between calls, as
-    eager's root hooks arm them; the ranks' frozen sets are compared first, as
-    eager's root hook does (FrozenAgreement), and a param unfrozen that was
+    eager's root hooks arm them; the ranks' frozen sets and setters are compared
+    first, as eager's root hook does (RankAgreement), and a param unfrozen that was
     frozen when wrapped is refused, as eager's gather refuses it. The gathers'
     index positions follow the params to a new device (to(), to_empty())."""
     if torch.is_grad_enabled():
-        if frozen is not None:
-            frozen.check()
+        if agreement is not None:
+            agreement.check()
         for bucket in buckets:
             bucket.check_requires_grad()
     for gather in gathers:

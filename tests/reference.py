@@ -218,7 +218,7 @@ def assert_one_collective_per_bucket(results) -> None:
     for result in results:
         stats = result[3]
         buckets = stats["buckets"]
-        # and one small all-reduce: the ranks agree on what trains (FrozenAgreement)
+        # and one small all-reduce: the ranks agree on what trains (RankAgreement)
         want = {"_reduce_scatter_base_": len(buckets), "allreduce_": 1}
         for _, reshard, _, _, _ in buckets:
             want["_allgather_base_"] = want.get("_allgather_base_", 0) + (2 if reshard else 1)

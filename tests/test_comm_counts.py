@@ -49,12 +49,12 @@ def test_reshard_after_forward(world):
         assert buckets == 3  # two blocks and the root: so the count below is not the no-reshard one
         assert gathers == 2 * buckets - 1
         assert reduces == buckets
-        assert other == 1  # the ranks agree on what trains (FrozenAgreement): one all-reduce
+        assert other == 1  # the ranks agree on what trains (RankAgreement): one all-reduce
 
 
 def test_no_reshard():
     for counts, buckets in run_world(2, count_step, {"reshard_after_forward": False}):
-        assert counts[0] == (buckets, buckets, 1)  # 1: FrozenAgreement's all-reduce
+        assert counts[0] == (buckets, buckets, 1)  # 1: RankAgreement's all-reduce
 
 
 def test_root_bucket_reshards_when_its_spec_asks():

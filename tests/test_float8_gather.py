@@ -271,6 +271,9 @@ def _compiled_vs_eager() -> tuple:
     each step ran) of each."""
     from compile_check import compiled_graph_calls
 
+    # a fresh dynamo cache: a block class another test's world body compiled (with
+    # other shapes) would recompile with dynamic shapes, in more graphs per block
+    torch._dynamo.reset()
     out = []
     for compiled in (False, True):
         model = _wrap("flexshard", float8_model(), None)
@@ -412,7 +415,7 @@ def test_backward_regathers_with_the_scales_forward_computed():
     # the layers reshard after forward and regather in backward: one amax
     # all-reduce per float8 bucket and step, as FSDP2 + torchao's precompute
     # makes one per step (parity with it: the tests above); and one more a step, the
-    # ranks' agreement on what trains (FrozenAgreement)
+    # ranks' agreement on what trains (RankAgreement)
     for counts, buckets in run_world(2, _amax_all_reduces):
         assert buckets == 3 and counts == [buckets + 1, buckets + 1]
 

@@ -108,7 +108,7 @@ def expected_counts(shape, buckets) -> dict:
         want[REDUCE] = len(buckets)
     if replicas > 1:
         want[ALL_REDUCE] = len(buckets)
-    # and the check that every rank trains the same params (runtime/hooks.py, FrozenAgreement): one
+    # and the check that every rank trains the same params (runtime/rank_agreement.py, RankAgreement): one
     # small host all-reduce (gloo) per forward under grad
     want[ALL_REDUCE] = want.get(ALL_REDUCE, 0) + 1
     return want

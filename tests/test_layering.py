@@ -20,7 +20,7 @@ LAYERS = [
     {"planning", "planning.", "wrap", "wrap."},
     {"runtime.storage", "runtime.state", "runtime.offload", "runtime.counters",
      "runtime.inflight", "runtime.grad_reduce", "runtime.sharded_grad", "runtime.unsharded",
-     "runtime.opaque_format", "runtime.grad_spans", "runtime.held"},
+     "runtime.opaque_format", "runtime.grad_spans", "runtime.held", "runtime.rank_agreement"},
     {"runtime.gather"},
     {"runtime.bucket"},
     {"runtime.hooks", "runtime"},

@@ -41,5 +41,5 @@ def test_nested_buckets_gather_once_each_in_backward():
         # is nested in another's or not: before the backward of a module whose
         # output needs a grad (as FSDP2's), so also the embedding's 'tok.*', whose
         # backward reads no param.
-        assert (gathers, reduces, other) == (n + resharding, n, 1)  # 1: FrozenAgreement
+        assert (gathers, reduces, other) == (n + resharding, n, 1)  # 1: RankAgreement
         assert planned == gathers

@@ -11,6 +11,7 @@ stays, run with the Comm flex_shard picks on gloo, the path users get.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import transformers
@@ -150,3 +151,66 @@ def test_resize_token_embeddings_after_the_wrap_is_refused():
             assert said is not None and "resize_token_embeddings() on a flex_shard model" in said \
                 and "Resize before flex_shard" in said, said
             assert vocab == 128 and unchanged
+
+
+# Ranks that set a setter differently (a rank-dependent rule, or accumulation over an
+# uneven split of the data): one rank's backward skips or reorders a collective the
+# others wait in. It hung until the process group's timeout (gloo's "Timed out waiting
+# ... for recv"), or paired collectives wrongly: now every rank raises at the forward,
+# before any gather, naming the setter, the bucket and each rank's value.
+
+def set_differently(setter: str):
+    """Rank body: a step, then rank 1 sets `setter` to another value than the
+    others (HSDP's on a (2, 2) mesh), then a step."""
+    from models import batch, loss_fn
+    from reference import make_model
+    from test_hsdp import hsdp_mesh
+
+    mesh = hsdp_mesh((2, 2)) if setter == "set_requires_all_reduce" else None
+    model = fs.flex_shard(make_model(), mesh)
+    other = dist.get_rank() == 1
+    value = {"set_requires_gradient_sync": not other, "set_requires_all_reduce": not other,
+             "set_gradient_divide_factor": 2.0 if other else 4.0,
+             "set_reshard_after_forward": not other, "set_prefetch_depth": 2 if other else 1}
+    for step in range(2):
+        if step == 1:
+            getattr(model, setter)(value[setter])
+        x, y = batch(step, dist.get_rank())
+        loss_fn(model(x), y).backward()
+
+
+SETTERS = ["set_requires_gradient_sync", "set_requires_all_reduce", "set_gradient_divide_factor",
+           "set_reshard_after_forward", "set_prefetch_depth"]
+
+
+@pytest.mark.parametrize("setter", SETTERS)
+def test_ranks_that_set_differently_raise_on_every_rank(setter):
+    value = {"set_requires_gradient_sync": "True", "set_requires_all_reduce": "True",
+             "set_gradient_divide_factor": "4.0", "set_reshard_after_forward": "True",
+             "set_prefetch_depth": "1"}[setter]
+    bucket = "" if setter == "set_prefetch_depth" else " for bucket '[^']+'"
+    expect_all_ranks_raise(WORLD, set_differently, ValueError,
+                           rf"the ranks disagree on {setter}{bucket}: rank 0 has {value}, "
+                           r"rank 1 has \S+, .*Call each setter alike on every rank",
+                           setter, timeout=60)
+
+
+def accumulate_over_uneven_batches():
+    """Rank body: gradient accumulation that syncs on each rank's own last micro-batch,
+    rank 0 holding two micro-batches a step and the others three."""
+    from models import batch, loss_fn
+    from reference import make_model
+
+    model = fs.flex_shard(make_model())
+    rank = dist.get_rank()
+    micro_batches = 2 if rank == 0 else 3
+    for i in range(micro_batches):
+        model.set_requires_gradient_sync(i == micro_batches - 1)
+        x, y = batch(i, rank)
+        loss_fn(model(x), y).backward()
+
+
+def test_accumulation_over_an_uneven_split_raises_on_every_rank():
+    expect_all_ranks_raise(WORLD, accumulate_over_uneven_batches, ValueError,
+                           r"disagree on set_requires_gradient_sync .* rank 0 has True, rank 1 "
+                           r"has False.* same number of batches", timeout=60)

@@ -100,6 +100,7 @@ def _train_sharded(placement: str, ac: str = "none", compile_model: bool = False
     from compile_check import compiled_graph_calls
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()  # another test's graphs (this world's) leave no dynamic shapes
     model = parallelize(debugmodel(), world, placement, ac=ac, offload=offload,
                         compile_config=CompileConfig(enable=compile_model, components=["model"]))
     if offload:  # --training.enable_cpu_offload: every bucket offloaded (fs.OffloadPolicy)

@@ -267,7 +267,7 @@ class Bucket:
         """Refuse a synced backward where a param frozen since the no-sync micro-batches
         has their grads pending: PyTorch steps it with them, the reduce would drop them
         (autograd gives a frozen param no .grad). The ranks freeze alike
-        (FrozenAgreement), so every rank raises here."""
+        (RankAgreement), so every rank raises here."""
         grads = self.grads
         if not grads.requires_gradient_sync or grads.pending_grads is None:
             return

@@ -278,108 +278,14 @@ def _refill_before_backward(output, refill: _Refill) -> None:
     tree_map(hook, output)
 
 
-# Which params train, agreed by every rank at each training forward; and where each rank is.
-#
-# Freezing a param after flex_shard is fine when every rank freezes it (its grad is left
-# out of the reduce). A rank that freezes a param the others train adds zeros to their
-# averaged gradient, and its pieces never update; one that freezes a whole bucket skips the
-# bucket's reduce-scatter while the others wait in it. A rule on `p.numel()` does this
-# quietly: under Owned or an uneven split a rank's piece may be empty. So at each forward
-# under grad, before its first collective, the ranks compare a checksum of which params
-# train: host values over a gloo group of the model's ranks (no device sync): the mesh's
-# own where it is gloo. Where they differ every rank raises, naming what it freezes.
-# The same all-reduce opens the calls that gather the model outside the step
-# (fs.full_state_dict, fs.save_checkpoint, ...), carrying which call it is: a rank that
-# calls one alone (`if rank == 0: fs.full_state_dict(model)`) while the others go on
-# training meets their next forward's check, and both raise instead of pairing gathers
-# until the process group's timeout.
-
-_FORWARD = "the model's forward"
-CALLS = ("fs.full_state_dict", "fs.full_optimizer_state_dict", "fs.full_grads",
-         "fs.save_checkpoint")
-
-
-def _site_code(site: str) -> int:
-    return zlib.crc32(site.encode()) + 1  # > 0: the other half of the pair is its negation
-
-
-_SITES = {_site_code(site): site for site in (_FORWARD,) + CALLS}
-
-
-class FrozenAgreement:
-    """The check of one wrapped model (`buckets`, over the ranks of its mesh's `group`)."""
-
-    def __init__(self, buckets: Sequence, group) -> None:
-        self.buckets, self.group = list(buckets), group
-        # torch's "fake" backend runs one rank of a world in one process: none to ask
-        real = group is not None and dist.get_backend(group) != "fake"
-        self.ranks = tuple(sorted(dist.get_process_group_ranks(group))) if real else ()
-        self.trains = any(b.grad_slots for b in self.buckets)
-        self._host_group = None  # held here, not by the module: it goes with the model
-
-    def check(self) -> None:
-        """At a training forward: the ranks are all there, and freeze alike."""
-        if len(self.ranks) < 2 or not self.trains:
-            return
-        sig = zlib.crc32(bytes(p.requires_grad for b in self.buckets for p in b.params))
-        if self._agree(_FORWARD, sig) != (sig, sig):
-            raise ValueError(
-                f"the ranks disagree on which parameters train: rank {dist.get_rank()} "
-                f"freezes {self._frozen()} (requires_grad_(False) after flex_shard). Every rank "
-                "must freeze the same parameters, or the rank that freezes one adds zeros to "
-                "the others' averaged gradient. A rule on p.numel() or p.shape sees this "
-                "rank's piece, not the parameter: choose by name, p.ndim, or the full shape, "
-                "model.state_dict()[name].shape")
-
-    def check_call(self, site: str) -> None:
-        """At the start of `site`, a call that gathers the model outside the step: the
-        ranks are all in it (a rank training meanwhile is at its forward's check)."""
-        assert site in CALLS, site
-        if len(self.ranks) >= 2 and self.trains:
-            self._agree(site, 0)
-
-    def _agree(self, site: str, sig: int) -> tuple:
-        """All-reduce (site, sig) by max and min; raise where the sites differ. Returns
-        sig's (max, min)."""
-        code = _site_code(site)
-        both = torch.tensor([code, -code, sig, -sig], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._host())
-        high, low = int(both[0]), -int(both[1])
-        if high != low:
-            other = _SITES.get(high if high != code else low, "another flexshard call")
-            raise RuntimeError(
-                f"rank {dist.get_rank()} is in {site} while another rank of the model is in "
-                f"{other}: calls that gather the model (fs.full_state_dict, "
-                "fs.full_optimizer_state_dict, fs.full_grads, fs.save_checkpoint) are "
-                "collectives: call them on every rank, at the same point of the loop (not "
-                "under `if rank == 0:`), and save the result on rank 0")
-        return int(both[2]), -int(both[3])
-
-    def _host(self):
-        """The mesh's group where it takes CPU tensors (gloo), else a gloo group of its
-        ranks made on first use (only they take part)."""
-        if self._host_group is None:
-            self._host_group = self.group if "gloo" in str(dist.get_backend(self.group)) \
-                else dist.new_group(list(self.ranks), backend="gloo",
-                                    use_local_synchronization=True)
-        return self._host_group
-
-    def _frozen(self) -> str:
-        """This rank's params frozen since the wrap (a few, then a count)."""
-        names = [repr(b.slots[i].fqn) for b in self.buckets for i in b.grad_slots
-                 if not b.params[i].requires_grad]
-        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-        return ", ".join(names[:4]) + more if names else "none of the trainable ones"
-
-
 def check_call(state, site: str) -> None:
     """Before `site` gathers the model: no tensor was swapped under a param (it would
-    gather the old values), then FrozenAgreement.check_call, if the model has one."""
+    gather the old values), then RankAgreement.check_call, if the model has one."""
     for bucket in state.buckets:
         bucket.check_viewed()
     root = state.root_hooks
-    if root is not None and root.frozen is not None:
-        root.frozen.check_call(site)
+    if root is not None and root.agreement is not None:
+        root.agreement.check_call(site)
 
 
 class RootHooks:
@@ -387,9 +293,9 @@ class RootHooks:
     and ends."""
 
     def __init__(self, module: nn.Module, prefetcher: Prefetcher, queue, buckets,
-                 frozen: Optional[FrozenAgreement] = None) -> None:
+                 agreement: Optional[RankAgreement] = None) -> None:
         self.module, self.prefetcher, self.queue = module, prefetcher, queue
-        self.frozen = frozen
+        self.agreement = agreement
         self.stray: Optional[StrayCallHooks] = None  # armed between forwards
         self.all_buckets = list(buckets)
         self.buckets = [b for b in buckets if b.needs_hooks]
@@ -404,8 +310,8 @@ class RootHooks:
         for bucket in self.all_buckets:  # before any collective: each rank raises alike
             bucket.check_viewed()
             bucket.check_installed()  # before the prefetch gathers over functional_call's
-        if self.frozen is not None and torch.is_grad_enabled() and not in_backward():
-            self.frozen.check()
+        if self.agreement is not None and torch.is_grad_enabled() and not in_backward():
+            self.agreement.check()
         if self.stray is not None:
             self.stray.disarm()
         if not in_backward():
