@@ -90,9 +90,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--every", type=int, default=2,
                         help="save a checkpoint every N steps (default 2)")
     args = parser.parse_args(argv)
-    dist.init_process_group("gloo")
+    owns_group = not dist.is_initialized()  # a caller's group (the tests') is used as it is
+    if owns_group:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
-    root = [tempfile.mkdtemp(prefix="async-ckpt-")]
+    # one directory for every rank: rank 0 makes it and removes it at the end
+    root = [tempfile.mkdtemp(prefix="async-ckpt-") if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     flex, flex_opt = _flexshard(args.model)
     fsdp, fsdp_opt = _fsdp2(args.model)
@@ -126,7 +129,8 @@ def main(argv=None) -> dict:
             print(f"{lib:<10} blocked {blocked * 1e3:7.1f} ms (median)   waited for the "
                   f"previous write {waited * 1e3:7.1f} ms")
         print(f"blocked time flexshard / FSDP2: {out['flexshard'][0] / out['fsdp2'][0]:.2f}")
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
     return out
 
 

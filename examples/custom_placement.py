@@ -13,6 +13,7 @@ the bucket's one all-gather and one reduce-scatter with every other placement.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -134,4 +135,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,  # --help, and no silent run on a typo
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

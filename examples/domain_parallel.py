@@ -29,6 +29,7 @@ tests/test_domain_parallel.py checks 4 ranks against one process.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -242,4 +243,6 @@ def main(steps: int = 20) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,  # --help, and no silent run on a typo
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -12,6 +12,7 @@ one reduce-scatter.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -121,4 +122,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,  # --help, and no silent run on a typo
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

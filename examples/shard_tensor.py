@@ -36,6 +36,7 @@ tests/test_shard_tensor.py checks 4 ranks against one process.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -197,4 +198,6 @@ def main(steps: int = 20) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,  # --help, and no silent run on a typo
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

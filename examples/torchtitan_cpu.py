@@ -46,7 +46,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="flexshard placement, as --flex_shard.placement (default shard)")
     p.add_argument("--reference", type=int, default=None, metavar="N",
                    help="no sharding: train in one process on the batches of N ranks")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.reference is not None and args.reference < 1:
+        p.error(f"--reference must be >= 1, got {args.reference}")
+    if args.reference is None and "WORLD_SIZE" not in os.environ:  # env:// rendezvous needs it
+        p.error("no torchrun environment (WORLD_SIZE is not set): run under torchrun "
+                "--nproc-per-node N, or pass --reference N")
+    return args
 
 
 def debugmodel() -> torch.nn.Module:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import os
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -81,6 +83,32 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
                         "model, optimizer, step and loss curve as an uninterrupted run")
 
 
+def _cannot_write(directory: Path) -> Optional[str]:
+    """Why no file can be written in `directory`, or None; makes it if missing, as the run would."""
+    if directory.exists() and not directory.is_dir():
+        return "not a directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any training, a --plot or --checkpoint-dir the run could not write."""
+    if importlib.util.find_spec("matplotlib"):  # without it no plot is written
+        why = _cannot_write(args.plot.parent)
+        if why:
+            p.error(f"--plot {args.plot}: cannot write in {args.plot.parent} ({why}); "
+                    "pass a path in a writable directory")
+    if args.checkpoint_every:
+        why = _cannot_write(args.checkpoint_dir)
+        if why:
+            p.error(f"--checkpoint-dir {args.checkpoint_dir}: cannot write in it ({why}); "
+                    "pass a writable directory")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Train a small byte-level GPT on the texts in data/ with flexshard. "
@@ -97,6 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        p.error(f"--lr must be a finite number >= 0, got {args.lr}")
     if (args.checkpoint_every or args.resume) and args.checkpoint_dir is None:
         p.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.checkpoint_every < 0:
@@ -106,6 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--resume to continue that run, or another directory to start over")
     if args.bucket_bytes is not None and args.bucket_bytes < 1:
         p.error(f"--bucket-bytes must be positive, got {args.bucket_bytes}")
+    _check_outputs(p, args)
     return args
 
 
@@ -260,8 +293,15 @@ def main(argv=None) -> None:
         ckpt = (Checkpointer(args.checkpoint_dir, args.checkpoint_every)
                 if args.checkpoint_dir else None)
         start, losses = (ckpt.load(model, opt) if args.resume else (0, []))
+        if start > args.steps:  # the same checkpoint on every rank: every rank raises
+            raise ValueError(f"--steps {args.steps} is before the checkpoint's step {start} in "
+                             f"{args.checkpoint_dir}: pass --steps {start} or more (the run's "
+                             "total steps, counted from step 0)")
         if env.rank == 0 and args.resume:
-            print(f"resumed from step {start}")
+            left = "" if start < args.steps else f": --steps {args.steps} reached, nothing to train"
+            print(f"resumed from step {start}{left}", flush=True)
+        if start == args.steps:  # a finished run started again (a requeued job) is done
+            return
         result = train(args, env, model, opt, load_text(), ckpt, start, losses)
         summary(args, env, model, result)
     finally:

@@ -1,6 +1,6 @@
 """A quick run of benchmarks/compare.py at world sizes 1 and 2: the report has
 its fields and its numbers are sane (no timing targets: those live in
-benchmarks/RESULTS.md)."""
+benchmarks/RESULTS.md). benchmarks/async_checkpoint.py leaves no temporary directory."""
 
 import math
 
@@ -199,3 +199,25 @@ def test_bad_configurations_are_refused():
         Config(2, placement="shard", optimizer="muon")
     with pytest.raises(ValueError, match=r"Config.world_size=0; use 1 or more"):
         Config(0)
+
+
+def _async_checkpoint_leftovers(tmp: str) -> list:
+    """benchmarks/async_checkpoint.py in this world, its temporary files under `tmp`:
+    what it left there."""
+    import os
+    import tempfile
+
+    from benchmarks import async_checkpoint
+
+    before, tempfile.tempdir = tempfile.tempdir, tmp
+    try:
+        async_checkpoint.main(["--model", "odd", "--steps", "2", "--every", "1"])
+    finally:
+        tempfile.tempdir = before
+    return sorted(os.listdir(tmp))
+
+
+def test_async_checkpoint_benchmark_cleans_up(tmp_path):
+    """One checkpoint directory for all ranks, removed at the end (each rank made one,
+    and only rank 0's was removed). Rank 0 lists after its removal."""
+    assert run_world(2, _async_checkpoint_leftovers, str(tmp_path), timeout=240)[0] == []

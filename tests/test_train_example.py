@@ -148,6 +148,11 @@ def test_help_states_every_default(capsys):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--bucket-bytes", "0"], "--bucket-bytes must be positive"),
     (["--checkpoint-every", "-5", "--checkpoint-dir", "ckpt"], "--checkpoint-every must be >= 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+    (["--lr", "-0.001"], "--lr must be a finite number >= 0, got -0.001"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     train = load_train_module()
@@ -173,3 +178,41 @@ def test_resume_without_a_checkpoint_says_so(tmp_path, monkeypatch):
     train = load_train_module()
     with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint in .*--checkpoint-every"):
         train.main(["--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume"])
+
+
+def test_unwritable_plot_and_checkpoint_dirs_are_refused_before_training(tmp_path, capsys):
+    """Found before the first step, not when the plot or the first save is written."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # no directory can be made under a plain file
+    train = load_train_module()
+    if importlib.util.find_spec("matplotlib"):  # without it no plot is written: nothing to check
+        with pytest.raises(SystemExit):
+            train.parse_args(["--plot", str(blocker / "loss.png")])
+        err = capsys.readouterr().err
+        assert f"--plot {blocker / 'loss.png'}: cannot write in {blocker}" in err, err
+    with pytest.raises(SystemExit):
+        train.parse_args(["--checkpoint-dir", str(blocker / "ckpt"), "--checkpoint-every", "1",
+                          "--plot", str(tmp_path / "l.png")])
+    err = capsys.readouterr().err
+    assert f"--checkpoint-dir {blocker / 'ckpt'}: cannot write in it" in err, err
+    args = train.parse_args(["--plot", str(tmp_path / "new" / "l.png"), "--checkpoint-every", "1",
+                             "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert args.plot == tmp_path / "new" / "l.png"
+
+
+def test_resume_at_or_past_steps(tmp_path, capsys, monkeypatch):
+    """A checkpoint at --steps leaves nothing to train: the run says so and succeeds (a
+    finished job started again is done, as torchtitan's and Hugging Face's trainers do);
+    one past --steps is refused, naming both, before any step."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    train = load_train_module()
+    common = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--plot", str(tmp_path / "l.png")]
+    train.main(["--steps", "2", "--checkpoint-every", "2", *common])
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"--steps 1 is before the checkpoint's step 2 in .*ckpt: "
+                                         r"pass --steps 2 or more"):
+        train.main(["--steps", "1", "--resume", *common])
+    train.main(["--steps", "2", "--resume", *common])
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == "resumed from step 2: --steps 2 reached, nothing to train"
