@@ -2,6 +2,7 @@
 Comm uses there (one broadcast / one reduce per rank), the same bytes.
 
     torchrun --nproc-per-node 2 -m benchmarks.gloo_collectives [--sizes-kib 64 256 1024 4096 16384]
+    torchrun --nproc-per-node 2 -m benchmarks.gloo_collectives --groups 8
 
 For each per-rank segment size, rank 0 prints the median wall and CPU time
 of 30 calls (after 3 warm-up calls; a barrier before each) of: all_gather_into_tensor, the broadcasts
@@ -9,6 +10,12 @@ of 30 calls (after 3 warm-up calls; a barrier before each) of: all_gather_into_t
 (`fs.Comm`'s rooted reduce_scatter), and their ratios; then an uneven reduce (rank r's
 piece 1 + (r - (W-1)/2) / (2W) of the segment: an Owned bucket's, a ragged group's) as
 gloo's list reduce_scatter and as GlooComm's reduces. fp32, CPU tensors.
+
+With `--groups N` each segment is cut into N gather groups back to back, as a bucket
+whose large params have collectives of their own (planning/layout.py): gloo's coalesced
+all-gather and reduce-scatter (`fs.Comm`'s all_gather_groups / reduce_scatter_groups)
+against GlooComm's (a broadcast per rank and group; one reduce per rank of the groups'
+rows joined rank-major).
 """
 
 from __future__ import annotations
@@ -54,14 +61,50 @@ def _row(kib: int, rank: int, world: int) -> dict:
     }
 
 
+def _groups_row(kib: int, groups: int, world: int) -> dict:
+    numel = kib * 256 // groups  # fp32, per group
+    plain, rooted = fs.Comm(), fs.GlooComm(rooted_min_bytes=0)
+    send, gathered = torch.randn(groups * numel), torch.empty(world * groups * numel)
+    whole, reduced = torch.randn(world * groups * numel), torch.empty(groups * numel)
+    ins, outs = list(send.split(numel)), list(gathered.split(world * numel))
+    rows, parts = list(whole.split(world * numel)), list(reduced.split(numel))
+    return {
+        "coalesced gather": _timed(lambda: plain.all_gather_groups(outs, ins, None)),
+        "rooted gather": _timed(lambda: rooted.all_gather_groups(outs, ins, None)),
+        "coalesced reduce": _timed(lambda: plain.reduce_scatter_groups(parts, rows, None)),
+        "rooted reduce": _timed(lambda: rooted.reduce_scatter_groups(parts, rows, None)),
+    }
+
+
+def _print_groups(kib: int, groups: int, world: int, rank: int) -> None:
+    t = _groups_row(kib, groups, world)
+    if rank == 0:
+        cell = lambda k: f"{t[k][0]:.2f} / {t[k][1]:.2f}"  # noqa: E731
+        print(f"| {kib} | {cell('coalesced gather')} | {cell('rooted gather')} | "
+              f"{cell('coalesced reduce')} | {cell('rooted reduce')} |", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 256, 1024, 4096, 16384],
                    help="per-rank segment sizes in KiB (default 64 256 1024 4096 16384)")
+    p.add_argument("--groups", type=int, default=0,
+                   help="cut each segment into this many gather groups (default 0: one)")
     args = p.parse_args(argv)
+    if args.groups < 0:
+        p.error(f"--groups must be >= 0, got {args.groups}")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.groups:
+        if rank == 0:
+            print(f"gloo, {world} ranks, fp32, {args.groups} groups; ms per call, wall / CPU")
+            print("| KiB per rank | coalesced all-gather | GlooComm | coalesced reduce-scatter | "
+                  "GlooComm |\n|---|---|---|---|---|")
+        for kib in args.sizes_kib:
+            _print_groups(kib, args.groups, world, rank)
+        dist.destroy_process_group()
+        return
     if rank == 0:
         print(f"gloo, {world} ranks, fp32; ms per call, wall / CPU (rank 0)")
         print("| KiB per rank | all_gather_into_tensor | broadcasts | ratio | "

@@ -43,6 +43,28 @@ def _both_ways(group, size: int, rank: int, numel: int, dtype) -> list:
             outs.append((gathered, reduced))
         assert comm._rooted(mine, group) is False and rooted._rooted(mine, group) is True
         pairs += [(outs[0][0], outs[1][0]), (outs[0][1], outs[1][1])]
+    # A bucket's gather and reduce groups (two pairs each): rooted, one broadcast (one
+    # reduce) per rank of the groups joined rank-major, then a split-copy (the rank's
+    # segment copied out), where gloo's coalesced collectives run one per group.
+    for async_op in (False, True):
+        groups = []
+        for comm in (rooted, plain):
+            segment = torch.cat([_inputs(rank, numel, dtype),
+                                 _inputs(50 + rank, 2 * numel, dtype)])
+            ins = list(segment.split([numel, 2 * numel]))  # back to back, as a bucket's
+            gathered = torch.full((size * 3 * numel,), float("nan"), dtype=dtype)
+            outs = list(gathered.split([size * numel, 2 * size * numel]))
+            work = comm.all_gather_groups(outs, ins, group, async_op=async_op)
+            whole = _inputs(200 + rank, size * 3 * numel, dtype)
+            reduced = torch.full((3 * numel,), float("nan"), dtype=dtype)
+            work2 = comm.reduce_scatter_groups(list(reduced.split([numel, 2 * numel])),
+                                               list(whole.split([size * numel, 2 * size * numel])),
+                                               group, async_op=async_op)
+            for w in (work, work2):
+                if async_op:
+                    w.wait()
+            groups.append((gathered, reduced))
+        pairs += list(zip(*groups))
     # The gather input may be the output's own segment (a bucket's copy-in): no copy.
     inplace = torch.zeros(size * numel, dtype=dtype)
     inplace.view(size, -1)[rank].copy_(_inputs(rank, numel, dtype))
@@ -79,6 +101,16 @@ def test_rooted_collectives_give_the_plain_ones_bytes(world):
 def test_training_through_rooted_collectives_is_bitwise_the_reference(placement):
     check_parity(2, {"placement": placement, "comm": ROOTED, "reshard_after_forward": True},
                  exact=True)
+
+
+def test_rooted_gather_groups_train_as_one_process():
+    """Blocks whose matrices have gather groups of their own (test_gather_groups.py),
+    gathered group by group through the rooted broadcasts, at an uneven world: SGD."""
+    from test_gather_groups import BIG, sgd
+
+    check_parity(3, {"placement": fs.Shard(0), "comm": ROOTED}, make_opt=sgd, model_kw=BIG)
+    # an int reshard: backward regathers the kept slices within groups of 2 ranks
+    check_parity(4, {"comm": ROOTED, "reshard_after_forward": 2}, make_opt=sgd, model_kw=BIG)
 
 
 def test_rooted_bf16_at_three_ranks_matches_the_reference():

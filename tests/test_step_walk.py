@@ -51,7 +51,8 @@ def test_a_step_crosses_few_files_and_never_returns_into_a_room():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     flexshard, fsdp2 = got["flexshard"], got["fsdp2"]
     assert fsdp2["backward"][2] > 0  # the meter sees FSDP2's calls back into _fsdp_common
-    # (files, hops, hops back) per phase; files at most today's (before the walk: 20 / 20 / 23)
-    assert flexshard["forward"][0] <= 6 and flexshard["backward"][0] <= 7
-    assert flexshard["step"][0] <= 8
+    # (files, hops, hops back) per phase; files at most today's (before the walk: 20 / 20 / 23;
+    # the forward's 7th: runtime/rank_agreement.py, the ranks' check, out of hooks.py)
+    assert flexshard["forward"][0] <= 7 and flexshard["backward"][0] <= 7
+    assert flexshard["step"][0] <= 9
     assert all(flexshard[phase][2] == 0 for phase in flexshard), flexshard

@@ -14,6 +14,16 @@ and reduce_scatter_tensor to 0.81 / 0.87x. Below that size the one collective is
 (one round trip instead of W), and above `ROOTED_MAX_RANKS` ranks the W launches per
 collective would grow a bucket's step with the world.
 
+A bucket's gather groups (planning/layout.py: a large param gathered by a collective of
+its own, its output the param) are what NCCL runs as one group; gloo runs a coalesced
+collective as one collective per group after joining the inputs into a buffer of its
+own. So GlooComm, where the groups together pass the threshold, broadcasts each group's
+pieces straight into its output (no buffer: the backward's peak at 2 ranks, Llama shape,
+51-53 MiB against 61.5 through gloo's coalesced all-gather, benchmarks.allocator_peak),
+and reduces the groups' rows joined rank-major (one cat) by one reduce per rank, as one
+segment: a Llama-shaped step at 2 ranks 0.94-0.96x FSDP2's against 0.92-1.08 (RESULTS.md,
+"Gather groups on gloo").
+
 A bucket's uneven gather groups (Comm.all_gather_groups' `uneven`) are one broadcast per
 rank already, as Comm runs them on every backend (gloo refuses an uneven list all_gather),
 and its uneven reduce groups one list reduce_scatter (Comm.reduce_scatter_uneven), which
@@ -60,6 +70,35 @@ class GlooComm(Comm):
             return super().all_gather(output, input, group, async_op)
         return broadcast_segments(output, input, group, async_op)
 
+    def all_gather_groups(self, outputs: list, inputs: list, group, async_op: bool = False,
+                          uneven: Optional[tuple] = None):
+        """A bucket's gather groups rooted (together large enough): each group's
+        broadcasts write straight into its output, all launched at once, where
+        gloo's coalesced all-gather joins the inputs and gathers into a buffer of
+        its own before copying out (module docstring)."""
+        segment = _back_to_back(inputs)
+        if (len(outputs) == 1 or segment is None or _uneven(uneven)
+                or not self._rooted(segment, group)):
+            return super().all_gather_groups(outputs, inputs, group, async_op, uneven)
+        return finish(Works([broadcast_segments(output, input, group, True)
+                             for output, input in zip(outputs, inputs)]), async_op)
+
+    def reduce_scatter_groups(self, outputs: list, inputs: list, group,
+                              async_op: bool = False, op: Optional[dist.ReduceOp] = None,
+                              uneven: Optional[tuple] = None):
+        """A bucket's reduce groups rooted (together large enough): each group's
+        rows joined rank-major (one cat), reduced by one reduce per rank, this
+        rank's segment copied into the outputs (back to back) once done, where
+        gloo's coalesced reduce-scatter runs one per group (module docstring)."""
+        segment = _back_to_back(outputs)
+        if (len(outputs) == 1 or segment is None or _uneven(uneven)
+                or not self._rooted(segment, group)):
+            return super().reduce_scatter_groups(outputs, inputs, group, async_op, op, uneven)
+        ranks = dist.get_world_size(group)
+        joined = torch.cat([i.view(ranks, -1) for i in inputs], dim=1).view(-1)
+        return reduce_to_roots(segment, joined, group, async_op,
+                               dist.ReduceOp.SUM if op is None else op)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
                        op: Optional[dist.ReduceOp] = None) -> Optional["Works"]:
@@ -97,6 +136,22 @@ class GlooComm(Comm):
             cache[key] = (dist.get_backend(group) == dist.Backend.GLOO
                           and dist.get_world_size(group) <= ROOTED_MAX_RANKS)
         return cache[key]
+
+
+def _uneven(uneven: Optional[tuple]) -> bool:
+    return uneven is not None and any(sizes is not None for sizes in uneven)
+
+
+def _back_to_back(tensors: list) -> Optional[torch.Tensor]:
+    """The 1-D tensors as one view when they lie back to back in one storage (one
+    dtype, contiguous, in order), else None."""
+    first, at = tensors[0], tensors[0].data_ptr()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.data_ptr() != at
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        at += t.numel() * t.element_size()
+    return first.as_strided((sum(t.numel() for t in tensors),), (1,))
 
 
 def broadcast_segments(output: torch.Tensor, input: torch.Tensor, group,
