@@ -14,7 +14,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "flexshard"
 # Each module may not import (directly or not) any module of a later layer. A layer
 # entry ending in "." names every module under that package.
 LAYERS = [
-    {"runtime.gloo", "runtime.comm", "compat", "runtime.compiled"},
+    {"runtime.gloo", "runtime.comm", "compat", "runtime.compiled", "tensor_views"},
     {"placements", "placements."},
     {"config"},
     {"planning", "planning.", "wrap", "wrap."},

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..compat import chunk_cat
+from ..tensor_views import back_to_back
 
 CHUNK_ELEMENTS = 1 << 20  # 4 MiB of float32 temporaries at most, past one piece
 
@@ -30,20 +31,6 @@ def joined(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(1, sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device)
     chunk_cat(list(pieces), 0, 1, out=out)
     return out.view(-1)
-
-
-def back_to_back(pieces: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The pieces as one 1-D view when they lie back to back in one storage
-    (one dtype, each contiguous, in order): no copy needed to join them. Else None."""
-    first, total = pieces[0], 0
-    at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    for p in pieces:  # back to back in memory is not enough: one storage must hold them
-        if (p.dtype != first.dtype or not p.is_contiguous() or p.data_ptr() != at
-                or p.untyped_storage().data_ptr() != storage):
-            return None
-        at += p.numel() * p.element_size()
-        total += p.numel()
-    return first.as_strided((total,), (1,))
 
 
 class Chunk(NamedTuple):

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..tensor_views import back_to_back
 from .comm import Comm, Works, finish
 
 ROOTED_MIN_BYTES = 1 << 20
@@ -76,7 +77,7 @@ class GlooComm(Comm):
         broadcasts write straight into its output, all launched at once, where
         gloo's coalesced all-gather joins the inputs and gathers into a buffer of
         its own before copying out (module docstring)."""
-        segment = _back_to_back(inputs)
+        segment = back_to_back(inputs)
         if (len(outputs) == 1 or segment is None or _uneven(uneven)
                 or not self._rooted(segment, group)):
             return super().all_gather_groups(outputs, inputs, group, async_op, uneven)
@@ -90,7 +91,7 @@ class GlooComm(Comm):
         rows joined rank-major (one cat), reduced by one reduce per rank, this
         rank's segment copied into the outputs (back to back) once done, where
         gloo's coalesced reduce-scatter runs one per group (module docstring)."""
-        segment = _back_to_back(outputs)
+        segment = back_to_back(outputs)
         if (len(outputs) == 1 or segment is None or _uneven(uneven)
                 or not self._rooted(segment, group)):
             return super().reduce_scatter_groups(outputs, inputs, group, async_op, op, uneven)
@@ -140,18 +141,6 @@ class GlooComm(Comm):
 
 def _uneven(uneven: Optional[tuple]) -> bool:
     return uneven is not None and any(sizes is not None for sizes in uneven)
-
-
-def _back_to_back(tensors: list) -> Optional[torch.Tensor]:
-    """The 1-D tensors as one view when they lie back to back in one storage (one
-    dtype, contiguous, in order), else None."""
-    first, at = tensors[0], tensors[0].data_ptr()
-    for t in tensors:
-        if (t.dtype != first.dtype or not t.is_contiguous() or t.data_ptr() != at
-                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
-            return None
-        at += t.numel() * t.element_size()
-    return first.as_strided((sum(t.numel() for t in tensors),), (1,))
 
 
 def broadcast_segments(output: torch.Tensor, input: torch.Tensor, group,

@@ -119,7 +119,8 @@ class RankAgreement:
         """Every rank: gather the ranks' settings and raise naming the first that differs."""
         everyone = [None] * len(self.ranks)
         dist.all_gather_object(everyone, settings, group=self._host())
-        i = next(i for i in range(len(settings)) if len({str(s[i]) for s in everyone}) > 1)
+        # the same repr the checksum read: a row differs wherever the checksums did
+        i = next(i for i in range(len(settings)) if len({repr(s[i]) for s in everyone}) > 1)
         setter, bucket = settings[i][:2]
         ranks = [dist.get_global_rank(self._host(), k) for k in range(len(everyone))]
         values = ", ".join(f"rank {r} has {s[i][2]!r}" for r, s in zip(ranks, everyone))
