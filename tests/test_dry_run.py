@@ -52,11 +52,16 @@ class Case(NamedTuple):
     bf16: bool = False
     frozen: bool = False  # `pos` frozen, in a bucket of its own
     tied: bool = False  # the LM head shares the embedding's weight
+    int8: bool = False  # the block matrices gathered as int8 (fs.QuantizedGather), in bf16
 
     def options(self) -> dict:
         out = {"placement": PLACEMENTS[self.placement], "reshard_after_forward": self.reshard}
         if self.bf16:
             out["mp_policy"] = BF16
+        if self.int8:
+            out["mp_policy"] = fs.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                gather_format=fs.QuantizedGather(min_numel=64))
         if self.frozen:
             out["buckets"] = [fs.BucketSpec("pos", name="pos"), fs.BucketSpec("layers.*", name="blocks"),
                               fs.BucketSpec(["tok.*", "norm.*", "head.*"], name="root")]
@@ -71,7 +76,8 @@ class Case(NamedTuple):
 
 CASES = ([Case(p, r) for p in PLACEMENTS for r in (True, False)]
          + [Case("mixed", True, bf16=True), Case("shard", True, frozen=True),
-            Case("ragged", True, tied=True), Case("shard", 2), Case("mixed", 2)])
+            Case("ragged", True, tied=True), Case("shard", 2), Case("mixed", 2),
+            Case("shard", True, int8=True), Case("owned", False, int8=True)])
 
 
 def _bytes(tensors) -> int:
@@ -90,7 +96,8 @@ def _step_counts(model, buckets, opt, step: int) -> dict:
                             for k in ("exp_avg", "exp_avg_sq")) for b in buckets}
     opt.zero_grad()
     return {b.name: (b.counters.gather_wire_bytes, b.counters.reduce_wire_bytes,
-                     b.counters.discarded_prefetches, grads[b.name], adamw[b.name]) for b in buckets}
+                     b.counters.discarded_prefetches, grads[b.name], adamw[b.name],
+                     b.counters.copy_out_bytes / max(b.counters.gathers, 1)) for b in buckets}
 
 
 def predicted_and_measured(case: Case) -> tuple:
@@ -110,7 +117,7 @@ def predicted_and_measured(case: Case) -> tuple:
 @pytest.mark.world
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=[
-    f"{c.placement}-reshard{c.reshard}" + "".join(f"-{k}" for k in ("bf16", "frozen", "tied")
+    f"{c.placement}-reshard{c.reshard}" + "".join(f"-{k}" for k in ("bf16", "frozen", "tied", "int8")
                                                   if getattr(c, k)) for c in CASES])
 def test_dry_run_matches_a_real_wrap(world, case):
     results = run_world(world, predicted_and_measured, case)
@@ -123,8 +130,13 @@ def test_dry_run_matches_a_real_wrap(world, case):
             assert storage[b.name] == b.storage_bytes[rank]
             assert local[b.name] == b.local_bytes[rank]
             for counts in steps:  # the first step (no prefetch) and the second (prefetched)
-                assert counts[b.name] == (b.gather_wire_bytes, b.reduce_wire_bytes, 0,
-                                          b.grad_bytes[rank], 2 * b.grad_bytes[rank])
+                assert counts[b.name][:5] == (b.gather_wire_bytes, b.reduce_wire_bytes, 0,
+                                              b.grad_bytes[rank], 2 * b.grad_bytes[rank])
+                # copied out per gather: the plan's, and at most the gather's padding more
+                # (a fused copy-out writes a padded column whole)
+                copied = counts[b.name][5]
+                assert b.copy_out_bytes <= copied <= b.copy_out_bytes + b.padding_bytes, \
+                    (b.name, copied, b.copy_out_bytes, b.padding_bytes)
     assert dry.gathers_per_step == sum(1 + (case.reshard and b.module != "") for b in dry.buckets
                                        if b.module is not None)
     assert dry.all_reduces_per_step == 0 and dry.replicate_wire_bytes == 0
@@ -148,8 +160,10 @@ def test_replicas_keep_the_shard_dim_and_all_reduce_the_reduce_segment(shards, c
         assert hsdp.mesh_shape == (replicas, shards) and hsdp.world_size == replicas * shards
         for b, f in zip(hsdp.buckets, flat.buckets):
             # (1, 1) without a cast needs no hooks; (R, 1) does, for the all-reduce
-            assert b._replace(all_reduces_per_step=0, all_reduce_bytes=0) == f._replace(
+            assert b._replace(all_reduces_per_step=0, all_reduce_bytes=0,
+                              all_reduce_rank_bytes=(0,) * shards) == f._replace(
                 module=b.module if shards == 1 else f.module)
+            assert b.all_reduce_bytes == max(b.all_reduce_rank_bytes)
             grads = any(p in trainable for p in b.params)
             assert b.all_reduces_per_step == int(grads)
             if shards > 1:  # the reduce-scatter's input is S reduce segments; whole tensors
@@ -174,7 +188,11 @@ def test_replicas_keep_the_shard_dim_and_all_reduce_the_reduce_segment(shards, c
                 assert expected <= b.all_reduce_bytes <= most + (ALIGN - 1) * pieces
             else:
                 assert b.all_reduce_bytes == 0
-        assert hsdp.replicate_wire_bytes == sum(b.all_reduce_bytes for b in hsdp.buckets) > 0
+        # the rank that all-reduces most: its own buckets' bytes summed, no more (Owned's
+        # heaviest rank differs from bucket to bucket)
+        per_rank = [sum(b.all_reduce_rank_bytes[r] for b in hsdp.buckets) for r in range(shards)]
+        assert hsdp.replicate_wire_bytes == max(per_rank) > 0
+        assert max(per_rank) <= sum(b.all_reduce_bytes for b in hsdp.buckets)
 
 
 def test_a_world_of_one_shard_group_is_plain_data_parallelism():

@@ -23,6 +23,7 @@ import sys
 import tomllib
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import pytest
 
@@ -236,8 +237,9 @@ def _check_torchrun(argv: list) -> None:
         from torchtitan.config import ConfigManager
 
         ConfigManager().parse_args(args.training_script_args)
-    else:
-        _check_example(["python", script, *args.training_script_args])
+    else:  # what torchrun sets for its processes (an example may check it)
+        with mock.patch.dict(os.environ, {"WORLD_SIZE": str(args.nproc_per_node)}):
+            _check_example(["python", script, *args.training_script_args])
 
 
 def _load_example(path: Path):

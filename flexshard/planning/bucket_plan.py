@@ -21,7 +21,6 @@ class LayoutPlans(NamedTuple):
     """What a gather over one layout needs each step, decided at wrap time."""
 
     keeps_views: bool  # see BucketLayout.keeps_views
-    pins_padding: bool  # see BucketLayout.pins_padding
     wires: tuple  # ParamWire per slot (planning/wire_plan.py)
     needs_mesh: bool  # a format's encode takes the shard group's DeviceMesh
     is_storage: bool  # the storage buffer is the gather input (no copy-in)

@@ -210,6 +210,13 @@ class BucketLayout:
             return copied <= self.ideal_bytes - copied
         return not _heavy(copied, self.ideal_bytes)
 
+    def hands_out_views(self, reshard_after_forward) -> bool:
+        """Whether a gather over this layout hands out views of its output
+        (keeps_views): not for a bucket that keeps its unsharded params through
+        backward (reshard_after_forward False: the root's) over heavy padding
+        (pins_padding): its params are copied out."""
+        return self.keeps_views and not (self.pins_padding and reshard_after_forward is False)
+
     @property
     def pins_padding(self) -> bool:
         """Whether more than 1/16 of the gathered buffer is padding (whole tensors

@@ -10,6 +10,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ..placements.subclass import SubclassGather
 from ..placements.wire import Cast
 from .bucket_plan import BucketLayouts
 
@@ -44,7 +45,9 @@ class BucketPlan(NamedTuple):
     wire_formats: tuple = ()  # WireFormat per param (Cast: sent as itself, in its gather dtype)
     gather_groups: int = 1  # collectives per gather (launched as one): planning/layout.py
     solo: tuple = ()  # per param: gathered alone, its unsharded param a view of its output
+    #                   (a Cast's, where the bucket hands out views)
     copy_out_bytes: int = 0  # per gather: the unsharded params that are no view (copied out)
+    all_reduce_rank_bytes: tuple = ()  # per shard rank: all_reduce_bytes of that rank
 
     @property
     def quantized(self) -> int:
@@ -104,8 +107,10 @@ class ShardingPlan(NamedTuple):
 
     @property
     def replicate_wire_bytes(self) -> int:
-        """Per step on the replicate dim: the gradient all-reduces."""
-        return sum(b.all_reduce_bytes for b in self.buckets)
+        """Per step on the replicate dim: the gradient all-reduces of the rank that
+        all-reduces most (Owned's heaviest rank differs from bucket to bucket, so
+        the buckets' own largest ranks summed would overstate every rank)."""
+        return _min_max([b.all_reduce_rank_bytes for b in self.buckets])[1]
 
     def summary(self) -> str:
         """The model's totals: per-rank bytes and collectives per step."""
@@ -152,12 +157,31 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         reduce_wire_bytes=reduces * reduce.wire_bytes,
         all_reduces_per_step=all_reduces,
         all_reduce_bytes=all_reduces * max(reduce.output_bytes(r) for r in range(shards)),
+        all_reduce_rank_bytes=tuple(all_reduces * reduce.output_bytes(r) for r in range(shards)),
         wire_formats=wire.formats, gather_groups=len(gather.spans) if shards > 1 else 0,
-        solo=tuple(len(gather.spans) > 1 and sum(r.group == gather.regions[k].group
-                                                 for r in gather.regions) == 1
-                   for k in wire.first[:-1]),
-        copy_out_bytes=sum(sum(gather.regions[k].nbytes) for k in range(len(gather.regions))
-                           if gather.gathered_range(k) is None))
+        solo=tuple(len(gather.spans) > 1 and isinstance(f, Cast) and gather.hands_out_views(reshard)
+                   and sum(r.group == gather.regions[k].group for r in gather.regions) == 1
+                   for f, k in zip(wire.formats, wire.first)),
+        copy_out_bytes=_copy_out_bytes(slots, wire, gather, reshard))
+
+
+def _copy_out_bytes(slots: Sequence, wire, gather, reshard) -> int:
+    """Per gather: what the params that are no view of the gathered buffer take.
+    A Cast param (and a subclass's parts) copies its regions that are no view, or
+    every one where the bucket hands out no views (BucketLayout.hands_out_views:
+    the root's, a bucket that keeps its params over heavy padding); a param a
+    format decodes (QuantizedGather's) is that too (its parts joined whole where
+    they are no view), then a new tensor of its decoded bytes."""
+    views = gather.hands_out_views(reshard)
+    total = 0
+    for i, (slot, fmt) in enumerate(zip(slots, wire.formats)):
+        decoded = not isinstance(fmt, (Cast, SubclassGather))
+        total += sum(sum(gather.regions[k].nbytes) for k in wire.regions(i)
+                     if (not views and not decoded) or gather.gathered_range(k) is None)
+        if decoded:
+            dtype = _unsharded_dtype(fmt, gather.regions[wire.first[i]].dtype)
+            total += math.prod(slot.shape) * dtype.itemsize
+    return total
 
 
 def _unsharded_dtype(fmt, first_part: torch.dtype) -> torch.dtype:

@@ -94,7 +94,7 @@ class BucketGather:
                    else sum(reg.nbytes[self.rank] for reg in layout.regions))
         fused_in = plan_copy_in(self.storage.layout, self.storage.buffer.numel(), layout, wire,
                                 self.rank)
-        return LayoutPlans(layout.keeps_views, layout.pins_padding, wires,
+        return LayoutPlans(layout.keeps_views, wires,
                            any(w.format.needs_mesh for w in wires), is_storage, copy_in, same,
                            fused_in, self._copy_out_plans(layout, wires))
 
@@ -159,12 +159,6 @@ class BucketGather:
             self.unsharded.free_gathered()
 
     # The params made once (unsharded.py).
-
-    def _view_ok(self, plans: LayoutPlans) -> bool:
-        """Whether params may view the gather output. A bucket that keeps its
-        unsharded params until backward would pin the gather output's padding as
-        long: its params are copied out when padding is heavy."""
-        return plans.keeps_views and not (plans.pins_padding and self.reshard_after_forward is False)
 
     def in_place(self, layout: BucketLayout, device: torch.device) -> Optional[UnshardedParams]:
         """The params of `layout` made once, if it is the gather layout and they can
@@ -243,7 +237,10 @@ class BucketGather:
                 if self._forward_gathered is not pending.gathered:
                     unsharded.free_gathered()
                 return outs
-            return self._copy_out(pending.gathered, plans, self._view_ok(plans))
+            # views where the layout hands them out (a bucket that keeps its params
+            # through backward over heavy padding copies them out: BucketLayout)
+            return self._copy_out(pending.gathered, plans,
+                                  layout.hands_out_views(self.reshard_after_forward))
 
     def _copy_out(self, gathered: torch.Tensor, plans: LayoutPlans, view_ok: bool) -> list:
         """The unsharded params from the gather output, on the compute stream: views

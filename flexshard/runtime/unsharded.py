@@ -146,8 +146,12 @@ class UnshardedParams:
             for i, view in zip(batch.members, views):
                 self.params[i] = view
         outs = [out for _, out in self._decodes] + [out for _, out in self._own]
+        # what each gather writes: the columns, the decoded and copied params, and the
+        # parts of decoded params that are no view and in no column (new each gather)
         self.copied_bytes = sum(t.numel() * t.element_size() for t in
-                                list(columns.values()) + outs)
+                                list(columns.values()) + outs) + sum(
+            math.prod(c.shape) * c.dtype.itemsize for i in decoded for c in plans.wires[i].copies
+            if c.span is None and c.region not in columns)
         # the gather output stays only while a param views it
         self.views_gathered = any(
             c.region not in columns and (i not in self._refilled or c.span is not None)
@@ -412,7 +416,10 @@ class ParamWire:
                             for f, plan in zip(fulls, self.copies) if plan.span is None)
         if out.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr():
             return out, 0  # the format handed back a view
-        return out, math.prod(out.shape) * out.element_size()
+        # a decoded param: its output, and each part that is no view (a column or a copy)
+        return out, math.prod(out.shape) * out.element_size() + (0 if self.cast else sum(
+            f.numel() * f.element_size() for f, plan in zip(fulls, self.copies)
+            if plan.span is None))
 
 
 def plan_param_wires(layout, wire: WirePlan, rank: int) -> "BucketWires":
