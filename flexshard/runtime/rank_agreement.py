@@ -67,7 +67,9 @@ class RankAgreement:
             return
         trains = zlib.crc32(bytes(p.requires_grad for b in self.buckets for p in b.params))
         settings = self._settings()
-        (high, low), setting = self._agree(_FORWARD, trains, zlib.crc32(repr(settings).encode()))
+        # the values' hash: bools, ints, floats and None hash alike in every process
+        setting_sig = hash(tuple(value for _, _, value in settings)) & ((1 << 62) - 1)
+        (high, low), setting = self._agree(_FORWARD, trains, setting_sig)
         if (high, low) != (trains, trains):
             raise ValueError(
                 f"the ranks disagree on which parameters train: rank {dist.get_rank()} "
@@ -119,8 +121,7 @@ class RankAgreement:
         """Every rank: gather the ranks' settings and raise naming the first that differs."""
         everyone = [None] * len(self.ranks)
         dist.all_gather_object(everyone, settings, group=self._host())
-        # the same repr the checksum read: a row differs wherever the checksums did
-        i = next(i for i in range(len(settings)) if len({repr(s[i]) for s in everyone}) > 1)
+        i = next(i for i in range(len(settings)) if len({s[i] for s in everyone}) > 1)
         setter, bucket = settings[i][:2]
         ranks = [dist.get_global_rank(self._host(), k) for k in range(len(everyone))]
         values = ", ".join(f"rank {r} has {s[i][2]!r}" for r, s in zip(ranks, everyone))
