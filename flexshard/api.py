@@ -211,6 +211,12 @@ def _check_between_steps(buckets, setter: str) -> None:
             raise RuntimeError(
                 f"{setter}: bucket {bucket.name!r} is {bucket.state.value}; call it between "
                 "training steps (after backward, or after module.reshard())")
+        if bucket.awaits_backward():
+            raise RuntimeError(
+                f"{setter}: bucket {bucket.name!r} has a forward whose backward has not run, "
+                "and that backward regathers its params as they were planned; call it "
+                "between training steps, after backward (run a forward that has no backward "
+                "under torch.no_grad())")
 
 
 def flex_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, *,

@@ -344,3 +344,27 @@ def test_a_compiled_optimizer_step_given_plain_grads_trains_as_one_process():
     from reference import check_parity
 
     check_parity(2, {}, steps=3, make_opt=compiled_sgd)
+
+
+def clip_a_list_filtered_by_numel() -> float:
+    """torch's clip_grad_norm_ over the params with a piece on this rank: Owned norms
+    and biases and a RaggedShard with an empty piece make the lists differ by rank."""
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 7), nn.LayerNorm(7), nn.Linear(7, 13), nn.Linear(13, 1))
+    fs.flex_shard(model, placement=lambda fqn, p: fs.Owned() if p.dim() == 1
+                  else fs.RaggedShard(units=tuple(range(world))))
+    model(torch.randn(4, 8)).sum().backward()
+    mine = [p for p in model.parameters() if p.numel() > 0]
+    return torch.nn.utils.clip_grad_norm_(mine, 1.0).item()
+
+
+def test_ranks_clipping_different_params_raise_on_every_rank():
+    """It returned a wrong norm on one rank, which clipped by it and went on, while
+    the others waited in their norms' all-reduces until it exited."""
+    expect_all_ranks_raise(3, clip_a_list_filtered_by_numel, RuntimeError,
+                           r"the ranks took the norms of different gradients in one collective "
+                           r"\(this rank: param .*fs\.clip_grad_norm_", timeout=60)

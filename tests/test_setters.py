@@ -109,6 +109,34 @@ def test_reshard_setter_refuses_while_params_are_unsharded():
                            r"between training steps \(after backward, or after module\.reshard\(\)\)")
 
 
+def reshard_between_forward_and_backward(value, no_grad: bool) -> int:
+    """A forward (under torch.no_grad(): an evaluation), then
+    set_reshard_after_forward(value), then the forward's backward (a step)."""
+    from models import batch, loss_fn
+    from reference import make_model
+
+    model = fs.flex_shard(make_model(), reshard_after_forward=True)
+    x, y = batch(0, dist.get_rank())
+    with torch.set_grad_enabled(not no_grad):
+        loss = loss_fn(model(x), y)
+    model.set_reshard_after_forward(value)
+    if no_grad:
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    return 1
+
+
+@pytest.mark.parametrize("value", [False, 2], ids=["False", "2"])
+def test_reshard_setter_refuses_between_forward_and_backward(value):
+    """Accepted before: the backward then refilled params the setter had re-planned
+    ("setStorage ... out of bounds", or a device move it never saw) on every rank."""
+    expect_all_ranks_raise(WORLD, reshard_between_forward_and_backward, RuntimeError,
+                           r"set_reshard_after_forward: bucket 'layers\.0' has a forward whose "
+                           r"backward has not run.* between training steps, after backward",
+                           value, False)
+    assert run_world(WORLD, reshard_between_forward_and_backward, value, True) == [1] * WORLD
+
+
 def divide_factor_mid_accumulation() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -352,6 +352,12 @@ class Bucket:
         return self.grad_route.anchor_for_unshard(self.reduce_queue, self.params,
                                                   bool(self.grad_slots), self.compute_device)
 
+    def awaits_backward(self) -> bool:
+        """Whether a forward's backward is still to come (its graph alive): the
+        params made once wait for it to refill them."""
+        unsharded = self.gather.unsharded
+        return unsharded is not None and unsharded.awaiting_backward()
+
     # What the backward's autograd nodes change (_Unshard): through these
     # methods, never by writing the fields.
 
