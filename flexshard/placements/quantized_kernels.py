@@ -2,8 +2,8 @@
 
 The eager ops of `BlockQuantized.encode_batch` / `decode_batch` read and write a
 bucket's weights about ten times (amax, divide, round, clamp, cast, scatter; join,
-multiply), a few times over per bucket (a chunk at a time): on an H200 at 8 Llama-3-8B layers and a fake world
-of 8 that was +24% step time against bf16 gathers. Here a bucket's weights are one
+multiply), a chunk at a time: on an H200 at 8 Llama-3-8B layers and a fake world of 8
+that was +24% step time against bf16 gathers. Here a bucket's weights are one
 launch (a program per block of rows of any of them, which reads it once and writes
 its wire parts, or its decoded rows, once). One launch per weight was 224 a step at
 that shape, and the host, not the GPU, set the step's pace. A table made once per
