@@ -132,6 +132,7 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
     replicas, shards = mesh_shape
     storage, reduce, wire = layouts.storage, layouts.reduce, layouts.wire
     gather = layouts.gather_for(reshard)
+    views = gather.hands_out_views(reshard)  # what the gather hands out (else copies)
     hooked, grads = module_name is not None, any(trainable)
     gathers = (1 + bool(regather)) if hooked and shards > 1 else 0
     regather_ranks = 0 if gathers < 2 else (shards if isinstance(reshard, bool) else reshard)
@@ -159,20 +160,19 @@ def bucket_plan(name: str, slots: Sequence, layouts: BucketLayouts, trainable: S
         all_reduce_bytes=all_reduces * max(reduce.output_bytes(r) for r in range(shards)),
         all_reduce_rank_bytes=tuple(all_reduces * reduce.output_bytes(r) for r in range(shards)),
         wire_formats=wire.formats, gather_groups=len(gather.spans) if shards > 1 else 0,
-        solo=tuple(len(gather.spans) > 1 and isinstance(f, Cast) and gather.hands_out_views(reshard)
+        solo=tuple(len(gather.spans) > 1 and isinstance(f, Cast) and views
                    and sum(r.group == gather.regions[k].group for r in gather.regions) == 1
                    for f, k in zip(wire.formats, wire.first)),
-        copy_out_bytes=_copy_out_bytes(slots, wire, gather, reshard))
+        copy_out_bytes=_copy_out_bytes(slots, wire, gather, views))
 
 
-def _copy_out_bytes(slots: Sequence, wire, gather, reshard) -> int:
+def _copy_out_bytes(slots: Sequence, wire, gather, views: bool) -> int:
     """Per gather: what the params that are no view of the gathered buffer take.
     A Cast param (and a subclass's parts) copies its regions that are no view, or
     every one where the bucket hands out no views (BucketLayout.hands_out_views:
     the root's, a bucket that keeps its params over heavy padding); a param a
     format decodes (QuantizedGather's) is that too (its parts joined whole where
     they are no view), then a new tensor of its decoded bytes."""
-    views = gather.hands_out_views(reshard)
     total = 0
     for i, (slot, fmt) in enumerate(zip(slots, wire.formats)):
         decoded = not isinstance(fmt, (Cast, SubclassGather))

@@ -43,6 +43,11 @@ def _op(op: Optional[dist.ReduceOp]) -> dict:
     return {} if op is None else {"op": op}
 
 
+def has_uneven(uneven: Optional[tuple]) -> bool:
+    """Whether a groups collective's `uneven` names any uneven pair."""
+    return uneven is not None and any(sizes is not None for sizes in uneven)
+
+
 def group_parts(buffer: torch.Tensor, spans: tuple, ranks: int = 1) -> list:
     """`buffer` cut into its gather groups' parts (one split; `spans`: the groups'
     (start, stop) byte ranges of a segment, BucketLayout.spans), for `ranks`
@@ -81,7 +86,7 @@ class Comm:
         of an uneven gather: rank r's input (its first count r elements) lands
         after the previous ranks' in the output. Returns a work to wait on when
         `async_op`."""
-        if uneven is not None and any(sizes is not None for sizes in uneven):
+        if has_uneven(uneven):
             return self._gather_uneven(outputs, inputs, group, async_op, uneven)
         if len(outputs) == 1:
             return self.all_gather(outputs[0], inputs[0], group, async_op=async_op)
@@ -125,7 +130,7 @@ class Comm:
         rank's element count of an uneven reduce: the input is the ranks' pieces
         back to back and rank r's reduced piece lands in the first count r
         elements of its output."""
-        if uneven is not None and any(sizes is not None for sizes in uneven):
+        if has_uneven(uneven):
             return self._reduce_uneven(outputs, inputs, group, async_op, op, uneven)
         if len(outputs) == 1:
             return self.reduce_scatter(outputs[0], inputs[0], group, async_op=async_op,

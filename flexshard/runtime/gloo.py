@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..tensor_views import back_to_back
-from .comm import Comm, Works, finish
+from .comm import Comm, Works, finish, has_uneven
 
 ROOTED_MIN_BYTES = 1 << 20
 ROOTED_MAX_RANKS = 8
@@ -78,7 +78,7 @@ class GlooComm(Comm):
         gloo's coalesced all-gather joins the inputs and gathers into a buffer of
         its own before copying out (module docstring)."""
         segment = back_to_back(inputs)
-        if (len(outputs) == 1 or segment is None or _uneven(uneven)
+        if (len(outputs) == 1 or segment is None or has_uneven(uneven)
                 or not self._rooted(segment, group)):
             return super().all_gather_groups(outputs, inputs, group, async_op, uneven)
         return finish(Works([broadcast_segments(output, input, group, True)
@@ -92,7 +92,7 @@ class GlooComm(Comm):
         rank's segment copied into the outputs (back to back) once done, where
         gloo's coalesced reduce-scatter runs one per group (module docstring)."""
         segment = back_to_back(outputs)
-        if (len(outputs) == 1 or segment is None or _uneven(uneven)
+        if (len(outputs) == 1 or segment is None or has_uneven(uneven)
                 or not self._rooted(segment, group)):
             return super().reduce_scatter_groups(outputs, inputs, group, async_op, op, uneven)
         ranks = dist.get_world_size(group)
@@ -137,10 +137,6 @@ class GlooComm(Comm):
             cache[key] = (dist.get_backend(group) == dist.Backend.GLOO
                           and dist.get_world_size(group) <= ROOTED_MAX_RANKS)
         return cache[key]
-
-
-def _uneven(uneven: Optional[tuple]) -> bool:
-    return uneven is not None and any(sizes is not None for sizes in uneven)
 
 
 def broadcast_segments(output: torch.Tensor, input: torch.Tensor, group,
