@@ -436,6 +436,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     state.prefetcher, reduce_queue = Prefetcher(), ReduceQueue()
     devices = DeviceContexts()  # one set of streams per device, shared by the buckets
     reduce_queue.listeners.append(state.prefetcher.end_backward)
+    agreement = RankAgreement(state.buckets, state.mesh_group, state.prefetcher)
     by_runner: dict = {}
     for planned in plan.buckets:
         groups = _bucket_groups(state, planned.spec.mesh)
@@ -458,7 +459,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         bucket.above_owners = planned.above_owners
         bucket.needs_hooks = planned.needs_hooks
         tps = slot_specs(planned.slots, tp_specs) or (None,) * len(planned.slots)
-        bucket.wire([SlotWiring(aliases, tp, norm_groups(bucket, i, tp, state.mesh_group)
+        bucket.wire([SlotWiring(aliases, tp, norm_groups(bucket, i, tp, state.mesh_group,
+                                                         agreement)
                                 if i in bucket.grad_slots else None)
                      for i, (aliases, tp) in enumerate(zip(planned.aliases, tps))])
         state.buckets.append(bucket)
@@ -470,8 +472,7 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
         state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets,
-                                     RankAgreement(state.buckets, state.mesh_group,
-                                                   state.prefetcher))
+                                     agreement)
     if id(module) in by_runner:
         names = {id(sub): name for name, sub in module.named_modules()}
         state.root_hooks.stray = StrayCallHooks(module, by_runner[id(module)][1], names)

@@ -60,7 +60,7 @@ def grad_norms(module: nn.Module, norm_type: float = 2.0) -> dict:
             spec = bucket.wiring[i].norms
             specs.append(None if spec is None else spec._replace(refusal=None))
     with record_function("FlexShard::grad_norms"):
-        out.update(zip(fqns, complete_norms(local, specs, float(norm_type))))
+        out.update(zip(fqns, complete_norms(local, specs, float(norm_type), agreed=True)))
     return out
 
 

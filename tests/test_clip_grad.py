@@ -367,4 +367,36 @@ def test_ranks_clipping_different_params_raise_on_every_rank():
     the others waited in their norms' all-reduces until it exited."""
     expect_all_ranks_raise(3, clip_a_list_filtered_by_numel, RuntimeError,
                            r"the ranks took the norms of different gradients in one collective "
-                           r"\(this rank: param .*fs\.clip_grad_norm_", timeout=60)
+                           r"\(rank \d: \d+, param .*fs\.clip_grad_norm_", timeout=60)
+
+
+def clip_lists_one_longer_on_the_owner() -> list:
+    """torch's clip over the params with a piece here, where only rank 0's list is
+    longer (1.weight has one row, 1.bias is Owned by 0): on CPU torch takes one
+    norm per grad, so the others' lists are rank 0's, cut short."""
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 1))
+    fs.flex_shard(model, placement=lambda fqn, p: fs.Owned(0) if fqn == "1.bias"
+                  else fs.Shard(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        mine = [p for p in model.parameters() if p.numel() > 0]
+        assert len(mine) == (4 if dist.get_rank() == 0 else 2)
+        norms.append(torch.nn.utils.clip_grad_norm_(mine, 1.0).item())
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def test_a_rank_with_a_longer_list_of_norms_raises_with_the_others():
+    """Ranks 1 and 2 returned a wrong norm and exited while rank 0 waited in the norm
+    of a grad they never took (a hang in a training loop). Now rank 0's extra norm
+    meets their next forward's check, and every rank raises."""
+    expect_all_ranks_raise(3, clip_lists_one_longer_on_the_owner, RuntimeError,
+                           r"is in (a norm of sharded grads .*|the model's forward) while another "
+                           r"rank of the model is in .*fs\.clip_grad_norm_", timeout=60)

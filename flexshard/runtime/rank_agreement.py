@@ -26,7 +26,9 @@ the calls that gather the model outside the step (fs.full_state_dict,
 fs.save_checkpoint, ...), carrying which call it is: a rank that calls one alone
 (`if rank == 0: fs.full_state_dict(model)`) while the others go on training meets
 their next forward's check, and both raise instead of pairing gathers until the
-process group's timeout.
+process group's timeout. So do the norms of sharded grads a user lists (torch's
+clip_grad_norm_), with the grads' count and names: lists filtered by p.numel()
+differ by rank under Owned.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 _FORWARD = "the model's forward"
+_NORM = "a norm of sharded grads (torch.nn.utils.clip_grad_norm_, get_total_norm, ...)"
 CALLS = ("fs.full_state_dict", "fs.full_optimizer_state_dict", "fs.full_grads",
          "fs.save_checkpoint")
 
@@ -46,7 +49,13 @@ def _site_code(site: str) -> int:
     return zlib.crc32(site.encode()) + 1  # > 0: the other half of the pair is its negation
 
 
-_SITES = {_site_code(site): site for site in (_FORWARD,) + CALLS}
+_SITES = {_site_code(site): site for site in (_FORWARD, _NORM) + CALLS}
+
+
+_NORM_FIX = (
+    "a sharded grad's norm sums every rank's piece, so each rank must pass the same params in "
+    "the same order; a list filtered by p.numel() or p.shape differs by rank (Owned, an uneven "
+    "RaggedShard). Pass every param, or use fs.clip_grad_norm_(model, max_norm)")
 
 
 class RankAgreement:
@@ -54,12 +63,17 @@ class RankAgreement:
     `group`; `prefetcher`'s depth)."""
 
     def __init__(self, buckets: Sequence, group, prefetcher) -> None:
-        self.buckets, self.group, self.prefetcher = list(buckets), group, prefetcher
+        # the model's list, filled as the wrap builds its buckets (its grads' norms
+        # hold this check before the last is built)
+        self.buckets, self.group, self.prefetcher = buckets, group, prefetcher
         # torch's "fake" backend runs one rank of a world in one process: none to ask
         real = group is not None and dist.get_backend(group) != "fake"
         self.ranks = tuple(sorted(dist.get_process_group_ranks(group))) if real else ()
-        self.trains = any(b.grad_slots for b in self.buckets)
         self._host_group = None  # held here, not by the module: it goes with the model
+
+    @property
+    def trains(self) -> bool:
+        return any(b.grad_slots for b in self.buckets)
 
     def check(self) -> None:
         """At a training forward: the ranks are all there, freeze alike and set alike."""
@@ -88,6 +102,22 @@ class RankAgreement:
         if len(self.ranks) >= 2 and self.trains:
             self._agree(site, 0, 0)
 
+    def check_norms(self, names: Sequence[str]) -> None:
+        """Before a norm's all-reduce over the sharded grads a user passed (a list
+        filtered by p.numel() differs by rank under Owned): the ranks are all in one,
+        over the same grads. A rank whose list is longer meets the others' next
+        forward here, and both raise, instead of pairing its norm with their next
+        collective."""
+        if len(self.ranks) < 2:
+            return
+        count, names_sig = len(names), zlib.crc32("\n".join(names).encode())
+        agreed = self._agree(_NORM, count, names_sig)
+        if agreed != [(count, count), (names_sig, names_sig)]:
+            listed = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+            raise RuntimeError(
+                f"the ranks took the norms of different gradients in one collective (rank "
+                f"{dist.get_rank()}: {count}, {listed}): {_NORM_FIX}")
+
     def _agree(self, site: str, *sigs: int) -> list:
         """All-reduce (site, sigs) by max and min; raise where the sites differ.
         Returns each sig's (max, min)."""
@@ -97,12 +127,13 @@ class RankAgreement:
         high, low = int(values[0]), -int(values[1])
         if high != low:
             other = _SITES.get(high if high != code else low, "another flexshard call")
-            raise RuntimeError(
-                f"rank {dist.get_rank()} is in {site} while another rank of the model is in "
-                f"{other}: calls that gather the model (fs.full_state_dict, "
-                "fs.full_optimizer_state_dict, fs.full_grads, fs.save_checkpoint) are "
-                "collectives: call them on every rank, at the same point of the loop (not "
-                "under `if rank == 0:`), and save the result on rank 0")
+            fix = _NORM_FIX if _NORM in (site, other) else (
+                "calls that gather the model (fs.full_state_dict, fs.full_optimizer_state_dict, "
+                "fs.full_grads, fs.save_checkpoint) are collectives: call them on every rank, "
+                "at the same point of the loop (not under `if rank == 0:`), and save the "
+                "result on rank 0")
+            raise RuntimeError(f"rank {dist.get_rank()} is in {site} while another rank of "
+                               f"the model is in {other}: {fix}")
         return [(int(values[i]), -int(values[i + 1])) for i in range(2, len(values), 2)]
 
     def _settings(self) -> list:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -47,6 +46,7 @@ class NormGroups(NamedTuple):
     flag_groups: tuple = ()  # where a GradScaler's found_inf must agree: `groups`, and the
     #                          model's mesh for a bucket on a smaller one (other experts)
     name: str = "a param"  # "param 'fqn' (bucket 'b')", for errors
+    agreement: Any = None  # the model's RankAgreement: the ranks pass the same grads
 
     def __deepcopy__(self, memo):
         return self  # process groups are not copied; the copy's pieces lie where these do
@@ -219,10 +219,12 @@ def _spec_of(tensor) -> Optional[NormGroups]:
     return getattr(tensor, "__dict__", {}).get(_SPEC)
 
 
-def complete_norms(local: list, specs: Sequence[Optional[NormGroups]], ord_: float) -> list:
+def complete_norms(local: list, specs: Sequence[Optional[NormGroups]], ord_: float,
+                   agreed: bool = False) -> list:
     """Each local norm of a piece made the full tensor's (None spec: left
     local): per group key, one all-reduce of the stacked p-th powers (max /
-    min for +-inf, counts for 0)."""
+    min for +-inf, counts for 0). `agreed`: every rank passes the same grads by
+    construction (fs.grad_norms); otherwise a CPU key's grads are checked first."""
     for spec in specs:
         if spec is not None and spec.refusal is not None:
             raise NotImplementedError(spec.refusal)
@@ -235,57 +237,19 @@ def complete_norms(local: list, specs: Sequence[Optional[NormGroups]], ord_: flo
     with record_function("FlexShard::grad_norm_all_reduce"):
         for (_, device), indices in by_key.items():
             spec = specs[indices[0]]
+            if not agreed and spec.agreement is not None and not torch.compiler.is_compiling():
+                spec.agreement.check_norms([specs[i].name for i in indices])
             dtype = torch.float64 if any(local[i].dtype == torch.float64 for i in indices) \
                 else torch.float32  # at least fp32; a float64 norm keeps its precision
             values = torch.stack([local[i].to(device, dtype) for i in indices])
             values = values if op != dist.ReduceOp.SUM or ord_ == 0 else values.pow(ord_)
-            # on the host only: reading the check back from a GPU would sync every call
-            sig = _Signature([specs[i] for i in indices], op) if values.device.type == "cpu" \
-                else None
-            values = values if sig is None else torch.cat([values, sig.tail(dtype, device)])
             for group in spec.groups:
                 spec.comm.all_reduce(values, group, op=op)
-            if sig is not None:
-                values = sig.check(values, math.prod(dist.get_world_size(g) for g in spec.groups))
             if op == dist.ReduceOp.SUM and ord_ != 0:
                 values = values.pow(1.0 / ord_)
             for j, i in enumerate(indices):
                 out[i] = values[j].to(local[i].device, local[i].dtype).reshape(local[i].shape)
     return out
-
-
-class _Signature:
-    """Which grads a norm all-reduce carries, riding in it: a sharded grad's norm is
-    a collective, and ranks that pass different grads (a list filtered by
-    `p.numel()`, which differs by rank under Owned) paired one grad's pieces with
-    another's, and one rank went on with a wrong norm while the others waited.
-    Two more elements: a 6-bit checksum of the grads' names s, and s squared
-    (SUM: every rank's s equal iff the sums are N s and N s^2) or -s (MAX, MIN:
-    iff max and min are s); exact in float32 up to 4,000 ranks. CPU tensors only
-    (the check reads the result on the host; a GPU's would wait for the device)."""
-
-    def __init__(self, specs: Sequence[NormGroups], op) -> None:
-        self.names = [spec.name for spec in specs]
-        self.s = float(zlib.crc32("\n".join(self.names).encode()) % 64)
-        self.sum = op == dist.ReduceOp.SUM
-
-    def tail(self, dtype, device) -> torch.Tensor:
-        second = self.s * self.s if self.sum else -self.s
-        return torch.tensor([self.s, second], dtype=dtype, device=device)
-
-    def check(self, values: torch.Tensor, ranks: int) -> torch.Tensor:
-        """`values` less the tail; raises where the ranks' grads differed."""
-        got = values[-2:].tolist()
-        want = [ranks * self.s, ranks * self.s * self.s] if self.sum else [self.s, -self.s]
-        if got != want:
-            listed = ", ".join(self.names[:3]) + (" ..." if len(self.names) > 3 else "")
-            raise RuntimeError(
-                f"the ranks took the norms of different gradients in one collective (this "
-                f"rank: {listed}): a sharded grad's norm sums every rank's piece, so each "
-                "rank must pass the same params in the same order; a list filtered by "
-                "p.numel() or p.shape differs by rank (Owned, an uneven RaggedShard). Pass "
-                "every param, or use fs.clip_grad_norm_(model, max_norm)")
-        return values[:-2]
 
 
 def _reduce_op(ord_: float) -> Any:
@@ -294,9 +258,10 @@ def _reduce_op(ord_: float) -> Any:
     return dist.ReduceOp.SUM
 
 
-def norm_groups(bucket, index: int, tp_spec, model_group=None) -> NormGroups:
+def norm_groups(bucket, index: int, tp_spec, model_group=None, agreement=None) -> NormGroups:
     """Slot `index`'s NormGroups: its bucket's shard group, and the TP mesh dims
-    its DTensor param is split over; `model_group`: every rank of the model's mesh."""
+    its DTensor param is split over; `model_group`: every rank of the model's mesh;
+    `agreement`: the model's RankAgreement."""
     groups = (bucket.group,) if bucket.world_size > 1 else ()
     if tp_spec is not None and tp_spec.sharded_over_tp:
         from torch.distributed.tensor import Shard
@@ -314,7 +279,7 @@ def norm_groups(bucket, index: int, tp_spec, model_group=None) -> NormGroups:
     flags = groups + ((model_group,) if bucket.on_sub_mesh and model_group is not None else ())
     return NormGroups(groups, bucket.comm, lambda: bucket.compute_device, refusal,
                       functools.partial(_full_grad, bucket, index, tp_spec), flags,
-                      f"param {bucket.slots[index].fqn!r} (bucket {bucket.name!r})")
+                      f"param {bucket.slots[index].fqn!r} (bucket {bucket.name!r})", agreement)
 
 
 def _full_grad(bucket, index: int, tp_spec, piece: torch.Tensor) -> torch.Tensor:
