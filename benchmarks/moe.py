@@ -6,6 +6,7 @@ time, as ratios flexshard / FSDP2 from one run.
     torchrun --standalone --nproc-per-node 2 -m benchmarks.moe             # ep 2
     torchrun --standalone --nproc-per-node 4 -m benchmarks.moe --no-time   # ep 2, efsdp 2
     torchrun --standalone --nproc-per-node 2 -m benchmarks.moe --compile aot_eager
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.moe --no-time --vocab 32768
 
 The model: torchtitan's Qwen3 MoE layers at hidden 384 (6 heads of 64, 2 KV heads),
 2 layers of 8 experts (top 2, expert hidden 768), vocabulary 2048, sequence 256, batch 2
@@ -169,9 +170,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per library (default 6)")
     p.add_argument("--compile", default="", metavar="BACKEND",
                    help="compile each block with this torch.compile backend (default: eager)")
+    p.add_argument("--vocab", type=int, default=VOCAB,
+                   help="vocabulary size (default 2048; Llama 3's is 128256)")
     p.add_argument("--no-time", action="store_true",
                    help="memory and bytes only (when the cores are oversubscribed)")
     args = p.parse_args()
+    globals()["VOCAB"] = args.vocab  # read by model_config and tokens
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     runs = {lib: build(lib, args.ep, args.compile) for lib in ("fsdp2", "flexshard")}
@@ -200,7 +204,7 @@ def main() -> None:
 
 def report(args, losses: dict, stats: dict, times: dict) -> None:
     world = dist.get_world_size()
-    print(f"Qwen3 MoE (hidden {DIM}, {LAYERS} layers x {EXPERTS} experts, top {TOP_K}), "
+    print(f"Qwen3 MoE (hidden {DIM}, {LAYERS} layers x {EXPERTS} experts, top {TOP_K}, vocab {VOCAB}), "
           f"{world} ranks, ep {args.ep}, efsdp {world // args.ep}"
           f"{', compiled with ' + args.compile if args.compile else ''}; step-0 loss FSDP2 "
           f"{losses['fsdp2']:.5f}, flexshard {losses['flexshard']:.5f}")

@@ -77,33 +77,58 @@ def test_tensor_parallel_matches_single_process_training(placement, reshard):
     check_matches_reference(results, *_train_reference(DP))
 
 
-def _init_on_meta_tp() -> dict:
+def _init_on_meta_tp() -> tuple:
     """As torchtitan's Trainer: build on meta, parallelize (TP, then flex_shard),
-    to_empty, init_weights."""
+    to_empty, init_weights; then the first step's loss (summed over the dp ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     cfg = debugmodel_config()
     set_llama3_sharding_config(cfg, enable_sp=ParallelismConfig().enable_sequence_parallel)
     with torch.device("meta"):
         model = cfg.build()
-    model, _ = parallelize_tp(model, "ragged")
+    model, dims = parallelize_tp(model, "ragged")
+    before = {k: type(b) for k, b in model.named_buffers()}
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights(buffer_device=None)
-    return fs.full_state_dict(model)
+    params = fs.full_state_dict(model)
+    after = {k: type(b) for k, b in model.named_buffers()}
+    assert after == before and DTensor in after.values(), (before, after)  # the RoPE caches
+    buffers = {k: b.full_tensor() if isinstance(b, DTensor) else b
+               for k, b in model.named_buffers()}
+    with loss_parallel():  # torchtitan's train context: vocab-sharded logits
+        loss = titan_loss(model, tokens(0, dims.get_mesh("fsdp").get_local_rank()),
+                          DP * BATCH * SEQ)
+        loss.backward()
+    total = loss.detach().full_tensor().clone()
+    dist.all_reduce(total)  # each tp rank holds its dp rank's sum
+    return params, buffers, total.item() / TP
 
 
 @pytest.mark.world(4)
 def test_meta_model_initialises_like_the_unsharded_one():
     from flexshard.integrations.torchtitan.parallelize import _init_own_parameters
 
+    """...and trains: its RoPE caches stayed DTensors (Replicate over tp), where
+    flexshard's init_weights made them plain tensors and every rank's first forward
+    raised (mixed torch.Tensor and DTensor)."""
     results = run_world(DP * TP, _init_on_meta_tp, timeout=300)
     ref = debugmodel_config().build()
+    with torch.no_grad():
+        ref.init_weights(buffer_device=None)  # the buffers, as torchtitan makes them
     torch.manual_seed(0)
     with torch.no_grad():  # flex_shard initialises one module at a time, in order, at full size
         for module in ref.modules():
             _init_own_parameters(module)
-    for params in results:
+    ref_loss = titan_loss(ref, torch.cat([tokens(0, r) for r in range(DP)]), DP * BATCH * SEQ)
+    for params, buffers, loss in results:
         assert params.keys() == dict(ref.named_parameters()).keys()
         for k, p in ref.named_parameters():
             assert torch.equal(params[k], p), k
+        assert buffers.keys() == dict(ref.named_buffers()).keys()
+        for k, b in ref.named_buffers():
+            assert torch.equal(buffers[k], b), k
+        torch.testing.assert_close(loss, ref_loss.item(), rtol=1e-5, atol=0)

@@ -2,8 +2,8 @@
 DeepSeek-V3) that applies flex_shard instead of fully_shard.
 
 Same signature as torchtitan's `parallelize_llama` / `parallelize_qwen3`, so it drops
-into a `ModelSpec`. One bucket per TransformerBlock plus a root bucket (embeddings,
-final norm, LM head), as torchtitan's `apply_fsdp_to_decoder` groups them; with expert
+into a `ModelSpec`. The token embeddings, one bucket per TransformerBlock and a root
+bucket (final norm, LM head), as torchtitan's `apply_fsdp_to_decoder` groups them; with expert
 parallelism (`--parallelism.expert_parallel_degree` > 1) torchtitan's own EP plan makes
 each MoE block's routed experts DTensors over `ep`, and they go in a bucket of their
 own over the `efsdp` mesh (its `edp` mesh: `dp_replicate` x `efsdp` under HSDP), the
@@ -37,17 +37,20 @@ from ...runtime.compiled import check_cpp_compiler
 from .config import FlexShardConfig
 
 
-def llama_buckets(model: nn.Module, reshard_after_forward: bool, expert_mesh=None) -> list:
-    """One BucketSpec per block of `model.layers`, then a root bucket for the rest.
-
-    The root bucket (embeddings, final norm, LM head) stays unsharded from forward
-    to backward, as torchtitan keeps its last FSDP group: backward needs it at once.
-    With `expert_mesh` (expert parallelism) each MoE block's routed experts get a
-    bucket of their own on it, named `layers.<i>.experts`.
+def llama_buckets(model: nn.Module, reshard_after_forward: bool, expert_mesh=None,
+                  reshard_root: bool = False) -> list:
+    """The buckets torchtitan's `apply_fsdp_to_decoder` makes FSDP groups of: the token
+    embeddings (resharded as the blocks), one bucket per block of `model.layers`, then
+    a root bucket for the rest (final norm, LM head; the embeddings too where the LM
+    head shares their weight), which stays unsharded from forward to backward (backward
+    needs it at once) unless `reshard_root` (torchtitan's "always" policy). With
+    `expert_mesh` (expert parallelism) each MoE block's routed experts get a bucket of
+    their own on it, named `layers.<i>.experts`.
     """
-    specs = []
     named = list(model.named_parameters())  # as flex_shard names them (AC wrappers included:
-    for name, block in model.layers.named_children():  # theirs drop the wrapper's prefix)
+    embedding = _embedding_bucket(model, named, reshard_after_forward)  # theirs drop them)
+    specs = list(embedding)
+    for name, block in model.layers.named_children():
         experts = _routed_experts(block) if expert_mesh is not None else None
         if experts is None:
             specs.append(fs.BucketSpec(f"layers.{name}.*", name=f"layers.{name}",
@@ -61,10 +64,26 @@ def llama_buckets(model: nn.Module, reshard_after_forward: bool, expert_mesh=Non
                                 reshard_after_forward=reshard_after_forward),
                   fs.BucketSpec(sorted(inner), name=f"layers.{name}.experts",
                                 mesh=expert_mesh, reshard_after_forward=reshard_after_forward)]
-    rest = [fqn for fqn, _ in model.named_parameters() if not fqn.startswith("layers.")]
+    taken = {fqn for spec in embedding for fqn in spec.patterns}
+    rest = [fqn for fqn, _ in named if not fqn.startswith("layers.") and fqn not in taken]
     if rest:
-        specs.append(fs.BucketSpec(rest, name="root", reshard_after_forward=False))
+        specs.append(fs.BucketSpec(rest, name="root", reshard_after_forward=reshard_root))
     return specs
+
+
+def _embedding_bucket(model: nn.Module, named: list, reshard_after_forward: bool) -> list:
+    """[the token embeddings' BucketSpec], or [] where there are none (a later pipeline
+    stage) or the LM head shares their weight (tied: both stay in the root bucket)."""
+    embeddings = getattr(model, "tok_embeddings", None)
+    if embeddings is None:
+        return []
+    own = {id(p) for p in embeddings.parameters()}
+    fqns = [fqn for fqn, p in named if id(p) in own]
+    tied = any(id(p) in own for m in model.modules() if m is not embeddings
+               for p in m.parameters(recurse=False))
+    if not fqns or tied:
+        return []
+    return [fs.BucketSpec(fqns, name="tok_embeddings", reshard_after_forward=reshard_after_forward)]
 
 
 def _unsupported(parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> list:
@@ -151,7 +170,8 @@ def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims,
                                  cast_forward_inputs=False)
     mesh = _dp_mesh(parallel_dims)
     on_meta = any(p.is_meta for p in model.parameters())
-    buckets = llama_buckets(model, reshard, _edp_mesh(parallel_dims))
+    buckets = llama_buckets(model, reshard, _edp_mesh(parallel_dims),
+                            reshard_root=parallelism.fsdp_reshard_after_forward == "always")
     offload = fs.OffloadPolicy() if training.enable_cpu_offload else None  # FSDP2's CPUOffloadPolicy()
     model = fs.flex_shard(model, mesh, buckets=buckets, placement=placement, mp_policy=mp,
                           reshard_after_forward=reshard, offload_policy=offload)
@@ -257,4 +277,22 @@ def init_weights(model: nn.Module, *, buffer_device=None, offloaded: bool = Fals
     model.init_parameters(_init_own_parameters)
     for module in model.modules():
         if isinstance(module, TitanModule):
-            module._init_self_buffers(buffer_device=buffer_device)
+            _init_own_buffers(module, buffer_device)
+
+
+def _init_own_buffers(module: TitanModule, buffer_device) -> None:
+    """The module's buffers as torchtitan's `init_states` makes them: its
+    `_init_self_buffers` assigns plain tensors (RoPE caches, a MoE's expert bias),
+    and a buffer that was a DTensor (Replicate over tp under tensor parallelism) is
+    distributed again as it was, or the forward mixes DTensors with plain tensors."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    was = {name: (buf.device_mesh, buf.placements) for name, buf in module._buffers.items()
+           if isinstance(buf, DTensor)}
+    with module._preserve_buffer_spmd_types():
+        module._init_self_buffers(buffer_device=buffer_device)
+    for name, (mesh, placements) in was.items():
+        buf = module._buffers.get(name)
+        if buf is not None and not isinstance(buf, DTensor):
+            module.register_buffer(name, distribute_tensor(buf, mesh, list(placements)),
+                                   persistent=name not in module._non_persistent_buffers_set)
