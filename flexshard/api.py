@@ -151,9 +151,12 @@ class FlexShardModule:
         module at a time: each module's own params are materialised at full size,
         initialised by `init_fn(module)` (default: its reset_parameters()), and
         this rank keeps its piece; what `init_fn` writes to the module's buffers
-        stays. Called for every module in modules() order, so with every rank
-        seeded alike the values equal the unsharded model's after the same calls.
-        A Hugging Face model passes its own: `init_parameters(model._init_weights)`."""
+        stays. `init_fn` runs in `module.apply(init_fn)`'s order (children first;
+        a child's params it touches are made full too), reset_parameters() in
+        modules() order, so with every rank seeded alike the values equal the
+        unsharded model's after the same calls. A Hugging Face model passes its
+        own: `init_parameters(model._init_weights)` (initialised as its own
+        initialize_weights() does)."""
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_parameters expects a callable init_fn(module), got {init_fn!r}")
         state = get_state(self)

@@ -147,3 +147,52 @@ def test_persistent_buffers_load_from_the_full_state_dict():
     for k, b in source.named_buffers():
         torch.testing.assert_close(dict(model.named_buffers())[k], b, rtol=0, atol=0)
     model(torch.randn(4, 8))  # every buffer written: the check passes
+
+
+def _hf_model(kind: str):
+    """(class, config) of small models whose init reaches past one module: GPT-2 scales
+    its blocks' output projections from the attention and MLP modules' init, T5 sets
+    q, k, v, o from its attention module's; tied embeddings keep their padding row."""
+    if kind.startswith("gpt2"):
+        return transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=64,
+            tie_word_embeddings=kind == "gpt2-tied")
+    if kind == "t5":
+        return transformers.T5ForConditionalGeneration, transformers.T5Config(
+            vocab_size=101, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+            decoder_start_token_id=0)
+    return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0)
+
+
+def hf_init_on_meta(kind: str) -> dict:
+    """Rank body: the documented recipe (meta, flex_shard, to_empty, init_parameters)."""
+    cls, config = _hf_model(kind)
+    with torch.device("meta"):
+        model = cls(config)
+    fs.flex_shard(model).to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_parameters(model._init_weights)
+    return fs.full_state_dict(model)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2-tied", "t5", "llama-tied-padding"])
+def test_the_hugging_face_recipe_initialises_as_hugging_face(kind):
+    """Bit for bit HF's own init of the same model (initialize_weights: each module's
+    _init_weights, children first; then the tie). The recipe ran each module's init in
+    modules() order on its own params only: GPT-2's scaled output projections came out
+    2x too wide, T5's attention weights 32x, and a tied embedding's padding row nonzero
+    (the LM head's init overwrote the embeddings')."""
+    cls, config = _hf_model(kind)
+    with torch.device("meta"):
+        ref = cls(config)
+    ref.to_empty(device="cpu")
+    torch.manual_seed(0)
+    ref.initialize_weights()
+    ref.tie_weights()
+    want = ref.state_dict()
+    for got in run_world(2, hf_init_on_meta, kind):
+        assert got.keys() == want.keys()
+        for k, v in got.items():
+            assert torch.equal(v, want[k]), k

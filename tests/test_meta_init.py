@@ -29,13 +29,13 @@ def meta_model(**kw) -> TinyGPT:
 
 
 def reference_init(**kw) -> TinyGPT:
-    """The unsharded model initialised by the same calls, in modules() order."""
+    """The unsharded model initialised by the same calls, in nn.Module.apply's order
+    (children first)."""
     model = meta_model(**kw).to_empty(device="cpu")
     if kw.get("tied"):  # nn.Module.to_empty unties meta params; flex_shard's storage does not
         model.head.weight = model.tok.weight
     torch.manual_seed(SEED)
-    for module in model.modules():
-        init_weights(module)
+    model.apply(init_weights)
     return model
 
 
@@ -52,7 +52,10 @@ def sharded_meta_init(model_kw: dict) -> tuple:
     peak = []
 
     def init(module):
-        peak.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+        # what the modules register (an ancestor's init sees its descendants' params as
+        # full-shape stand-ins on the meta device, not Parameters: no memory)
+        peak.append(sum(p.numel() * p.element_size() for p in model.parameters()
+                        if isinstance(p, nn.Parameter)))
         init_weights(module)
 
     torch.manual_seed(SEED)

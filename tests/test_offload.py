@@ -190,8 +190,7 @@ def test_meta_init_then_to_empty():
     ref.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
-        for m in ref.modules():
-            init_weights(m)
+        ref.apply(init_weights)  # children first, as init_parameters(init_fn)
     full = fs.full_state_dict(model)
     for k, v in ref.named_parameters():
         torch.testing.assert_close(full[k], v.detach(), rtol=0, atol=0, msg=k)

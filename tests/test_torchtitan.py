@@ -213,19 +213,11 @@ def _init_on_meta(placement: str) -> tuple:
 
 @pytest.mark.world(2)
 def test_meta_model_initialises_like_the_unsharded_one():
-    from flexshard.integrations.torchtitan.parallelize import _init_own_parameters
-
     results = run_world(2, _init_on_meta, "ragged", timeout=240)
     ref = debugmodel_config().build()
     torch.manual_seed(0)
-    with torch.no_grad():
-        for module in ref.modules():  # flex_shard initialises one module at a time, in order
-            _init_own_parameters(module)
-        ref.init_weights(buffer_device=None)  # buffers (the parameters are overwritten below)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for module in ref.modules():
-            _init_own_parameters(module)
+    with torch.no_grad():  # torchtitan's own init: children first, one module at a time
+        ref.init_weights(buffer_device=None)
     params, buffers = results[0]
     assert params.keys() == dict(ref.named_parameters()).keys()
     for k, p in ref.named_parameters():

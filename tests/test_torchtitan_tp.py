@@ -110,19 +110,14 @@ def _init_on_meta_tp() -> tuple:
 
 @pytest.mark.world(4)
 def test_meta_model_initialises_like_the_unsharded_one():
-    from flexshard.integrations.torchtitan.parallelize import _init_own_parameters
-
     """...and trains: its RoPE caches stayed DTensors (Replicate over tp), where
     flexshard's init_weights made them plain tensors and every rank's first forward
     raised (mixed torch.Tensor and DTensor)."""
     results = run_world(DP * TP, _init_on_meta_tp, timeout=300)
     ref = debugmodel_config().build()
-    with torch.no_grad():
-        ref.init_weights(buffer_device=None)  # the buffers, as torchtitan makes them
     torch.manual_seed(0)
-    with torch.no_grad():  # flex_shard initialises one module at a time, in order, at full size
-        for module in ref.modules():
-            _init_own_parameters(module)
+    with torch.no_grad():  # torchtitan's own init: children first, one module at a time
+        ref.init_weights(buffer_device=None)
     ref_loss = titan_loss(ref, torch.cat([tokens(0, r) for r in range(DP)]), DP * BATCH * SEQ)
     for params, buffers, loss in results:
         assert params.keys() == dict(ref.named_parameters()).keys()
