@@ -141,3 +141,54 @@ def test_meta_init_errors():
     expect_all_ranks_raise(2, convert_dtype, NotImplementedError,
                            r"would change dtype from torch.float32 to torch.float16; .* "
                            r"convert the module before flex_shard")
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(9, 13), nn.Linear(13, 9)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _reaching_init(module: nn.Module) -> None:
+    """A pair's init reaches into its children after their own ran: scales one
+    (reading its values), zeroes a row of another, assigns a third anew."""
+    if isinstance(module, nn.Linear):
+        module.reset_parameters()
+    elif isinstance(module, _Pair):
+        module.fc2.weight.data.mul_(0.5)
+        nn.init.zeros_(module.fc1.weight[0])
+        module.fc2.bias = nn.Parameter(torch.randn(9))
+
+
+def _pairs() -> nn.Module:
+    return nn.Sequential(_Pair(), _Pair())
+
+
+def reaching_init_on_meta() -> dict:
+    with torch.device("meta"):
+        model = fs.flex_shard(_pairs())
+    model.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    model.init_parameters(_reaching_init)
+    return fs.full_state_dict(model)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_init_reaching_into_children_sees_and_keeps_their_full_values(world):
+    """As model.apply(init_fn): children first, and a parent's init acts on its
+    children's full params (their values so far), kept."""
+    with torch.device("meta"):
+        ref = _pairs()
+    ref.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        ref.apply(_reaching_init)
+    want = ref.state_dict()
+    assert not want["0.fc1.weight"][0].any() and want["1.fc2.bias"].abs().sum() > 0
+    for got in run_world(world, reaching_init_on_meta):
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k

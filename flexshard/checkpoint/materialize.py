@@ -107,23 +107,25 @@ class _Descendants:
 
     def __init__(self, sub: nn.Module, owners: dict, own: list) -> None:
         mine = {(id(b), i) for _, b, i in own}
-        self.sites: dict = {}  # (id(bucket), index) -> [(module, attr)], ties included
+        self.sites: dict = {}  # (id(bucket), index) -> [(module, attr, path)], ties included
         self.slots: dict = {}  # (id(bucket), index) -> (bucket, index)
-        for _, m in list(sub.named_modules())[1:]:
+        for path, m in list(sub.named_modules())[1:]:
             for attr, bucket, index in owners.get(id(m), []):
                 key = (id(bucket), index)
                 if key not in mine:
-                    self.sites.setdefault(key, []).append((m, attr))
+                    self.sites.setdefault(key, []).append((m, attr, path))
                     self.slots[key] = (bucket, index)
         self.full: dict = {}
+        self.lazy: dict = {}
 
     def install(self) -> None:
         for key, sites in self.sites.items():
             bucket, index = self.slots[key]
-            lazy = _Lazy.of(_full_shape(bucket, index), bucket.slots[index].dtype,
-                            bucket.params[index].requires_grad, lambda k=key: self._full(k))
-            for m, attr in sites:
-                m._parameters[attr] = lazy
+            self.lazy[key] = _Lazy.of(_full_shape(bucket, index), bucket.slots[index].dtype,
+                                      bucket.params[index].requires_grad,
+                                      lambda k=key: self._full(k))
+            for m, attr, _ in sites:
+                m._parameters[attr] = self.lazy[key]
 
     def _full(self, key) -> nn.Parameter:
         if key not in self.full:
@@ -134,21 +136,23 @@ class _Descendants:
             tp = bucket.wiring[index].tp
             value = value if tp is None else tp.full_of(value)
             self.full[key] = nn.Parameter(value.clone(), bucket.params[index].requires_grad)
-            for m, attr in self.sites[key]:
+            for m, attr, _ in self.sites[key]:
                 m._parameters[attr] = self.full[key]
         return self.full[key]
 
     def store(self, name: str) -> None:
-        for key in self.full:
-            (m, attr), (bucket, index) = self.sites[key][0], self.slots[key]
-            _store_piece(m, attr, bucket, index, name)
+        """Keep this rank's pieces of what the init touched (or assigned anew)."""
+        for key, sites in self.sites.items():
+            (m, attr, path), (bucket, index) = sites[0], self.slots[key]
+            if m._parameters[attr] is not self.lazy[key]:
+                _store_piece(m, attr, bucket, index, f"{name}.{path}" if name else path)
 
     def restore(self) -> None:
         for key, sites in self.sites.items():
             bucket, index = self.slots[key]
-            for m, attr in sites:
+            for m, attr, _ in sites:
                 m._parameters[attr] = bucket.params[index]
-        self.full = {}
+        self.full, self.lazy = {}, {}
 
 
 _SHAPE_QUERIES = frozenset([
