@@ -267,6 +267,50 @@ def test_a_gathering_call_on_one_rank_alone_raises_on_every_rank(call, tmp_path)
                            call, str(tmp_path), timeout=60)
 
 
+def evaluate_on_rank_0_alone(then: str):
+    """A step, then `if rank == 0:` a forward under no_grad (an evaluation, a sample),
+    while rank 1 trains on or exports the model."""
+    model = fs.flex_shard(make_model())
+    opt = sgd(model.parameters())
+    sgd_train(model, opt, steps=1)
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            model(batch(0, 0)[0])
+    if then == "trains":
+        sgd_train(model, opt, steps=1)
+    else:
+        fs.full_state_dict(model)
+
+
+@pytest.mark.parametrize("then", ["trains", "exports"])
+def test_an_evaluation_on_one_rank_alone_raises_on_every_rank(then):
+    """It hung until the process group's timeout: rank 0's gathers waited for a rank
+    that never joined them. Now a forward without grad opens with the same agreement
+    all-reduce as a training forward, and both ranks raise naming the two places."""
+    expect_all_ranks_raise(WORLD, evaluate_on_rank_0_alone, RuntimeError,
+                           r"rank \d is in (a forward without grad|the model's forward|"
+                           r"fs.full_state_dict).* while another rank of the model is in .*"
+                           r"Evaluate or generate on every rank", then, timeout=60)
+
+
+def evaluate_on_rank_0_under_unshard() -> list:
+    """Every rank holds the gathered params (model.unshard()); rank 0 alone evaluates."""
+    model = fs.flex_shard(make_model())
+    opt = sgd(model.parameters())
+    losses = sgd_train(model, opt, steps=1)
+    with torch.no_grad():
+        model.unshard()
+        if dist.get_rank() == 0:
+            model(batch(0, 0)[0])
+        model.reshard()
+    return losses + sgd_train(model, opt, steps=1)
+
+
+def test_an_evaluation_on_one_rank_under_unshard_gathers_nothing_and_runs():
+    first, second = run_world(WORLD, evaluate_on_rank_0_under_unshard)
+    assert first == second and len(first) == 2
+
+
 def freeze_between_micro_batches():
     """Three no-sync micro-batches train layers.0.up.weight; it is frozen for the synced one."""
     model = fs.flex_shard(make_model())

@@ -310,8 +310,11 @@ class RootHooks:
         for bucket in self.all_buckets:  # before any collective: each rank raises alike
             bucket.check_viewed()
             bucket.check_installed()  # before the prefetch gathers over functional_call's
-        if self.agreement is not None and torch.is_grad_enabled() and not in_backward():
-            self.agreement.check()
+        if self.agreement is not None and not in_backward():
+            if torch.is_grad_enabled():
+                self.agreement.check()
+            else:
+                self.agreement.check_eval()
         if self.stray is not None:
             self.stray.disarm()
         if not in_backward():

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 _FORWARD = "the model's forward"
 _NORM = "a norm of sharded grads (torch.nn.utils.clip_grad_norm_, get_total_norm, ...)"
+_EVAL = "a forward without grad (evaluation, generate)"
 CALLS = ("fs.full_state_dict", "fs.full_optimizer_state_dict", "fs.full_grads",
          "fs.save_checkpoint")
 
@@ -49,13 +50,24 @@ def _site_code(site: str) -> int:
     return zlib.crc32(site.encode()) + 1  # > 0: the other half of the pair is its negation
 
 
-_SITES = {_site_code(site): site for site in (_FORWARD, _NORM) + CALLS}
+_SITES = {_site_code(site): site for site in (_FORWARD, _NORM, _EVAL) + CALLS}
 
 
 _NORM_FIX = (
     "a sharded grad's norm sums every rank's piece, so each rank must pass the same params in "
     "the same order; a list filtered by p.numel() or p.shape differs by rank (Owned, an uneven "
     "RaggedShard). Pass every param, or use fs.clip_grad_norm_(model, max_norm)")
+
+
+_CALL_FIX = (
+    "calls that gather the model (fs.full_state_dict, fs.full_optimizer_state_dict, "
+    "fs.full_grads, fs.save_checkpoint) are collectives: call them on every rank, at the same "
+    "point of the loop (not under `if rank == 0:`), and save the result on rank 0")
+_EVAL_FIX = (
+    "each forward gathers its params from every rank of the model. Evaluate or generate on "
+    "every rank (each on its own batch or prompts) and print or save on rank 0; to generate "
+    "on one rank, gather first: fs.full_state_dict(model) on every rank, then on rank 0 "
+    "load_state_dict(...) into an unwrapped copy of the model")
 
 
 class RankAgreement:
@@ -95,6 +107,14 @@ class RankAgreement:
         if setting[0] != setting[1]:
             self._raise_settings(settings)
 
+    def check_eval(self) -> None:
+        """At a forward without grad that gathers: the ranks are all in one. A rank
+        that evaluates or generates alone (`if rank == 0: model.generate(...)`) meets
+        the others' next forward or call here, and all raise."""
+        if len(self.ranks) >= 2 and self.trains and \
+                not all(b.held is not None for b in self.buckets):  # unshard(): no gathers
+            self._agree(_EVAL, 0, 0)
+
     def check_call(self, site: str) -> None:
         """At the start of `site`, a call that gathers the model outside the step: the
         ranks are all in it (a rank training meanwhile is at its forward's check)."""
@@ -127,11 +147,8 @@ class RankAgreement:
         high, low = int(values[0]), -int(values[1])
         if high != low:
             other = _SITES.get(high if high != code else low, "another flexshard call")
-            fix = _NORM_FIX if _NORM in (site, other) else (
-                "calls that gather the model (fs.full_state_dict, fs.full_optimizer_state_dict, "
-                "fs.full_grads, fs.save_checkpoint) are collectives: call them on every rank, "
-                "at the same point of the loop (not under `if rank == 0:`), and save the "
-                "result on rank 0")
+            fix = _NORM_FIX if _NORM in (site, other) else \
+                _EVAL_FIX if _EVAL in (site, other) else _CALL_FIX
             raise RuntimeError(f"rank {dist.get_rank()} is in {site} while another rank of "
                                f"the model is in {other}: {fix}")
         return [(int(values[i]), -int(values[i + 1])) for i in range(2, len(values), 2)]
