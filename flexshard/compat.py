@@ -230,6 +230,12 @@ def dtensor_local_offsets(dtensor) -> tuple:
     return tuple(getattr(dtensor, DTENSOR_CHUNKS)()[0].offsets)
 
 
+# Meta-device init (checkpoint/materialize.py): a full-shape stand-in on the meta device
+# for a param an ancestor's init may touch, a leaf that requires grad as the param does.
+make_subclass = resolve("torch._C:TensorBase._make_subclass",
+                        "to stand in for the params a module's init may reach into")
+
+
 # Modules (checkpoint/state_dict.py): the names of a module's buffers that stay out
 # of its state dict (register_buffer(..., persistent=False)).
 _NON_PERSISTENT = "_non_persistent_buffers_set"

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..compat import plain_torch_function
+from ..compat import make_subclass, plain_torch_function
 from ..runtime.bucket import BucketState
 
 
@@ -169,8 +169,7 @@ class _Lazy(torch.Tensor):
 
     @staticmethod
     def of(shape, dtype, requires_grad: bool, make: Callable) -> "_Lazy":
-        lazy = torch.Tensor._make_subclass(_Lazy, torch.empty(shape, dtype=dtype, device="meta"),
-                                           requires_grad)
+        lazy = make_subclass(_Lazy, torch.empty(shape, dtype=dtype, device="meta"), requires_grad)
         lazy._make = make
         return lazy
 

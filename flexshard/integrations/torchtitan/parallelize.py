@@ -33,6 +33,7 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import flexshard as fs
 
+from ...compat import persistent_buffer_names
 from ...runtime.compiled import check_cpp_compiler
 from .config import FlexShardConfig
 
@@ -289,10 +290,11 @@ def _init_own_buffers(module: TitanModule, buffer_device) -> None:
 
     was = {name: (buf.device_mesh, buf.placements) for name, buf in module._buffers.items()
            if isinstance(buf, DTensor)}
+    persistent = set(persistent_buffer_names(module))
     with module._preserve_buffer_spmd_types():
         module._init_self_buffers(buffer_device=buffer_device)
     for name, (mesh, placements) in was.items():
         buf = module._buffers.get(name)
         if buf is not None and not isinstance(buf, DTensor):
             module.register_buffer(name, distribute_tensor(buf, mesh, list(placements)),
-                                   persistent=name not in module._non_persistent_buffers_set)
+                                   persistent=name in persistent)
