@@ -69,6 +69,8 @@ def test_traced_execution_order_beats_registration_order():
     assert [s.name for s in fs.plan_buckets(model, linear)] == ["late", "early"]
     traced = fs.plan_buckets(model, linear, example_inputs=(torch.zeros(1, 8),))
     assert [s.name for s in traced] == ["early", "late"]
+    by_keyword = fs.plan_buckets(model, linear, example_inputs={"x": torch.zeros(1, 8)})
+    assert by_keyword == traced  # as a Hugging Face model is called: input_ids=...
 
 
 def test_plan_on_meta_device():
@@ -144,7 +146,7 @@ def test_plan_buckets_rejects_bad_input():
         fs.plan_buckets(model, 0)
     with pytest.raises(TypeError, match="bucket_bytes must be an int, got '1MB'"):
         fs.plan_buckets(model, "1MB")
-    with pytest.raises(TypeError, match="example_inputs must be a tuple .* wrap a single input"):
+    with pytest.raises(TypeError, match="example_inputs must be a tuple .* or a dict .* wrap a"):
         fs.plan_buckets(model, 1000, example_inputs=SAMPLE[0])
     with pytest.raises(TypeError, match="expects an nn.Module, got int"):
         fs.plan_buckets(3, 1000)

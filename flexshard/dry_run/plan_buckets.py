@@ -21,9 +21,10 @@ def plan_buckets(module: nn.Module, bucket_bytes: int, *,
     """BucketSpecs for `module` with at most `bucket_bytes` of (unsharded)
     parameters each, in execution order. A module's own parameters are never
     split, so one bucket exceeds the budget when a single module's own
-    parameters do. `example_inputs` (a tuple of forward args, e.g. on the meta
-    device) lets one forward record the execution order; without it,
-    registration order stands in for it."""
+    parameters do. `example_inputs` (a tuple of forward args, or a dict of
+    keyword args as a Hugging Face model takes them; e.g. on the meta device)
+    lets one forward record the execution order; without it, registration order
+    stands in for it."""
     _check_plan_args(module, bucket_bytes, example_inputs)
     if next(iter(module.parameters()), None) is None:
         raise ValueError("plan_buckets: the module has no parameters to bucket")
@@ -41,9 +42,10 @@ def _check_plan_args(module, bucket_bytes, example_inputs) -> None:
         raise TypeError(f"plan_buckets: bucket_bytes must be an int, got {bucket_bytes!r}")
     if bucket_bytes <= 0:
         raise ValueError(f"plan_buckets: bucket_bytes must be positive, got {bucket_bytes}")
-    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
-        raise TypeError("plan_buckets: example_inputs must be a tuple of forward arguments, "
-                        f"got {type(example_inputs).__name__}; wrap a single input as (x,)")
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list, dict)):
+        raise TypeError("plan_buckets: example_inputs must be a tuple of forward arguments "
+                        "or a dict of keyword arguments, got "
+                        f"{type(example_inputs).__name__}; wrap a single input as (x,)")
 
 
 def _execution_order(module: nn.Module, example_inputs) -> dict:
@@ -59,7 +61,10 @@ def _execution_order(module: nn.Module, example_inputs) -> dict:
     handles = [m.register_forward_pre_hook(record) for m in registered]
     try:
         with torch.no_grad():
-            module(*example_inputs)
+            if isinstance(example_inputs, dict):
+                module(**example_inputs)
+            else:
+                module(*example_inputs)
     finally:
         for h in handles:
             h.remove()
