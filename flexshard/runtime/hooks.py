@@ -370,8 +370,9 @@ def _check_gathered(bucket: Bucket, name: str, tied: bool, module, args) -> None
         bucket.reduce_queue.watch_backward()  # the pass's end reshards it (reshard_kept)
         bucket.install(bucket.unshard())
         return
-    fix = (f"give it a bucket of its own (fs.BucketSpec('{name}.*') in flex_shard's buckets: "
-           "it then gathers by itself), or call model.unshard() first" if not tied else
+    fix = (f"give it a bucket of its own (fs.BucketSpec('{name}.*') in flex_shard's buckets, "
+           "beside specs that place every other parameter: it then gathers by itself), or "
+           "call model.unshard() first" if not tied else
            "or call model.unshard() before and model.reshard() after (around generate() of "
            "an encoder-decoder model); a bucket of its own cannot gather it, as it holds a "
            "parameter tied to another module's")
