@@ -352,10 +352,15 @@ def _one_rank_wrong(kind):
         elif kind == "full_grad":
             shard_tensor(torch.zeros(4, 2), [2, 2], comm=comm,
                          full_grad=FullGrad.PARTIAL if bad else FullGrad.REPLICATE)
+        elif kind == "none piece":  # an empty piece passed as None: it hung the others
+            gather_tensor(None if bad else torch.zeros(2, 2), [2, 0], comm=comm)
+        elif kind == "full_grad type":
+            gather_tensor(torch.zeros(2, 2), [2, 2], full_grad="partial" if bad
+                          else FullGrad.REPLICATE, comm=comm)
         else:  # rank 1 under no_grad: its backward would never run the all-gather
             with torch.set_grad_enabled(not bad):
                 shard_tensor(torch.zeros(4, 2, requires_grad=True), [2, 2], comm=comm)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, TypeError) as e:
         return str(e), comm.calls
     return "no error", comm.calls
 
@@ -369,6 +374,8 @@ ONE_RANK_WRONG = {
              r"torch.bfloat16, rank 1: torch.float32\); pass one dtype on every rank",
     "full_grad": r"shard_tensor: full_grad differs across the ranks of the group \(rank 0: "
                  r"replicate, rank 1: partial\)",
+    "none piece": r"gather_tensor: expected a tensor, got NoneType",
+    "full_grad type": r"gather_tensor: full_grad must be a fs.collectives.FullGrad, got 'partial'",
     "grad mode": r"shard_tensor: ranks \[1\] run it with gradients off \(torch.no_grad\) while "
                  r"other ranks' tensors require grad",
 }

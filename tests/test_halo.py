@@ -157,6 +157,10 @@ def _one_rank_wrong(kind):
     plan = HaloPlan.from_edges(torch.tensor([[0, 5, 2], [5, 0, 1]]), (2, 2, 2))
     if kind == "rows":
         halo_exchange(torch.zeros(3 if bad else 2, 4), plan)
+    elif kind == "no rows":  # a rank without nodes passing None: it hung the others
+        halo_exchange(None if bad else torch.zeros(2, 4), plan)
+    elif kind == "plan":
+        halo_exchange(torch.zeros(2, 4), "plan" if bad else plan)
     elif kind == "width":
         halo_exchange(torch.zeros(2, 5 if bad else 4), plan)
     else:  # the plan of a group of two, used on the group of three
@@ -208,6 +212,10 @@ def test_bad_input_is_refused_on_every_rank_before_the_data_moves():
                            r"halo_exchange: the plan was built for rank 0 of 2 ranks, and this is "
                            r"rank 1 of the 3 of the group given; pass the group the plan was "
                            r"built on", "group")
+    expect_all_ranks_raise(WORLD, _one_rank_wrong, TypeError,
+                           r"halo_exchange: expected a tensor, got NoneType", "no rows")
+    expect_all_ranks_raise(WORLD, _one_rank_wrong, TypeError,
+                           r"halo_exchange: plan must be a HaloPlan, got str", "plan")
     with pytest.raises(ValueError, match=r"edge_index holds node ids outside 0\.\.3"):
         HaloPlan.from_edges(torch.tensor([[0], [4]]), (4,))
     with pytest.raises(ValueError, match=r"sizes=\[2, 2\] must hold one int >= 0 per rank"):

@@ -96,6 +96,41 @@ def test_rooted_collectives_give_the_plain_ones_bytes(world):
         assert rank_results and all(rank_results), rank_results
 
 
+def rooted_rows_against_plain() -> list:
+    """An activation's pieces are N-D: rows of a (world x rows, cols) output. The
+    rooted path sliced them by elements: (1, n) pieces all came back as rank 0's row,
+    (rows, cols) ones raised a size mismatch. Also shard_tensor's backward (a gather)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for rows, cols in [(1, 1 << 18), (4096, 64), (3, 5)]:
+        for op in ("gather", "reduce"):
+            outs = []
+            for comm in (fs.GlooComm(rooted_min_bytes=0), fs.GlooComm(rooted_min_bytes=1 << 40)):
+                if op == "gather":
+                    out = torch.full((world * rows, cols), float("nan"))
+                    comm.all_gather(out, _inputs(rank, rows * cols, torch.float32).view(rows, cols),
+                                    None)
+                else:
+                    out = torch.full((rows, cols), float("nan"))
+                    whole = _inputs(100 + rank, world * rows * cols, torch.float32)
+                    comm.reduce_scatter(out, whole.view(world * rows, cols), None)
+                outs.append(out)
+            results.append(torch.equal(*outs))
+    full = torch.zeros(world, 1 << 18, requires_grad=True)
+    piece = fs.collectives.shard_tensor(full, [1] * world, comm=fs.GlooComm())
+    (piece * (rank + 1)).sum().backward()
+    results.append(full.grad.mean(dim=1).tolist() == [float(r + 1) for r in range(world)])
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rooted_collectives_of_rows_give_the_plain_ones_bytes(world):
+    for rank_results in run_world(world, rooted_rows_against_plain):
+        assert rank_results and all(rank_results), rank_results
+
+
 @pytest.mark.parametrize("placement", [fs.Shard(0), fs.Owned(), fs.RaggedShard()],
                          ids=["shard0", "owned", "ragged"])
 def test_training_through_rooted_collectives_is_bitwise_the_reference(placement):

@@ -126,15 +126,13 @@ def halo_exchange(x: torch.Tensor, plan: HaloPlan, group=None, *, comm: Optional
     adds the halo's gradients into x's slice of the output's gradient instead of
     returning a second, mostly zero, gradient for x."""
     name = "halo_exchange"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"halo_exchange: expected a tensor, got {type(x).__name__}")
-    if not isinstance(plan, HaloPlan):
-        raise TypeError(f"halo_exchange: plan must be a HaloPlan, got {type(plan).__name__}")
     if not isinstance(check_sizes, bool):
         raise TypeError(f"halo_exchange: check_sizes must be a bool, got {check_sizes!r}")
     g = _group(name, group, comm)
 
-    def checked():
+    def checked():  # x is a tensor here (_checked); a bad x or plan raises on every rank
+        if not isinstance(plan, HaloPlan):
+            raise TypeError(f"halo_exchange: plan must be a HaloPlan, got {type(plan).__name__}")
         if plan.rank != g.rank or len(plan.sizes) != g.size:
             raise ValueError(f"halo_exchange: the plan was built for rank {plan.rank} of "
                              f"{len(plan.sizes)} ranks, and this is rank {g.rank} of the "

@@ -180,10 +180,14 @@ def _checked(name: str, g: _Group, tensor: torch.Tensor, check: Callable, agree:
     """`check()` (this rank's validation: (result, _Agreement), or it raises)
     and, when `agree`, the ranks' agreement (`_agree`). Returns (result,
     tensor); the tensor made to require grad where another rank's does."""
+    def checks() -> tuple:  # a tensor that is none (an empty piece passed as None) too
+        _check_tensor(name, tensor)
+        return check()
+
     if not agree or g.size == 1 or torch.compiler.is_compiling():
-        return check()[0], tensor  # compiled: the check would read its result on the host
+        return checks()[0], tensor  # compiled: the check would read its result on the host
     try:
-        result, agreement = check()
+        result, agreement = checks()
         error = None
     except (TypeError, ValueError) as e:
         result, agreement, error = None, None, e
@@ -196,6 +200,13 @@ def _never_traced(fn: Callable) -> Callable:
     break (the cross-rank check reads its result on the host). Made at first use:
     torch.compiler.disable imports dynamo, which importing flexshard must not."""
     return torch.compiler.disable(fn, reason="the cross-rank check reads its result on the host")
+
+
+def _host_device(g: _Group) -> torch.device:
+    """Where this rank's check goes when it has no tensor: the group's device."""
+    if "nccl" in str(dist.get_backend(g.group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _summary(tensor: torch.Tensor, agreement: _Agreement) -> dict:
@@ -212,17 +223,19 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agre
     receive; a tensor that does not require grad where another rank's does is
     returned as a leaf that does (its backward's collective must run)."""
     summary = None if error is not None else _summary(tensor, agreement)
-    grad_mode = torch.is_grad_enabled()
+    grad_mode, is_tensor = torch.is_grad_enabled(), isinstance(tensor, torch.Tensor)
     digest = 0 if summary is None else zlib.crc32(repr(summary).encode())
     flow = (0, 0) if agreement is None else agreement.flow
-    mine = [error is not None, grad_mode and tensor.requires_grad, grad_mode, digest, *flow]
-    vec = torch.tensor(mine, dtype=torch.int64, device=tensor.device)
+    mine = [error is not None, grad_mode and is_tensor and tensor.requires_grad, grad_mode,
+            digest, *flow]
+    vec = torch.tensor(mine, dtype=torch.int64,
+                       device=tensor.device if is_tensor else _host_device(g))
     out = vec.new_empty(g.size * len(mine))
     with record_function("FlexShard::activation_size_check"):
         g.comm.all_gather(out, vec, g.group)
     rows = out.view(g.size, len(mine)).tolist()
     if any(row[0] or row[3] != rows[0][3] for row in rows):
-        _raise_disagreement(name, g, error, summary, tuple(tensor.shape),
+        _raise_disagreement(name, g, error, summary, tuple(getattr(tensor, "shape", ())),
                             (agreement or _Agreement({})).hint)
     if sum(row[4] for row in rows) != sum(row[5] for row in rows):
         raise ValueError(f"{name}: the ranks' plans disagree on the rows they exchange (what a "
@@ -471,13 +484,13 @@ def _prepare(name, tensor, sizes, dim, group, full_grad, comm, whole, check_size
     """Validate; with `check_sizes`, check the ranks agree when a collective will
     run (sizes given, or `replicated_collective`: an all-reduce of the whole).
     Returns sizes, dim, the group and the tensor to run on (`_agree`)."""
-    _check_tensor(name, tensor)
-    if not isinstance(full_grad, FullGrad):
-        raise TypeError(f"{name}: full_grad must be a fs.collectives.FullGrad, got {full_grad!r}")
     _check_flag(name, check_sizes, "check_sizes")
     g = _group(name, group, comm)
 
     def check():
+        if not isinstance(full_grad, FullGrad):
+            raise TypeError(f"{name}: full_grad must be a fs.collectives.FullGrad, got "
+                            f"{full_grad!r}")
         checked = _check(name, tensor, sizes, dim, g, whole)
         fields = {"sizes": checked[0] or (), "dim": (checked[1],), "full_grad": (full_grad.value,)}
         return checked, _Agreement(fields, () if whole else (checked[1],))
@@ -542,7 +555,6 @@ def all_reduce_grad(tensor: torch.Tensor, group=None, *, comm: Optional[Comm] = 
     The reverse of `reduce_scatter_tensor(t, None)` (all-reduce forward,
     identity backward)."""
     name = "all_reduce_grad"
-    _check_tensor(name, tensor)
     _check_flag(name, check_sizes, "check_sizes")
     g = _group(name, group, comm)
     _, tensor = _checked(name, g, tensor, lambda: (None, _Agreement({})), check_sizes)
@@ -562,7 +574,6 @@ def all_to_all(tensor: torch.Tensor, split_sizes: Sequence[int], split_dim: int,
     hold zeros. Backward is the reverse all-to-all, the exact adjoint.
     """
     name = "all_to_all"
-    _check_tensor(name, tensor)
     _check_flag(name, check_sizes, "check_sizes")
     g = _group(name, group, comm)
 

@@ -67,9 +67,10 @@ class GlooComm(Comm):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group,
                    async_op: bool = False) -> Optional["Works"]:
-        if not self._rooted(input, group):
+        flat = _flat(output, input)  # an activation's pieces are N-D rows
+        if flat is None or not self._rooted(input, group):
             return super().all_gather(output, input, group, async_op)
-        return broadcast_segments(output, input, group, async_op)
+        return broadcast_segments(*flat, group, async_op)
 
     def all_gather_groups(self, outputs: list, inputs: list, group, async_op: bool = False,
                           uneven: Optional[tuple] = None):
@@ -103,10 +104,10 @@ class GlooComm(Comm):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
                        op: Optional[dist.ReduceOp] = None) -> Optional["Works"]:
-        if not self._rooted(output, group):
+        flat = _flat(output, input)
+        if flat is None or not self._rooted(output, group):
             return super().reduce_scatter(output, input, group, async_op, op)
-        return reduce_to_roots(output, input, group, async_op,
-                               dist.ReduceOp.SUM if op is None else op)
+        return reduce_to_roots(*flat, group, async_op, dist.ReduceOp.SUM if op is None else op)
 
     def reduce_scatter_uneven(self, output: torch.Tensor, input: torch.Tensor, sizes: tuple,
                               group, async_op: bool = False,
@@ -137,6 +138,12 @@ class GlooComm(Comm):
             cache[key] = (dist.get_backend(group) == dist.Backend.GLOO
                           and dist.get_world_size(group) <= ROOTED_MAX_RANKS)
         return cache[key]
+
+
+def _flat(*tensors: torch.Tensor) -> Optional[list]:
+    """1-D views of `tensors` (the rooted path slices segments by elements: an N-D
+    output sliced so cut rows), or None where one is not contiguous."""
+    return [t.view(-1) for t in tensors] if all(t.is_contiguous() for t in tensors) else None
 
 
 def broadcast_segments(output: torch.Tensor, input: torch.Tensor, group,
