@@ -18,7 +18,7 @@ from .checkpoint.unset_buffers import UnsetBuffers, meta_buffers
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy, check_reshard
 from .placements.contract import Placement
 from .placements.shard import Shard
-from .planning.assign import alias_names, assign_params, default_buckets
+from .planning.assign import alias_names, assign_params, checkpoint_wrappers, default_buckets
 from .planning.fingerprint import check_ranks_agree
 from .planning.options import (check_modules, check_options, check_params, check_specs,
                                resolve_reshard)
@@ -472,7 +472,8 @@ def _build(module, state, plan: WrapPlan, named: dict, device, tp_specs: dict,
     reduce_queue.listeners += [bucket.backward_ended for bucket in state.buckets]
     eager_compiled = EagerCompiledBlocks()  # one warning per model
     for runner, buckets in by_runner.values():
-        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled))
+        state.hooks.append(ModuleHooks(runner, buckets, state.prefetcher, eager_compiled,
+                                       checkpoint_wrappers(module, runner)))
     if by_runner:
         state.root_hooks = RootHooks(module, state.prefetcher, reduce_queue, state.buckets,
                                      agreement)

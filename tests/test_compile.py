@@ -208,8 +208,44 @@ def test_a_compiled_block_that_ran_eagerly_is_said_once():
         assert calls == [0, 0]  # both blocks ran eagerly, both steps
         assert len(said) == 1, said  # once per model, not per block or step
         assert said[0].startswith("flexshard: the block running bucket(s) 'layers.0' was "
-                                  "compiled with .compile() but ran its forward eagerly")
-        assert "Compile it with `parent.name = torch.compile(block)`" in said[0]
+                                  "compiled but ran its forward eagerly")
+        assert "compile it with `parent.name = torch.compile(block)`" in said[0]
+
+
+def checkpoint_wrapped_blocks(inner: bool) -> tuple:
+    """torchtitan's order, by hand: blocks in activation checkpoint wrappers, sharded
+    one bucket each, then the wrappers compiled (or the blocks inside them):
+    (compiled graphs each step ran, flexshard's warnings)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch._dynamo.reset()
+    model = make_model()
+    model.layers = torch.nn.ModuleList(checkpoint_wrapper(b) for b in model.layers)
+    fs.flex_shard(model, buckets=[fs.BucketSpec("layers.0.*"), fs.BucketSpec("layers.1.*"),
+                                  fs.BucketSpec(["tok.*", "pos", "norm.*", "head.*"])])
+    for wrapper in model.layers:
+        (wrapper._checkpoint_wrapped_module if inner else wrapper).compile(backend="aot_eager")
+    calls = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step, 0)
+            loss = loss_fn(model(x), y)
+            calls.append(compiled_graph_calls(loss))
+            loss.backward()
+    return calls, [str(w.message) for w in said if "flexshard" in str(w.message)]
+
+
+def test_a_compiled_checkpoint_wrapper_that_ran_eagerly_is_said_with_the_fix():
+    """The wrapper compiled: flexshard's hooks run inside the checkpoint, where dynamo
+    cannot break a graph, so each block ran eagerly, without a word (the check looked
+    at the hooked block, not the wrapper the user compiled). The fix it names, the
+    block inside the wrapper compiled, runs both blocks' graphs every step."""
+    for calls, said in run_world(2, checkpoint_wrapped_blocks, False, timeout=300):
+        assert calls == [0, 0] and len(said) == 1, (calls, said)
+        assert "wrapper._checkpoint_wrapped_module.compile()" in said[0], said[0]
+    for calls, said in run_world(2, checkpoint_wrapped_blocks, True, timeout=300):
+        assert calls == [2, 2] and said == [], (calls, said)
 
 
 def whole_model() -> dict:

@@ -169,6 +169,21 @@ def running_module(root: nn.Module, owner_fqns: Sequence[str], patterns: Sequenc
         common.pop()
 
 
+def checkpoint_wrappers(root: nn.Module, runner: nn.Module) -> list:
+    """The modules around `runner` when an activation checkpoint wrapper holds it
+    (each wrapper up the chain, a torch.compile wrapper above one included), else
+    []: a user compiles the wrapper, while the bucket's hooks sit on `runner`."""
+    holder = {id(getattr(m, a)): (m, a) for m in root.modules() for a in WRAPPER_ATTRS
+              if isinstance(getattr(m, a, None), nn.Module)}
+    chain, current = [], runner
+    while id(current) in holder:
+        current, attr = holder[id(current)]
+        chain.append((current, attr))
+    if not any(attr == CHECKPOINT_WRAPPED_MODULE for _, attr in chain):
+        return []
+    return [m for m, _ in chain]
+
+
 def _named_module(patterns: Sequence[str]) -> Optional[list]:
     """X's path when the patterns are one `"X.*"` without other wildcards, else None."""
     if len(set(patterns)) != 1:

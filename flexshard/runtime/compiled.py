@@ -33,7 +33,9 @@ _HOOK_REASON = (
     "flexshard's forward hooks gather and reshard parameters through process groups "
     "and run eagerly; compile the whole model with fs.compile(model, fullgraph=True) "
     "(the gathers and reductions in the graph), or each block (block.compile() after "
-    "flex_shard)")
+    "flex_shard); a block inside an activation checkpoint wrapper: compile the block, "
+    "wrapper._checkpoint_wrapped_module.compile() (dynamo cannot break a graph inside "
+    "a checkpoint, so a compiled wrapper runs eagerly)")
 
 
 def run_eagerly(hook: Callable) -> Callable:
@@ -81,22 +83,29 @@ class EagerCompiledBlocks:
     def __init__(self) -> None:
         self.warned = False
 
-    def check(self, names: Sequence[str], inputs, output) -> bool:
-        """Check one forward of a compiled block running buckets `names`; False when
-        it could not tell (no grad recorded), so the next forward checks again."""
+    def check(self, names: Sequence[str], inputs, output, checkpointed: bool = False) -> bool:
+        """Check one forward of a compiled block running buckets `names` (`checkpointed`:
+        the user compiled an activation checkpoint wrapper around it); False when it
+        could not tell (no grad recorded), so the next forward checks again."""
         compiled = ran_compiled(inputs, output)
         if compiled is None:
             return False
         if not compiled and not self.warned:
             self.warned = True
+            why = (" A block inside an activation checkpoint wrapper runs flexshard's hooks "
+                   "inside the checkpoint, where dynamo cannot break a graph, so the compiled "
+                   "wrapper runs eagerly: compile the block inside it instead, "
+                   "wrapper._checkpoint_wrapped_module.compile() (as flexshard's torchtitan "
+                   "integration does)." if checkpointed else
+                   " torch 2.11, for one, skips the forward of torch.nn's own modules, such "
+                   "as nn.Linear, under .compile(): compile it with "
+                   "`parent.name = torch.compile(block)`, or compile a block class of your "
+                   "own with .compile().")
             warnings.warn(
                 f"flexshard: the block running bucket(s) {', '.join(map(repr, names))} was "
-                "compiled with .compile() but ran its forward eagerly: dynamo compiled no "
-                "graph for it (torch 2.11, for one, skips the forward of torch.nn's own "
-                "modules, such as nn.Linear, under .compile()). Compile it with "
-                "`parent.name = torch.compile(block)`, or compile a block class of your "
-                "own with .compile(); TORCH_LOGS=graph_breaks says why dynamo skipped it. "
-                "(Said once per model.)", stacklevel=2)
+                f"compiled but ran its forward eagerly: dynamo compiled no graph for it.{why} "
+                "TORCH_LOGS=graph_breaks says why dynamo skipped it. (Said once per model.)",
+                stacklevel=2)
         return True
 
 

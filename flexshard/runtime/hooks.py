@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..compat import (COMPILED_CALL_IMPL, current_graph_task_id, top_saved_tensors_default_hooks,
-                      tree_map)
+from ..compat import (COMPILED_CALL_IMPL, COMPILED_ORIG_MOD, current_graph_task_id,
+                      top_saved_tensors_default_hooks, tree_map)
 from .bucket import Bucket, BucketState
 from .comm import in_backward
 from .compiled import EagerCompiledBlocks, run_eagerly
@@ -106,8 +106,10 @@ class ModuleHooks:
     """Unshard `buckets` before `module`'s forward and reshard them after."""
 
     def __init__(self, module: nn.Module, buckets: Sequence[Bucket],
-                 prefetcher: Prefetcher, eager_compiled: EagerCompiledBlocks) -> None:
+                 prefetcher: Prefetcher, eager_compiled: EagerCompiledBlocks,
+                 wrappers: Sequence[nn.Module] = ()) -> None:
         self.module, self.buckets = module, list(buckets)
+        self.wrappers = list(wrappers)  # activation checkpoint wrappers around `module`
         # gathers above its params' module: a wrapper that may checkpoint it
         self.above_owners = any(b.above_owners for b in self.buckets)
         self.prefetcher, self.queue = prefetcher, self.buckets[0].reduce_queue
@@ -200,10 +202,16 @@ class ModuleHooks:
         forwards, self._forwards = self._forwards, []
         if keep and forwards:
             _refill_before_backward(output, _Refill(self.prefetcher, self.queue, forwards))
-        if keep and not self._compile_checked and module_compiled(module):
+        if keep and not self._compile_checked and self._compiled():
             self._compile_checked = self.eager_compiled.check(
-                [b.name for b in self.buckets], (args, kwargs), output)
+                [b.name for b in self.buckets], (args, kwargs), output, bool(self.wrappers))
         return _cast_floating(output, self.mp.output_dtype)
+
+    def _compiled(self) -> bool:
+        """The block or a wrapper around it was compiled (.compile(), torch.compile)."""
+        return module_compiled(self.module) or any(
+            module_compiled(w) or getattr(w, COMPILED_ORIG_MOD, None) is not None
+            for w in self.wrappers)
 
     def after_forward_always(self, module, args, kwargs, output):
         """Runs after every forward, also one that raised (always_call). After a
