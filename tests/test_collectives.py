@@ -163,6 +163,19 @@ def test_bad_arguments_single_process():
         gather_tensor(x, [4], full_grad="partial")
     with pytest.raises(TypeError, match="expected a tensor"):
         shard_tensor([1, 2], [2])
+    with pytest.raises(ValueError, match=r"gather_tensor: sizes=5 must be a list of one int >= 0 "
+                                         r"per rank of the group \(1 ranks\)"):
+        gather_tensor(x, 5)  # was: 'int' object is not iterable
+
+
+def test_a_0d_tensor_is_all_reduced_whole():
+    """sizes=None on a 0-d tensor (a loss): the documented all-reduce; it refused
+    with "dim=0 is out of range for a tensor of shape ()"."""
+    loss = torch.tensor(3.0, requires_grad=True)
+    out = reduce_scatter_tensor(loss, None)
+    out.backward()
+    assert out.item() == 3.0 and loss.grad.item() == 1.0
+    assert gather_tensor(torch.tensor(2.0), None).item() == 2.0
 
 
 def test_world_of_one_without_process_group():

@@ -222,6 +222,9 @@ def test_bad_input_is_refused_on_every_rank_before_the_data_moves():
         HaloPlan.from_edges(torch.tensor([[0], [1]]), (2, 2))
     with pytest.raises(ValueError, match=r"send_index\[0\] holds rows outside this rank's 0\.\.1"):
         HaloPlan.from_send_index([[2]], (2,))
+    with pytest.raises(ValueError, match=r"send_index\[0\] holds row numbers that are not whole"):
+        HaloPlan.from_send_index([[0.7]], (2,))  # was sent as row 0
+    assert HaloPlan.from_send_index([[1.0]], (2,)).send_index[0].tolist() == [1]
     plan = HaloPlan.from_edges(torch.tensor([[0], [1]]), (2,))
     with pytest.raises(ValueError, match=r"node ids \[5\] are neither rank 0's nor in its halo"):
         plan.local_index(torch.tensor([5]))

@@ -266,8 +266,13 @@ def _check_send_index(send_index, rows: int, world: int) -> tuple:
     if len(send_index) != world:
         raise ValueError(f"HaloPlan.from_send_index: send_index has {len(send_index)} lists, "
                          f"one per rank of the group ({world}) is needed (empty ones included)")
-    out = tuple(torch.as_tensor(list(s) if not isinstance(s, torch.Tensor) else s,
-                                dtype=torch.long).flatten() for s in send_index)
+    given = [torch.as_tensor(list(s) if not isinstance(s, torch.Tensor) else s)
+             for s in send_index]
+    for j, t in enumerate(given):  # a cast would truncate 0.7 to row 0
+        if t.is_floating_point() and not torch.equal(t, t.round()):
+            raise ValueError(f"HaloPlan.from_send_index: send_index[{j}] holds row numbers that "
+                             f"are not whole: {t[t != t.round()][:5].tolist()}; pass ints")
+    out = tuple(t.to(torch.long).flatten() for t in given)
     for j, t in enumerate(out):
         if t.numel() and (t.min() < 0 or t.max() >= rows):
             raise ValueError(f"HaloPlan.from_send_index: send_index[{j}] holds rows outside this "

@@ -116,10 +116,17 @@ def _group(name: str, group, comm: Optional[Comm]) -> _Group:
     return _Group(group, rank, dist.get_world_size(group), comm)
 
 
-def _sizes(name: str, sizes, g: _Group, label: str = "sizes", what: str = "") -> tuple:
+def _sizes(name: str, given, g: _Group, label: str = "sizes", what: str = "") -> tuple:
     """`sizes` as a tuple of ints, one >= 0 per rank of the group (numpy ints
     too), or ValueError naming it."""
-    sizes = tuple(sizes)
+    try:
+        sizes = tuple(given) if not isinstance(given, str) else None
+    except TypeError:  # not iterable: one int
+        sizes = None
+    if sizes is None:
+        raise ValueError(f"{name}: {label}={given!r} must be a list of one int >= 0 per rank "
+                         f"of the group ({g.size} ranks){what}; fs.shard_sizes(n) gives "
+                         "balanced sizes")
     ok = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sizes)
     if ok:
         sizes = tuple(s if isinstance(s, int) else int(s) for s in sizes)
@@ -150,6 +157,8 @@ def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group, whole: b
            label: str = "sizes", dim_label: str = "dim") -> tuple:
     """Validate on this rank; returns sizes as a tuple (or None) and dim.
     `whole`: the tensor holds all sum(sizes) rows, else this rank's piece."""
+    if sizes is None and tensor.dim() == 0:
+        return None, 0  # the whole 0-d tensor (an all-reduce of a loss): no dim to cut
     dim = _check_dim(name, tensor, dim, dim_label)
     if sizes is None:
         return None, dim
