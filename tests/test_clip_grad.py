@@ -400,3 +400,32 @@ def test_a_rank_with_a_longer_list_of_norms_raises_with_the_others():
     expect_all_ranks_raise(3, clip_lists_one_longer_on_the_owner, RuntimeError,
                            r"is in (a norm of sharded grads .*|the model's forward) while another "
                            r"rank of the model is in .*fs\.clip_grad_norm_", timeout=60)
+
+
+def norms_after_reassigning_grads() -> list:
+    """(global norm before, after each `p.grad = <arithmetic on p.grad>`): a user's
+    gradient scaling or noise. The result was a plain tensor, and torch's norms of it
+    this rank's piece's (0.64 / 0.44 where 0.78 is right), so ranks clipped apart."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = fs.flex_shard(make_model())
+    x, y = batch(0, dist.get_rank())
+    loss_fn(model(x), y).backward()
+    grads = lambda: [p.grad for p in model.parameters()]  # noqa: E731
+    out = [torch.nn.utils.get_total_norm(grads()).item()]
+    for change in (lambda g: g / 2, lambda g: 3 * g, lambda g: g + g, lambda g: -g,
+                   lambda g: torch.mul(g, 0.5), lambda g: g.div(2) - g * 0.25):
+        for p in model.parameters():
+            p.grad = change(p.grad)
+        out.append(torch.nn.utils.get_total_norm(grads()).item())
+    return out
+
+
+def test_grads_reassigned_by_arithmetic_keep_global_norms():
+    factors = [1, 0.5, 3, 2, 1, 0.5, 0.25]
+    for norms in run_world(2, norms_after_reassigning_grads):
+        expected = norms[0]
+        for got, factor in zip(norms, factors):
+            expected *= factor
+            assert got == pytest.approx(expected, rel=1e-5), norms

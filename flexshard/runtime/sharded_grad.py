@@ -71,6 +71,8 @@ class ShardedGrad(torch.Tensor):
             out = func(*args, **kwargs)
             if func in _ALIASES and type(args[0]) is ShardedGrad:
                 return _sharded(out, _spec_of(args[0]))  # the same piece: norms stay global
+            if func in _ARITHMETIC:
+                return _arithmetic(out, args)
             return out
 
     def full_tensor(self) -> torch.Tensor:
@@ -194,6 +196,24 @@ def _linalg_norm(func, args, kwargs) -> torch.Tensor:
 
 
 _ALIASES = (torch.Tensor.data.__get__, torch.Tensor.detach)  # new tensors on the same piece
+# `p.grad = p.grad / accum_steps`, `p.grad + noise`: a new piece of the same sharded grad
+_ARITHMETIC = frozenset(getattr(owner, name) for owner in (torch.Tensor, torch)
+                        for name in ("add", "sub", "mul", "div", "neg", "__add__", "__radd__",
+                                     "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+                                     "__rtruediv__", "__neg__")
+                        if hasattr(owner, name))
+
+
+def _arithmetic(out, args):
+    """`out` a ShardedGrad of the spec its sharded operands share, where it is a new
+    tensor shaped as they are (an elementwise result): its norms stay global. Not
+    clone(): an optimizer's state made by cloning a grad would carry the subclass."""
+    grads = [a for a in args if type(a) is ShardedGrad]
+    spec = _spec_of(grads[0]) if grads else None
+    if (spec is None or type(out) is not torch.Tensor or out.shape != grads[0].shape
+            or any(_spec_of(g) is not spec for g in grads)):
+        return out
+    return _sharded(out, spec)
 
 
 def _unscale(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
