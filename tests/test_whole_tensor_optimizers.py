@@ -80,3 +80,27 @@ def adafactor_on_non_empty_pieces(model) -> torch.optim.Optimizer:
 @pytest.mark.parametrize("world", [2, 3])
 def test_adafactor_on_owned_params_trains_as_one_process(world):
     check_parity(world, {"placement": fs.Owned()}, make_opt=adafactor_on_non_empty_pieces)
+
+
+def _muon_group_added_after_a_step() -> None:
+    """Muon over Owned matrices steps once; then a group of Shard(0) matrices is added
+    (unfreezing layers): the check ran at the first step only, and Muon stepped each
+    rank's rows as whole matrices, silently."""
+    model = fs.flex_shard(make_model(), placement=lambda fqn, p: fs.Owned()
+                          if fqn.startswith("layers.0.") else fs.Shard(0))
+    owned = [p for n, p in model.named_parameters() if n.startswith("layers.0.") and p.dim() == 2]
+    opt = torch.optim.Muon(owned, lr=LR)
+    x, y = batch(0, torch.distributed.get_rank())
+    for step in range(2):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            opt.add_param_group({"params": [p for n, p in model.named_parameters()
+                                            if n.startswith("layers.1.") and p.dim() == 2]})
+
+
+def test_a_group_added_after_the_first_step_is_checked_at_the_next():
+    expect_all_ranks_raise(WORLD, _muon_group_added_after_a_step, ValueError,
+                           r"torch\.optim\.Muon orthogonalizes each matrix as a whole, but "
+                           r"parameter 'layers\.1\.[\w.]+' in bucket '[\w.]+' is split")

@@ -264,15 +264,20 @@ class OptimizerHooks:
 
     def __init__(self, state: FlexShardState) -> None:
         self._state = weakref.ref(state)  # once the model is gone, every hook is a no-op
-        self._seen: weakref.WeakSet = weakref.WeakSet()
+        # optimizer -> how many params it held when checked: a group added later
+        # (add_param_group after the first step) is checked at the next step
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._hooked: weakref.WeakSet = weakref.WeakSet()
         self.optimizer_handles: list = []
         _STEP_PRE_HOOK.add(self)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook `optimizer` if it holds any of the model's sharded params (idempotent)."""
-        if optimizer in self._seen:
+        """Check `optimizer`'s params (again when it holds more), and hook it once it
+        holds any of the model's sharded params."""
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        if self._seen.get(optimizer) == count:
             return
-        self._seen.add(optimizer)
+        self._seen[optimizer] = count
         state = self._state()
         if state is None:
             return
@@ -280,7 +285,8 @@ class OptimizerHooks:
         mine = [refs[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in refs]
         check_optimizer(optimizer, [(r.bucket, r.slot, r.tp is not None and r.tp.sharded_over_tp)
                                     for r in mine])
-        if mine:
+        if mine and optimizer not in self._hooked:
+            self._hooked.add(optimizer)
             self.optimizer_handles += [
                 optimizer.register_state_dict_post_hook(self._state_dict_post_hook),
                 optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)]
