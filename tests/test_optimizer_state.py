@@ -265,3 +265,54 @@ def test_full_optimizer_state_dict_of_uneven_placements(placement_name):
                 assert_rel_close(got, want, 1e-5, f"{fqn}.{name}")
         for k, ref in ref_params.items():
             assert_rel_close(params[k], ref, 1e-5, k)
+
+
+class OwnerPreconditioned(torch.optim.SGD):
+    """Keeps a Shampoo-like (n, n) statistic for the matrices this rank holds whole."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() == 2 and p.numel():
+                    self.state[p]["L"] = torch.eye(p.shape[1])
+        return super().step(closure)
+
+
+def _export_one_owner_cannot(call: str, directory: str = ""):
+    """Only the head's owner holds the (n, n) state: it alone refused, and the others
+    waited in the export's collectives (a hang where the owner caught it)."""
+    import torch.distributed as dist
+
+    model = fs.flex_shard(make_model(), placement=lambda fqn, p: fs.Owned(1)
+                          if fqn == "head.weight" else fs.Shard(0))
+    opt = OwnerPreconditioned([model.head.weight], lr=LR)
+    train(model, opt, [0], dist.get_rank())
+    if call == "full":
+        fs.full_optimizer_state_dict(model, opt)
+    else:
+        fs.save_checkpoint(directory, model, opt, step=1)
+
+
+@pytest.mark.parametrize("call", ["full", "save"])
+def test_state_one_rank_cannot_reshard_is_refused_on_every_rank(call, tmp_path):
+    expect_all_ranks_raise(3, _export_one_owner_cannot, NotImplementedError,
+                           r"(optimizer state 'L' of parameter 'head.weight'.*per-element|"
+                           r"another rank's optimizer holds state flexshard cannot reshard)",
+                           call, str(tmp_path), timeout=60)
+
+
+def _export_filtered_lists():
+    """An optimizer over this rank's non-empty pieces (they differ under Owned):
+    each rank's export held only its own params, silently."""
+    import torch.distributed as dist
+
+    model = fs.flex_shard(make_model(), placement=fs.Owned())
+    opt = torch.optim.SGD([p for p in model.parameters() if p.numel()], lr=LR)
+    train(model, opt, [0], dist.get_rank())
+    fs.full_optimizer_state_dict(model, opt)
+
+
+def test_a_full_optimizer_export_of_per_rank_lists_is_refused_on_every_rank():
+    expect_all_ranks_raise(3, _export_filtered_lists, ValueError,
+                           r"fs\.full_optimizer_state_dict: the optimizer holds different params "
+                           r"on different ranks .*not a list filtered by p\.numel\(\)", timeout=60)

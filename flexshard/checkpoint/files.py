@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..runtime.hooks import check_call
 from ..runtime.state import files_group, get_state
 from . import layouts
+from .state_dict import check_optimizer_export
 from .async_save import async_saves, quiet_without_group
 
 _STEP_DIR = "step_{:08d}"
@@ -56,7 +57,10 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, step: int 
     state = get_state(model)
     async_saves(state).wait()
     _check_bucket_meshes(state, "save_checkpoint")
-    check_call(state, "fs.save_checkpoint")  # every rank is here, not one alone
+    if optimizer is None:
+        check_call(state, "fs.save_checkpoint")  # every rank is here, not one alone
+    else:
+        check_optimizer_export(state, optimizer, "fs.save_checkpoint", same_params=False)
     _check_writable(directory, state, step)
     final = os.path.join(directory, _STEP_DIR.format(step))
     tmp = os.path.join(directory, _TMP_PREFIX + _STEP_DIR.format(step))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+import zlib
 from typing import NamedTuple
 
 import torch
@@ -325,10 +326,7 @@ class OptimizerHooks:
             return sharded_value(state, ref, value, f"{ref.slot.fqn}.{name}")
         if value.dim() == 0:
             return value
-        raise NotImplementedError(
-            f"optimizer state {name!r} of parameter {ref.slot.fqn!r} has shape "
-            f"{tuple(value.shape)}, not the sharded parameter's {tuple(param.shape)}; flexshard "
-            "reshards only per-element optimizer state (AdamW, SGD, Muon momentum)")
+        raise NotImplementedError(_unreshardable(name, ref.slot.fqn, value, param))
 
     def _load_pre_hook(self, optimizer, state_dict: dict) -> dict:
         state = self._state()
@@ -428,6 +426,41 @@ def full_state_dict(module: nn.Module) -> dict:
     return out
 
 
+def _unreshardable(name: str, fqn: str, value: torch.Tensor, param) -> str:
+    return (f"optimizer state {name!r} of parameter {fqn!r} has shape {tuple(value.shape)}, "
+            f"not the sharded parameter's {tuple(param.shape)}; flexshard reshards only "
+            "per-element optimizer state (AdamW, SGD, Muon momentum): a Shampoo "
+            "preconditioner or Adafactor's factors cannot be exported or checkpointed through "
+            "it (the model's params can: fs.save_checkpoint(directory, model))")
+
+
+def check_optimizer_export(state, optimizer, site: str, same_params: bool = True) -> None:
+    """Before `site` exports `optimizer`'s state, on every rank alike: no rank holds
+    state flexshard cannot reshard (the owner alone raised, the others waited), and
+    (`same_params`) the ranks' optimizers hold the same params (a list filtered by
+    p.numel() does not, under Owned: each rank's export held only its own; DCP's
+    checkpoints take such lists)."""
+    refs = slot_refs(state)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = [[refs[id(p)].slot.fqn if id(p) in refs else "" for p in g["params"]]
+             for g in optimizer.param_groups] if same_params else []
+    problem = next((_unreshardable(n, refs[id(p)].slot.fqn, v, p) for p in params if id(p) in refs
+                    for n, v in optimizer.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor) and n != "step" and v.dim()
+                    and v.shape != p.shape), None)
+    agreed = check_call(state, site, zlib.crc32(repr(names).encode()), problem is not None)
+    if problem is not None:
+        raise NotImplementedError(problem)
+    if agreed and agreed[1][0]:
+        raise NotImplementedError(f"{site}: another rank's optimizer holds state flexshard cannot "
+                                  "reshard (its error names it); every rank refuses the export")
+    if agreed and agreed[0][0] != agreed[0][1]:
+        raise ValueError(
+            f"{site}: the optimizer holds different params on different ranks (this rank: "
+            f"{len(params)}); build it over the same params on every rank, empty pieces "
+            "included (model.parameters(), not a list filtered by p.numel())")
+
+
 def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """`optimizer.state_dict()` with each value shaped like a sharded param made
     the full tensor, as a one-process optimizer's, on every rank (torch.save it
@@ -436,8 +469,9 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     agreed by one small object all-gather)."""
     import torch.distributed as dist
 
-    state, out = get_state(module), optimizer.state_dict()
-    check_call(state, "fs.full_optimizer_state_dict")  # every rank is here, not one alone
+    state = get_state(module)
+    check_optimizer_export(state, optimizer, "fs.full_optimizer_state_dict")  # every rank here
+    out = optimizer.state_dict()
     refs, mine = slot_refs(state), {}
     for key, param in _param_keys(optimizer, out):
         ref, entry = refs.get(id(param)), optimizer.state.get(param, {})

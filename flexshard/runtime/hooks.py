@@ -286,14 +286,16 @@ def _refill_before_backward(output, refill: _Refill) -> None:
     tree_map(hook, output)
 
 
-def check_call(state, site: str) -> None:
+def check_call(state, site: str, *sigs: int) -> list:
     """Before `site` gathers the model: no tensor was swapped under a param (it would
-    gather the old values), then RankAgreement.check_call, if the model has one."""
+    gather the old values), then RankAgreement.check_call, if the model has one:
+    each of `sigs` as (max, min) over the ranks ([] where none was asked)."""
     for bucket in state.buckets:
         bucket.check_viewed()
     root = state.root_hooks
     if root is not None and root.agreement is not None:
-        root.agreement.check_call(site)
+        return root.agreement.check_call(site, *sigs)
+    return []
 
 
 class RootHooks:

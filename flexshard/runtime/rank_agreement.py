@@ -115,12 +115,14 @@ class RankAgreement:
                 not all(b.held is not None for b in self.buckets):  # unshard(): no gathers
             self._agree(_EVAL, 0, 0)
 
-    def check_call(self, site: str) -> None:
+    def check_call(self, site: str, *sigs: int) -> list:
         """At the start of `site`, a call that gathers the model outside the step: the
-        ranks are all in it (a rank training meanwhile is at its forward's check)."""
-        assert site in CALLS, site
+        ranks are all in it (a rank training meanwhile is at its forward's check).
+        Returns each of `sigs` (what the call needs alike) as (max, min), [] alone."""
+        assert site in CALLS and len(sigs) <= 2, site
         if len(self.ranks) >= 2 and self.trains:
-            self._agree(site, 0, 0)
+            return self._agree(site, *sigs, *(0,) * (2 - len(sigs)))[:len(sigs)]
+        return []
 
     def check_norms(self, names: Sequence[str]) -> None:
         """Before a norm's all-reduce over the sharded grads a user passed (a list
