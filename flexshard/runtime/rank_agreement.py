@@ -56,7 +56,9 @@ _SITES = {_site_code(site): site for site in (_FORWARD, _NORM, _EVAL) + CALLS}
 _NORM_FIX = (
     "a sharded grad's norm sums every rank's piece, so each rank must pass the same params in "
     "the same order; a list filtered by p.numel() or p.shape differs by rank (Owned, an uneven "
-    "RaggedShard). Pass every param, or use fs.clip_grad_norm_(model, max_norm)")
+    "RaggedShard). Pass every param, or use fs.clip_grad_norm_(model, max_norm); in a "
+    "hand-written optimizer step that wants this rank's piece (an Owned matrix its owner holds "
+    "whole), take the norm of p.grad.as_subclass(torch.Tensor), which is no collective")
 
 
 _CALL_FIX = (
