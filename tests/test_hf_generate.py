@@ -110,3 +110,22 @@ def test_a_synced_gpus_passed_by_position_is_kept():
 @pytest.mark.parametrize("cls", [KwargsOnly, NoKwargs])
 def test_a_generate_that_cannot_reach_synced_gpus_is_left_alone(cls):
     assert synced_generate(cls, lambda module: True) == {}
+
+
+def counts() -> tuple:
+    """(num_parameters() of the wrapped model, this rank's pieces' elements, the full
+    state dict's elements) under Owned."""
+    model = fs.flex_shard(llama(), placement=fs.Owned())
+    full = fs.full_state_dict(model)
+    return (model.num_parameters(), sum(p.numel() for p in model.parameters()),
+            sum(v.numel() for k, v in full.items() if "rotary" not in k))
+
+
+def test_hugging_face_counters_count_this_ranks_pieces():
+    """troubleshooting.md's row: num_parameters() is this rank's share; the full
+    state dict counts the model."""
+    whole = llama().num_parameters()
+    results = run_world(2, counts)
+    for mine, pieces, full in results:
+        assert mine == pieces < whole and full == whole
+    assert sum(mine for mine, _, _ in results) == whole
