@@ -5,8 +5,8 @@ from .api import FlexShardModule, flex_shard
 from .checkpoint.files import load_checkpoint, save_checkpoint
 from .checkpoint.pieces import ShardedPieces
 from .checkpoint.pretrained import PretrainedKeys, load_pretrained
-from .checkpoint.state_dict import (full_optimizer_state_dict, full_state_dict,
-                                    load_full_state_dict)
+from .checkpoint.optimizer_state import full_optimizer_state_dict
+from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
 from .grads import full_grads, grad_norms
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .compat import DDP_IGNORED_NAMES
 from .checkpoint.materialize import apply_to_buckets, init_parameters
+from .checkpoint.optimizer_state import OptimizerHooks
 from .checkpoint.state_dict import StateDictHooks
 from .checkpoint.unset_buffers import UnsetBuffers, meta_buffers
 from .config import BucketSpec, MixedPrecisionPolicy, OffloadPolicy, check_reshard
@@ -278,7 +279,7 @@ def _plan_and_build(module, mesh, local, specs, placement, mp_policy, reshard_af
             mesh, [spec.mesh for spec in local.specs.values()])
     _build(module, state, plan, named, device, local.specs, originals)
     attach_state(module, state)
-    state.state_dict_hooks = StateDictHooks(module, state)
+    state.state_dict_hooks = StateDictHooks(module, state, OptimizerHooks(state))
     state.registration = RegistrationGuard(module, state.buckets)
 
 

@@ -192,8 +192,14 @@ def eager_compiled_blocks() -> tuple:
     model = fs.flex_shard(make_model())
     for block in model.layers:
         block.compile(backend="aot_eager")
+    with torch.compiler.set_stance("force_eager"):
+        return _two_steps_said(model)
+
+
+def _two_steps_said(model) -> tuple:
+    """Two forward/backward steps: (compiled graphs each ran, flexshard's warnings)."""
     calls = []
-    with warnings.catch_warnings(record=True) as said, torch.compiler.set_stance("force_eager"):
+    with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for step in range(2):
             x, y = batch(step, 0)
@@ -225,15 +231,7 @@ def checkpoint_wrapped_blocks(inner: bool) -> tuple:
                                   fs.BucketSpec(["tok.*", "pos", "norm.*", "head.*"])])
     for wrapper in model.layers:
         (wrapper._checkpoint_wrapped_module if inner else wrapper).compile(backend="aot_eager")
-    calls = []
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        for step in range(2):
-            x, y = batch(step, 0)
-            loss = loss_fn(model(x), y)
-            calls.append(compiled_graph_calls(loss))
-            loss.backward()
-    return calls, [str(w.message) for w in said if "flexshard" in str(w.message)]
+    return _two_steps_said(model)
 
 
 def test_a_compiled_checkpoint_wrapper_that_ran_eagerly_is_said_with_the_fix():

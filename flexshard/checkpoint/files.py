@@ -28,7 +28,7 @@ import torch.nn as nn
 from ..runtime.hooks import check_call
 from ..runtime.state import files_group, get_state
 from . import layouts
-from .state_dict import check_optimizer_export
+from .optimizer_state import check_optimizer_export
 from .async_save import async_saves, quiet_without_group
 
 _STEP_DIR = "step_{:08d}"

@@ -21,8 +21,8 @@ adjoint. `all_reduce_grad` is the identity forward and all-reduces the
 gradient: the entry of a replicated tensor into computations that differ by
 rank. The README and design.md tabulate every pair.
 
-Each function checks its arguments on this rank before any collective. Then,
-unless `check_sizes=False`, one small all-gather (six int64s) compares the
+Each function checks its arguments before any collective, and unless
+`check_sizes=False` one small all-gather (six int64s) compares the
 ranks' sizes, dims, `full_grad`, tensor shapes outside the sharded dims and
 dtypes, and carries each rank's own check's result: every rank raises the same
 error when one rank's arguments were refused or the ranks disagree, instead of
@@ -34,8 +34,8 @@ rank runs the backward's collective. Once a loop's sizes are known to be right,
 `check_sizes=False` saves that collective (and, on GPUs, its host sync).
 
 Outputs are new tensors, never views, so in-place ops on them (`relu_`, `+=`)
-work, except `all_reduce_grad`'s: its identity forward returns a view of its
-input (clone it to modify it in place). Backwards are differentiable
+work, except `all_reduce_grad`'s (a view of its input) and, with `sizes=None`,
+`shard_tensor`'s and `gather_tensor`'s (the input itself): clone those first. Backwards are differentiable
 (`create_graph=True`: gradient penalties): each backward is the adjoint
 collective's autograd Function, whose own backward is the forward again.
 
@@ -43,8 +43,8 @@ Under `torch.compile` every collective here traces into the graph (dynamo turns
 the c10d calls into functional collectives, and traces the autograd Functions),
 with no graph break: the local checks (this rank's piece against its size
 included) run while tracing, the cross-rank check is left out (it reads its
-result on the host). A user Comm's methods are traced
-too; one doing what dynamo cannot trace breaks the graph there.
+result on the host). A user Comm's methods are traced too; one doing what
+dynamo cannot trace breaks the graph there.
 
 gloo has no uneven all-gather: pieces travel padded to the largest one
 through `all_gather_into_tensor` / `reduce_scatter_tensor` and are trimmed.
@@ -119,14 +119,11 @@ def _group(name: str, group, comm: Optional[Comm]) -> _Group:
 def _sizes(name: str, given, g: _Group, label: str = "sizes", what: str = "") -> tuple:
     """`sizes` as a tuple of ints, one >= 0 per rank of the group (numpy ints
     too), or ValueError naming it."""
-    try:
-        sizes = tuple(given) if not isinstance(given, str) else None
-    except TypeError:  # not iterable: one int
-        sizes = None
-    if sizes is None:
+    if not hasattr(given, "__iter__") or isinstance(given, str):  # one int, say
         raise ValueError(f"{name}: {label}={given!r} must be a list of one int >= 0 per rank "
                          f"of the group ({g.size} ranks){what}; fs.shard_sizes(n) gives "
                          "balanced sizes")
+    sizes = tuple(given)
     ok = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sizes)
     if ok:
         sizes = tuple(s if isinstance(s, int) else int(s) for s in sizes)
@@ -157,11 +154,9 @@ def _check(name: str, tensor: torch.Tensor, sizes, dim: int, g: _Group, whole: b
            label: str = "sizes", dim_label: str = "dim") -> tuple:
     """Validate on this rank; returns sizes as a tuple (or None) and dim.
     `whole`: the tensor holds all sum(sizes) rows, else this rank's piece."""
-    if sizes is None and tensor.dim() == 0:
-        return None, 0  # the whole 0-d tensor (an all-reduce of a loss): no dim to cut
+    if sizes is None:  # the whole tensor (a 0-d loss too: no dim to cut)
+        return None, _check_dim(name, tensor, dim, dim_label) if tensor.dim() else 0
     dim = _check_dim(name, tensor, dim, dim_label)
-    if sizes is None:
-        return None, dim
     sizes = _sizes(name, sizes, g, label)
     if whole and tensor.shape[dim] != sum(sizes):
         raise ValueError(f"{name}: the tensor has {tensor.shape[dim]} rows along {dim_label} "
@@ -189,7 +184,7 @@ def _checked(name: str, g: _Group, tensor: torch.Tensor, check: Callable, agree:
     """`check()` (this rank's validation: (result, _Agreement), or it raises)
     and, when `agree`, the ranks' agreement (`_agree`). Returns (result,
     tensor); the tensor made to require grad where another rank's does."""
-    def checks() -> tuple:  # a tensor that is none (an empty piece passed as None) too
+    def checks() -> tuple:  # a non-tensor (an empty piece passed as None) too
         _check_tensor(name, tensor)
         return check()
 
@@ -213,9 +208,8 @@ def _never_traced(fn: Callable) -> Callable:
 
 def _host_device(g: _Group) -> torch.device:
     """Where this rank's check goes when it has no tensor: the group's device."""
-    if "nccl" in str(dist.get_backend(g.group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    nccl = "nccl" in str(dist.get_backend(g.group))
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def _summary(tensor: torch.Tensor, agreement: _Agreement) -> dict:
@@ -237,8 +231,8 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agre
     flow = (0, 0) if agreement is None else agreement.flow
     mine = [error is not None, grad_mode and is_tensor and tensor.requires_grad, grad_mode,
             digest, *flow]
-    vec = torch.tensor(mine, dtype=torch.int64,
-                       device=tensor.device if is_tensor else _host_device(g))
+    device = tensor.device if is_tensor else _host_device(g)
+    vec = torch.tensor(mine, dtype=torch.int64, device=device)
     out = vec.new_empty(g.size * len(mine))
     with record_function("FlexShard::activation_size_check"):
         g.comm.all_gather(out, vec, g.group)

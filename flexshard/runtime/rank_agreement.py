@@ -33,6 +33,7 @@ differ by rank under Owned.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Sequence
 
@@ -85,8 +86,8 @@ class RankAgreement:
         self.ranks = tuple(sorted(dist.get_process_group_ranks(group))) if real else ()
         self._host_group = None  # held here, not by the module: it goes with the model
 
-    @property
-    def trains(self) -> bool:
+    @functools.cached_property
+    def trains(self) -> bool:  # read first after the wrap built every bucket
         return any(b.grad_slots for b in self.buckets)
 
     def check(self) -> None:

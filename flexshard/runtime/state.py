@@ -26,7 +26,7 @@ class FlexShardState:
     hooks: list = field(default_factory=list)  # ModuleHooks, one per running module
     prefetcher: Any = None  # Prefetcher: execution orders and gathers launched ahead
     root_hooks: Any = None  # RootHooks: where the wrapped module's forward starts and ends
-    state_dict_hooks: Any = None  # state_dict.StateDictHooks: module and optimizer hooks
+    state_dict_hooks: Any = None  # checkpoint: StateDictHooks, its OptimizerHooks
     replicate_group: Any = None  # HSDP's mesh dim 0; None for a 1-D mesh or one replica
     replicate_size: int = 1
     mesh_group: Any = None  # every rank of the mesh: plan check, checkpoint files
