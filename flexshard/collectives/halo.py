@@ -20,11 +20,10 @@ import zlib
 from typing import NamedTuple, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..runtime.comm import Comm
-from .uneven import (_Agreement, _checked, _group, _Group, _offsets, _sizes,
+from .uneven import (_Agreement, _checked, _control_device, _group, _Group, _offsets, _sizes,
                      traced_from_2_13)
 
 
@@ -240,14 +239,6 @@ def _exchange_ids(sent_ids: list, g: _Group) -> list:
         ids = torch.empty(sum(recv), dtype=torch.long, device=device)
         g.comm.all_to_all(ids, torch.cat(sent_ids).to(device), recv, counts.tolist(), g.group)
     return list(ids.cpu().split(recv))
-
-
-def _control_device(g: _Group) -> torch.device:
-    """Where a plan's small tensors travel: the host, except on NCCL, which
-    moves only the current CUDA device's tensors."""
-    if dist.is_initialized() and dist.get_backend(g.group) == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _check_edges(edge_index, nodes: int) -> torch.Tensor:

@@ -206,9 +206,10 @@ def _never_traced(fn: Callable) -> Callable:
     return torch.compiler.disable(fn, reason="the cross-rank check reads its result on the host")
 
 
-def _host_device(g: _Group) -> torch.device:
-    """Where this rank's check goes when it has no tensor: the group's device."""
-    nccl = "nccl" in str(dist.get_backend(g.group))
+def _control_device(g: _Group) -> torch.device:
+    """Where small control tensors travel (a check without a tensor, a halo plan's
+    ids): the host, except on NCCL, which moves only the current CUDA device's."""
+    nccl = dist.is_initialized() and dist.get_backend(g.group) == dist.Backend.NCCL
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
@@ -231,7 +232,7 @@ def _agree(name: str, g: _Group, tensor: torch.Tensor, agreement: Optional[_Agre
     flow = (0, 0) if agreement is None else agreement.flow
     mine = [error is not None, grad_mode and is_tensor and tensor.requires_grad, grad_mode,
             digest, *flow]
-    device = tensor.device if is_tensor else _host_device(g)
+    device = tensor.device if is_tensor else _control_device(g)
     vec = torch.tensor(mine, dtype=torch.int64, device=device)
     out = vec.new_empty(g.size * len(mine))
     with record_function("FlexShard::activation_size_check"):

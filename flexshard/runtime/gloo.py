@@ -67,8 +67,8 @@ class GlooComm(Comm):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group,
                    async_op: bool = False) -> Optional["Works"]:
-        flat = _flat(output, input)  # an activation's pieces are N-D rows
-        if flat is None or not self._rooted(input, group):
+        flat = self._rooted(input, group) and _flat(output, input)  # N-D: activation rows
+        if not flat:
             return super().all_gather(output, input, group, async_op)
         return broadcast_segments(*flat, group, async_op)
 
@@ -104,8 +104,8 @@ class GlooComm(Comm):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group,
                        async_op: bool = False,
                        op: Optional[dist.ReduceOp] = None) -> Optional["Works"]:
-        flat = _flat(output, input)
-        if flat is None or not self._rooted(output, group):
+        flat = self._rooted(output, group) and _flat(output, input)
+        if not flat:
             return super().reduce_scatter(output, input, group, async_op, op)
         return reduce_to_roots(*flat, group, async_op, dist.ReduceOp.SUM if op is None else op)
 
